@@ -1,0 +1,39 @@
+# Two commands do all set-up on a fresh machine (Python 3.11, pip, gcc):
+#   make demo   - DLRM on synthetic Criteo-shaped data, torchrec's EBC vs ours, side by side
+#   make test   - the whole test suite (Triton kernels under TRITON_INTERPRET=1)
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-v1
+PYTEST_ARGS ?=
+
+.PHONY: demo test install redis clean
+
+$(STAMP): setup.py requirements-cpu.txt
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# The CPU build of torch lies on disk; install it first so nothing pulls a CUDA build.
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q fbgemm-gpu-cpu==1.8.0
+	# torchrec requires `fbgemm-gpu` (a CUDA build): install it without deps, then its other deps.
+	$(VPY) -m pip install -q --no-deps torchrec==1.8.0
+	$(VPY) -m pip install -q -r requirements-cpu.txt
+	$(VPY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# A real redis-server for the parameter-server tests (Debian's package) when it is missing.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q redis-server; }
+
+test: $(STAMP) redis
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q tests $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VPY) examples/dlrm_demo.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
