@@ -1,0 +1,1 @@
+"""Triton kernels of the fused lookup (imported lazily: Triton is optional on CPU machines)."""

@@ -1,0 +1,171 @@
+"""Triton kernels: every table of a group in one launch.
+
+Forward: one program per (feature, block of bags). It reads the feature's row of
+``feature_meta`` (dim, table base, output column, pooling), walks its bags' ids in lock-step and
+accumulates rows in fp32; dims narrower than the block are masked, so tables of any dims share a
+launch. The output row of each feature is written once (no atomics, no zero-fill).
+
+Backward: lookups are sorted by (table, id) so that every distinct row is owned by exactly one
+program, which sums its contributions in input order (deterministic, no atomics) and writes the
+row's gradient once.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops.jagged import expand_lookups, lookup_scale
+from ..ops.layout import META_ELEM_BASE, META_ROW_BASE, META_WIDTH
+
+
+@triton.jit
+def _pooled_forward_kernel(
+    flat_ptr, values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, out_ptr,
+    batch_size, total_dim,
+    META_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    f = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    dim = tl.load(meta_ptr + f * META_W + 0)
+    base = tl.load(meta_ptr + f * META_W + 1)
+    col = tl.load(meta_ptr + f * META_W + 2)
+    pooling = tl.load(meta_ptr + f * META_W + 3)
+    key = tl.load(key_index_ptr + f).to(tl.int64)
+
+    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_mask = b < batch_size
+    bag = key * batch_size + b
+    start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64)
+    length = end - start
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < dim
+
+    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    max_length = tl.max(length, axis=0)
+    # A while loop rather than range(): the interpreter cannot take a reduced value as a range
+    # bound under numpy >= 2.3, and the compiled code is the same.
+    i = 0
+    while i < max_length:
+        live = i < length
+        idx = tl.load(values_ptr + start + i, mask=live, other=0).to(tl.int64)
+        row = tl.load(
+            flat_ptr + base + idx[:, None] * dim + d[None, :],
+            mask=live[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if HAS_WEIGHTS:
+            w = tl.load(weights_ptr + start + i, mask=live, other=0.0).to(tl.float32)
+            row = row * w[:, None]
+        acc += row
+        i += 1
+    inv_len = 1.0 / tl.maximum(length, 1).to(tl.float32)
+    scale = tl.where(pooling == 1, inv_len, tl.full([BLOCK_B], 1.0, tl.float32))
+    acc = acc * scale[:, None]
+    tl.store(out_ptr + b[:, None] * total_dim + col + d[None, :], acc, mask=b_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _row_gradient_kernel(
+    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr, grad_ptr,
+    num_lookups, total_dim,
+    META_W: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    key = tl.load(sorted_key_ptr + i)
+    prev = tl.load(sorted_key_ptr + i - 1, mask=i > 0, other=-1)
+    # Only the first lookup of each distinct row does the work for all of that row's lookups.
+    if (i == 0) | (prev != key):
+        first = tl.load(order_ptr + i)
+        f0 = tl.load(feature_ptr + first)
+        dim = tl.load(meta_ptr + f0 * META_W + 0)
+        base = tl.load(meta_ptr + f0 * META_W + 1)
+        row_base = tl.load(meta_ptr + f0 * META_W + 5)
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < dim
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        j = i
+        more = True
+        while more:
+            e = tl.load(order_ptr + j)
+            f = tl.load(feature_ptr + e)
+            bag = tl.load(bag_ptr + e)
+            s = tl.load(scale_ptr + e)
+            col = tl.load(meta_ptr + f * META_W + 2)
+            g = tl.load(grad_out_ptr + bag * total_dim + col + d, mask=d_mask, other=0.0).to(tl.float32)
+            acc += g * s
+            j += 1
+            nxt = tl.load(sorted_key_ptr + j, mask=j < num_lookups, other=-1)
+            more = (j < num_lookups) & (nxt == key)
+        row = key - row_base
+        tl.store(grad_ptr + base + row * dim + d, acc.to(grad_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _block_d(feature_meta_cpu_max_dim: int) -> int:
+    return max(16, triton.next_power_of_2(int(feature_meta_cpu_max_dim)))
+
+
+def forward(
+    flat: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    feature_meta: torch.Tensor,
+    key_index: torch.Tensor,
+    batch_size: int,
+    total_dim: int,
+    max_dim: int,
+) -> torch.Tensor:
+    out = torch.empty(batch_size, total_dim, dtype=torch.float32, device=flat.device)
+    num_features = feature_meta.shape[0]
+    if num_features == 0 or batch_size == 0:
+        return out.zero_()
+    block_d = _block_d(max_dim)
+    block_b = max(1, min(64, 4096 // block_d))
+    grid = (num_features, triton.cdiv(batch_size, block_b))
+    weights = per_sample_weights if per_sample_weights is not None else flat
+    _pooled_forward_kernel[grid](
+        flat, values, offsets, weights, feature_meta, key_index, out,
+        batch_size, total_dim,
+        META_W=META_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d,
+    )
+    return out
+
+
+def sorted_lookups(values, offsets, per_sample_weights, feature_meta, key_index, batch_size):
+    """Lookups ordered by global row (table row base + id); stable, so ties keep input order."""
+    lookups = expand_lookups(values, offsets, feature_meta, key_index, batch_size)
+    scale = lookup_scale(lookups, per_sample_weights).contiguous()
+    row_key = feature_meta[lookups.feature, META_ROW_BASE] + lookups.ids
+    sorted_key, order = torch.sort(row_key, stable=True)
+    return lookups, scale, sorted_key.contiguous(), order.contiguous()
+
+
+def backward(
+    grad_output: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    feature_meta: torch.Tensor,
+    key_index: torch.Tensor,
+    batch_size: int,
+    total_numel: int,
+    dtype: torch.dtype,
+    max_dim: int,
+) -> torch.Tensor:
+    grad = torch.zeros(total_numel, dtype=dtype, device=grad_output.device)
+    if feature_meta.shape[0] == 0 or batch_size == 0:
+        return grad
+    lookups, scale, sorted_key, order = sorted_lookups(
+        values, offsets, per_sample_weights, feature_meta, key_index, batch_size
+    )
+    n = sorted_key.numel()
+    if n == 0:
+        return grad
+    _row_gradient_kernel[(n,)](
+        sorted_key, order, lookups.feature, lookups.bag, scale, feature_meta,
+        grad_output.contiguous(), grad, n, grad_output.shape[1],
+        META_W=META_WIDTH, BLOCK_D=_block_d(max_dim),
+    )
+    return grad

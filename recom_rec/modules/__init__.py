@@ -1,0 +1,3 @@
+from .embedding_modules import EmbeddingBagCollection
+
+__all__ = ["EmbeddingBagCollection"]

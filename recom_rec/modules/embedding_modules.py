@@ -1,0 +1,352 @@
+"""``recom_rec.EmbeddingBagCollection``: torchrec's EmbeddingBagCollection, fused.
+
+Same constructor, input, output, ``state_dict`` and numbers as
+``torchrec.EmbeddingBagCollection``; inside, all tables with the same weight dtype live in one
+flat buffer and every feature of every table is pooled by one kernel launch.
+"""
+from collections import OrderedDict
+from functools import lru_cache
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import (
+    DataType,
+    EmbeddingBagConfig,
+    PoolingType,
+    pooling_type_to_str,
+)
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollectionInterface,
+    get_embedding_names_by_table,
+)
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from ..ops import pooled_embedding_forward
+from ..ops.backends import check_backend
+from ..ops.layout import (
+    POOLING_MEAN,
+    POOLING_SUM,
+    FeatureSlot,
+    TableSlot,
+    feature_meta_tensor,
+    pack_tables,
+)
+from ..ops.validation import encode_names
+from .table_weight import FlatLink, TableEmbeddingBag
+
+try:  # torchrec >= 1.7 accepts a TensorDict as input
+    from torchrec.sparse.tensor_dict import maybe_td_to_kjt
+except ImportError:  # pragma: no cover - torchrec 1.6
+    def maybe_td_to_kjt(features, keys=None):  # type: ignore[misc]
+        return features
+
+_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+
+
+def _table_dtype(config: EmbeddingBagConfig) -> torch.dtype:
+    if config.data_type not in _DTYPES:
+        raise ValueError(
+            f"table {config.name!r}: data_type {config.data_type} is not supported; "
+            f"use one of {', '.join(str(d) for d in _DTYPES)}"
+        )
+    return _DTYPES[config.data_type]
+
+
+class _Group:
+    """Tables sharing a dtype: one flat buffer, one kernel launch."""
+
+    def __init__(self, index: int, dtype: torch.dtype, tables: List[int], slots: List[TableSlot],
+                 features: List[FeatureSlot]) -> None:
+        self.index = index
+        self.dtype = dtype
+        self.tables = tables  # indices into the module's configs
+        self.slots = slots
+        self.features = features
+        self.total_numel = sum(s.numel for s in slots)
+        self.total_dim = sum(slots[f.table].embedding_dim for f in features)
+        self.max_dim = max((s.embedding_dim for s in slots), default=1)
+
+    @property
+    def flat_name(self) -> str:
+        return f"_flat_weights_{self.index}"
+
+    @property
+    def meta_name(self) -> str:
+        return f"_feature_meta_{self.index}"
+
+
+@lru_cache(maxsize=1024)
+def _key_plan(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str, ...]) -> List[int]:
+    """KJT key index of each wanted feature, or a ValueError naming what is missing."""
+    position = {k: i for i, k in enumerate(keys)}
+    missing = [(f, t) for f, t in zip(wanted, tables) if f not in position]
+    if missing:
+        listed = ", ".join(f"{f!r} (table {t!r})" for f, t in missing)
+        raise ValueError(
+            f"KeyedJaggedTensor is missing feature(s) {listed}; it has keys {list(keys)}"
+        )
+    return [position[f] for f in wanted]
+
+
+@torch.fx.wrap
+def _fused_lookup(
+    features: KeyedJaggedTensor,
+    flats: List[torch.Tensor],
+    weights: List[List[torch.Tensor]],
+    metas: List[torch.Tensor],
+    group_features: List[List[str]],
+    group_tables: List[List[str]],
+    group_dims: List[List[int]],
+    is_weighted: bool,
+    backend: str,
+    validate: bool,
+    output_columns: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """All groups' lookups, concatenated in the module's output order.
+
+    A free function (and ``torch.fx.wrap``-ed) so that fx tracing records one call instead of
+    tracing into KJT internals; torch.compile traces through it."""
+    if features.variable_stride_per_key():
+        raise ValueError(
+            "recom_rec.EmbeddingBagCollection does not take variable-batch KeyedJaggedTensors "
+            "(stride_per_key_per_rank); give every key the same batch size"
+        )
+    keys = tuple(features.keys())
+    batch_size = features.stride()
+    values = features.values()
+    offsets = features.offsets()
+    per_sample_weights = features.weights_or_none() if is_weighted else None
+    if is_weighted and per_sample_weights is None:
+        raise ValueError("the EmbeddingBagCollection is weighted but the KeyedJaggedTensor has no weights")
+    outs: List[torch.Tensor] = []
+    for g in range(len(flats)):
+        wanted, tables = tuple(group_features[g]), tuple(group_tables[g])
+        if torch.compiler.is_compiling():
+            key_index = _key_plan.__wrapped__(keys, wanted, tables)
+        else:
+            key_index = _key_plan(keys, wanted, tables)
+        names = encode_names(list(keys), group_features[g], group_tables[g]) if validate else ""
+        outs.append(
+            pooled_embedding_forward(
+                weights[g], flats[g], values, offsets, per_sample_weights, metas[g], key_index,
+                batch_size, sum(group_dims[g]), max(group_dims[g]), backend, validate, names,
+            )
+        )
+    if len(outs) == 1:
+        return outs[0]
+    assert output_columns is not None
+    return torch.cat(outs, dim=1).index_select(1, output_columns)
+
+
+class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
+    """A drop-in replacement for ``torchrec.EmbeddingBagCollection`` that runs all its tables
+    through one fused kernel.
+
+    Args:
+        tables: the ``EmbeddingBagConfig`` list, as for torchrec.
+        is_weighted: whether the input KJT carries per-id weights (pooled as ``sum(w * e)``; with
+            ``PoolingType.MEAN`` as ``sum(w * e) / L``, fbgemm's rule - torchrec's stock module
+            rejects weighted mean pooling).
+        device: where the weights live; ``"meta"`` builds the module without memory.
+        backend: ``"auto"`` (Triton on CUDA, vectorised torch on CPU), ``"triton"`` or ``"torch"``.
+        validate_inputs: check every batch (ids in ``[0, num_embeddings)``, lengths adding up to
+            the number of values) and raise a ``ValueError`` naming the feature and table. The
+            check costs a device-to-host sync per batch on CUDA; switch it off for speed with
+            ``validate_inputs=False`` or later with ``module.validate_inputs = False`` (bad ids
+            then read out of bounds).
+
+    Layout: tables of one dtype share a flat 1-D buffer; ``embedding_bags[name].weight`` is a leaf
+    ``nn.Parameter`` viewing its slice, so ``state_dict`` keys and shapes are torchrec's and any
+    ``torch.optim`` optimizer works on the dense gradients. Modify weights in place (``copy_``,
+    optimizers, ``load_state_dict``); replacing a Parameter object is also handled, but assigning
+    ``weight.data = ...`` detaches it from the fused buffer and is not supported.
+    """
+
+    def __init__(
+        self,
+        tables: List[EmbeddingBagConfig],
+        is_weighted: bool = False,
+        device: Optional[torch.device] = None,
+        *,
+        backend: str = "auto",
+        validate_inputs: bool = True,
+    ) -> None:
+        super().__init__()
+        torch._C._log_api_usage_once(f"recom_rec.modules.{self.__class__.__name__}")
+        self._is_weighted = is_weighted
+        self._embedding_bag_configs = tables
+        self.backend = check_backend(backend)
+        self.validate_inputs = validate_inputs
+        self.embedding_bags: nn.ModuleDict = nn.ModuleDict()
+        self._lengths_per_embedding: List[int] = []
+        self._flat_link = FlatLink()
+
+        seen = set()
+        for config in tables:
+            if config.name in seen:
+                raise ValueError(f"Duplicate table name {config.name}")
+            seen.add(config.name)
+            pooling_type_to_str(config.pooling)  # raises torchrec's error for unsupported pooling
+            _table_dtype(config)
+            if not config.feature_names:
+                config.feature_names = [config.name]
+            self._lengths_per_embedding.extend(len(config.feature_names) * [config.embedding_dim])
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self._device = device
+        self._embedding_names: List[str] = [
+            name for names in get_embedding_names_by_table(tables) for name in names
+        ]
+        self._feature_names: List[List[str]] = [t.feature_names for t in tables]
+        self._groups = self._plan_groups(tables)
+        self._build_storage(device)
+        self.reset_parameters()
+
+    # ----------------------------------------------------------------------------- layout
+    def _plan_groups(self, tables: List[EmbeddingBagConfig]) -> List[_Group]:
+        by_dtype: "OrderedDict[torch.dtype, List[int]]" = OrderedDict()
+        for i, config in enumerate(tables):
+            by_dtype.setdefault(_table_dtype(config), []).append(i)
+        embedding_names = get_embedding_names_by_table(tables)
+        module_col, table_first_col = 0, []
+        for config in tables:
+            table_first_col.append(module_col)
+            module_col += config.embedding_dim * len(config.feature_names)
+        groups = []
+        for gi, (dtype, members) in enumerate(by_dtype.items()):
+            slots = pack_tables(
+                [tables[i].name for i in members],
+                [tables[i].num_embeddings for i in members],
+                [tables[i].embedding_dim for i in members],
+            )
+            features = []
+            for local, i in enumerate(members):
+                config = tables[i]
+                pooling = POOLING_MEAN if config.pooling.value == PoolingType.MEAN.value else POOLING_SUM
+                for j, feature in enumerate(config.feature_names):
+                    features.append(FeatureSlot(
+                        feature, embedding_names[i][j], local,
+                        table_first_col[i] + j * config.embedding_dim, pooling,
+                    ))
+            groups.append(_Group(gi, dtype, members, slots, features))
+        return groups
+
+    def _build_storage(self, device: torch.device) -> None:
+        configs = self._embedding_bag_configs
+        for group in self._groups:
+            flat = torch.empty(group.total_numel, dtype=group.dtype, device=device)
+            self.register_buffer(group.flat_name, flat, persistent=False)
+            cols, col = [], 0
+            for f in group.features:
+                cols.append(col)
+                col += group.slots[f.table].embedding_dim
+            meta = feature_meta_tensor(group.slots, group.features, cols).to(device)
+            self.register_buffer(group.meta_name, meta, persistent=False)
+            for slot, i in zip(group.slots, group.tables):
+                view = flat[slot.elem_base:slot.elem_base + slot.numel].view(slot.num_embeddings, slot.embedding_dim)
+                self.embedding_bags[slot.name] = TableEmbeddingBag(
+                    view, pooling_type_to_str(configs[i].pooling), self._flat_link
+                )
+        if len(self._groups) > 1:
+            # Groups produce their columns side by side; this maps them back to table order.
+            group_cols = [f.out_col + d for g in self._groups for f in g.features
+                          for d in range(g.slots[f.table].embedding_dim)]
+            order = torch.empty(len(group_cols), dtype=torch.int64)
+            order[torch.tensor(group_cols, dtype=torch.int64)] = torch.arange(len(group_cols))
+            self.register_buffer("_output_columns", order.to(device), persistent=False)
+        else:
+            self._output_columns = None
+        self._group_features = [[f.feature for f in g.features] for g in self._groups]
+        self._group_tables = [[g.slots[f.table].name for f in g.features] for g in self._groups]
+        self._group_dims = [[g.slots[f.table].embedding_dim for f in g.features] or [1] for g in self._groups]
+        # torchrec's nn.EmbeddingBag draws normal_ at construction before init_fn runs; draw the
+        # same numbers so that, under one seed, our weights equal torchrec's bit for bit.
+        if device.type != "meta":
+            with torch.no_grad():
+                for config in configs:
+                    nn.init.normal_(self.embedding_bags[config.name].weight)
+
+    def _table_weights(self, group: _Group) -> List[torch.Tensor]:
+        return [self.embedding_bags[s.name].weight for s in group.slots]
+
+    def _flat(self, group: _Group) -> torch.Tensor:
+        return getattr(self, group.flat_name)
+
+    def _repack_flat_buffers(self) -> None:
+        """Re-establishes "every table weight views the flat buffer" after a Parameter was
+        replaced: copies the current weights into a fresh buffer and re-points them at it."""
+        with torch.no_grad():
+            for group in self._groups:
+                weights = self._table_weights(group)
+                dtype, device = weights[0].dtype, weights[0].device
+                flat = torch.cat([w.detach().reshape(-1).to(dtype) for w in weights]) if weights else \
+                    torch.empty(0, dtype=group.dtype, device=device)
+                for w, slot in zip(weights, group.slots):
+                    w.data = flat[slot.elem_base:slot.elem_base + slot.numel].view_as(w)
+                setattr(self, group.flat_name, flat)
+                setattr(self, group.meta_name, getattr(self, group.meta_name).to(device))
+        self._flat_link.stale = False
+
+    def _apply(self, fn, recurse=True):
+        # nn.Module._apply would convert each table's Parameter on its own and break the
+        # aliasing with the flat buffer: convert the buffer once and re-point the views.
+        for group in self._groups:
+            new_flat = fn(self._flat(group))
+            for w, slot in zip(self._table_weights(group), group.slots):
+                w.data = new_flat[slot.elem_base:slot.elem_base + slot.numel].view(slot.num_embeddings, slot.embedding_dim)
+                if w.grad is not None:
+                    w.grad = fn(w.grad)
+            self._buffers[group.flat_name] = new_flat
+        for name, buf in self._buffers.items():
+            if buf is not None and not name.startswith("_flat_weights_"):
+                self._buffers[name] = fn(buf)
+        if self._groups:
+            self._device = self._flat(self._groups[0]).device
+        return self
+
+    # ----------------------------------------------------------------------------- torchrec API
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pools every configured feature; returns a ``KeyedTensor`` with torchrec's keys, order
+        and ``length_per_key`` (features the module does not know are ignored, as in torchrec)."""
+        features = maybe_td_to_kjt(features, None)
+        if self._flat_link.stale:
+            self._repack_flat_buffers()
+        grad = torch.is_grad_enabled()
+        values = _fused_lookup(
+            features,
+            [self._flat(g) for g in self._groups],
+            [self._table_weights(g) if grad else [] for g in self._groups],
+            [getattr(self, g.meta_name) for g in self._groups],
+            self._group_features,
+            self._group_tables,
+            self._group_dims,
+            self._is_weighted,
+            self.backend,
+            self.validate_inputs,
+            self._output_columns,
+        )
+        return KeyedTensor(
+            keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding
+        )
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return self._embedding_bag_configs
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def reset_parameters(self) -> None:
+        """Re-initialises every table with its config's ``init_fn`` (torchrec's rule: uniform in
+        ``[weight_init_min, weight_init_max]``, by default ``±sqrt(1/num_embeddings)``)."""
+        if self._device.type == "meta":
+            return
+        for config in self._embedding_bag_configs:
+            assert config.init_fn is not None
+            config.init_fn(self.embedding_bags[config.name].weight)
+
+    def extra_repr(self) -> str:
+        return f"tables={len(self._embedding_bag_configs)}, groups={len(self._groups)}, backend={self.backend!r}"

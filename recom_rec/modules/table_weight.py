@@ -1,0 +1,33 @@
+"""The per-table submodule of the fused EmbeddingBagCollection.
+
+It *is* an ``nn.EmbeddingBag`` (so code written against torchrec's ``embedding_bags[name]`` keeps
+working, and it can even be called on its own), whose ``weight`` is a leaf Parameter viewing the
+table's slice of the collection's flat buffer.
+"""
+import torch
+from torch import nn
+
+
+class FlatLink:
+    """Shared between a collection and its tables: set when a table's weight Parameter is
+    replaced (``load_state_dict(assign=True)``, ``table.weight = nn.Parameter(...)``), so the
+    collection re-packs its flat buffer before the next lookup. Deep copies keep the sharing
+    because ``copy.deepcopy`` memoises the object."""
+
+    __slots__ = ("stale",)
+
+    def __init__(self) -> None:
+        self.stale = False
+
+
+class TableEmbeddingBag(nn.EmbeddingBag):
+    def __init__(self, weight_view: torch.Tensor, mode: str, link: FlatLink) -> None:
+        rows, dim = weight_view.shape
+        super().__init__(rows, dim, mode=mode, include_last_offset=True, _weight=weight_view)
+        self._flat_link = link
+
+    def register_parameter(self, name, param) -> None:
+        super().register_parameter(name, param)
+        link = self.__dict__.get("_flat_link")
+        if name == "weight" and link is not None:
+            link.stale = True

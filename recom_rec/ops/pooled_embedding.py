@@ -1,0 +1,171 @@
+"""The fused pooled-embedding lookup as torch custom ops.
+
+``recom_rec::pooled_embedding_forward`` pools every feature of a group of tables from one flat
+weight buffer in a single kernel; its autograd formula calls ``pooled_embedding_backward`` (dense
+gradient of the flat buffer, split into per-table views) and, when the KJT weights require grad,
+``pooled_embedding_weights_backward``. Being custom ops with fake implementations, they keep
+``torch.compile(fullgraph=True)`` in one graph and work on meta/fake tensors.
+"""
+from functools import lru_cache
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import torch_backend
+from .backends import resolve_backend
+from .validation import validate_inputs
+
+_key_index_cache: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}
+
+
+def _key_index_tensor(key_index: List[int], device: torch.device) -> Tensor:
+    # A KJT's key order rarely changes between batches: keep its device copy.
+    cache_key = (tuple(key_index), device)
+    t = _key_index_cache.get(cache_key)
+    if t is None:
+        if len(_key_index_cache) > 256:
+            _key_index_cache.clear()
+        t = torch.tensor(key_index, dtype=torch.int64, device=device)
+        _key_index_cache[cache_key] = t
+    return t
+
+
+@lru_cache(maxsize=None)
+def _triton():
+    from ..kernels import pooled_triton
+
+    return pooled_triton
+
+
+@torch.library.custom_op("recom_rec::pooled_embedding_forward", mutates_args=())
+def pooled_embedding_forward(
+    weights: List[Tensor],
+    flat: Tensor,
+    values: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Optional[Tensor],
+    feature_meta: Tensor,
+    key_index: List[int],
+    batch_size: int,
+    total_dim: int,
+    max_dim: int,
+    backend: str,
+    validate: bool,
+    names: str,
+) -> Tensor:
+    """Pooled embeddings ``[batch_size, total_dim]`` (fp32) of every feature of a group.
+
+    ``weights`` are the per-table parameters (views of ``flat``), passed only so autograd can
+    route gradients to them; the lookup itself reads ``flat``."""
+    keys = _key_index_tensor(key_index, flat.device)
+    if validate:
+        validate_inputs(values, offsets, per_sample_weights, feature_meta, keys, batch_size, names)
+    if resolve_backend(backend, flat.device) == "triton":
+        return _triton().forward(
+            flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim, max_dim
+        )
+    return torch_backend.forward(
+        flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim
+    )
+
+
+@pooled_embedding_forward.register_fake
+def _(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
+      total_dim, max_dim, backend, validate, names):
+    return flat.new_empty((batch_size, total_dim), dtype=torch.float32)
+
+
+@torch.library.custom_op("recom_rec::pooled_embedding_backward", mutates_args=())
+def pooled_embedding_backward(
+    grad_output: Tensor,
+    values: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Optional[Tensor],
+    feature_meta: Tensor,
+    key_index: List[int],
+    batch_size: int,
+    total_numel: int,
+    max_dim: int,
+    dtype: torch.dtype,
+    backend: str,
+) -> Tensor:
+    """Dense gradient ``[total_numel]`` of the flat weight buffer, in the weights' dtype."""
+    keys = _key_index_tensor(key_index, grad_output.device)
+    if resolve_backend(backend, grad_output.device) == "triton":
+        return _triton().backward(
+            grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size,
+            total_numel, dtype, max_dim,
+        )
+    return torch_backend.backward(
+        grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_numel, dtype
+    )
+
+
+@pooled_embedding_backward.register_fake
+def _(grad_output, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
+      total_numel, max_dim, dtype, backend):
+    return grad_output.new_empty((total_numel,), dtype=dtype)
+
+
+@torch.library.custom_op("recom_rec::pooled_embedding_weights_backward", mutates_args=())
+def pooled_embedding_weights_backward(
+    grad_output: Tensor,
+    flat: Tensor,
+    values: Tensor,
+    offsets: Tensor,
+    feature_meta: Tensor,
+    key_index: List[int],
+    batch_size: int,
+) -> Tensor:
+    """Gradient of the KJT's per-sample weights (e.g. learnable position weights)."""
+    keys = _key_index_tensor(key_index, grad_output.device)
+    return torch_backend.per_sample_weights_grad(
+        grad_output, flat, values, offsets, feature_meta, keys, batch_size
+    )
+
+
+@pooled_embedding_weights_backward.register_fake
+def _(grad_output, flat, values, offsets, feature_meta, key_index, batch_size):
+    return grad_output.new_empty((values.shape[0],), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    (weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
+     total_dim, max_dim, backend, validate, names) = inputs
+    ctx.save_for_backward(flat, values, offsets, per_sample_weights, feature_meta)
+    ctx.table_shapes = [tuple(w.shape) for w in weights]
+    ctx.key_index = key_index
+    ctx.batch_size = batch_size
+    ctx.max_dim = max_dim
+    ctx.backend = backend
+    ctx.flat_numel = flat.shape[0]
+    ctx.flat_dtype = flat.dtype
+
+
+def _wants_grad(flag) -> bool:
+    # For a Tensor[] input, autograd reports one flag per element.
+    return any(flag) if isinstance(flag, (list, tuple)) else bool(flag)
+
+
+def _backward(ctx, grad_output):
+    flat, values, offsets, per_sample_weights, feature_meta = ctx.saved_tensors
+    grad_weights = None
+    if ctx.table_shapes and _wants_grad(ctx.needs_input_grad[0]):
+        grad_flat = pooled_embedding_backward(
+            grad_output, values, offsets, per_sample_weights, feature_meta, ctx.key_index,
+            ctx.batch_size, ctx.flat_numel, ctx.max_dim, ctx.flat_dtype, ctx.backend,
+        )
+        grad_weights, start = [], 0
+        for rows, dim in ctx.table_shapes:
+            grad_weights.append(grad_flat[start:start + rows * dim].view(rows, dim))
+            start += rows * dim
+    grad_psw = None
+    if per_sample_weights is not None and _wants_grad(ctx.needs_input_grad[4]):
+        grad_psw = pooled_embedding_weights_backward(
+            grad_output, flat, values, offsets, feature_meta, ctx.key_index, ctx.batch_size
+        ).to(per_sample_weights.dtype)
+    return (grad_weights, None, None, None, grad_psw) + (None,) * 8
+
+
+pooled_embedding_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,120 @@
+"""The pure-torch backend of the fused lookup: vectorised over all tables at once.
+
+It runs on any device (it is the CPU path, and a fallback on CUDA). Every table of a group is
+served by the same few gathers and one ``index_add_`` over the flat buffer, never by a loop over
+tables. Accumulation is in fp32 whatever the weight dtype.
+"""
+from typing import Optional
+
+import torch
+
+from .jagged import Lookups, element_indices, expand_lookups, feature_dims, lookup_scale
+from .layout import META_DIM, META_ELEM_BASE, META_OUT_COL
+
+
+def _uniform_dim(feature_meta: torch.Tensor) -> int:
+    """The common dim when every feature has the same dim and they sit side by side in the
+    output (the fast path: rows can be gathered as ``[n, D]`` blocks); otherwise 0."""
+    dims = feature_meta[:, META_DIM]
+    if dims.numel() == 0:
+        return 0
+    d = int(dims[0])
+    cols = feature_meta[:, META_OUT_COL]
+    expected = torch.arange(dims.numel(), device=cols.device) * d
+    if bool((dims == d).all()) and bool((cols == expected).all()):
+        return d
+    return 0
+
+
+def _row_starts(lookups: Lookups, feature_meta: torch.Tensor) -> torch.Tensor:
+    dims = feature_meta[lookups.feature, META_DIM]
+    return feature_meta[lookups.feature, META_ELEM_BASE] + lookups.ids * dims
+
+
+def forward(
+    flat: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    feature_meta: torch.Tensor,
+    key_index: torch.Tensor,
+    batch_size: int,
+    total_dim: int,
+) -> torch.Tensor:
+    out = torch.zeros(batch_size, total_dim, dtype=torch.float32, device=flat.device)
+    if feature_meta.shape[0] == 0 or batch_size == 0:
+        return out
+    lookups = expand_lookups(values, offsets, feature_meta, key_index, batch_size)
+    scale = lookup_scale(lookups, per_sample_weights)
+    d = _uniform_dim(feature_meta)
+    if d:
+        rows = flat.view(-1, d)[_row_starts(lookups, feature_meta) // d].to(torch.float32)
+        num_features = feature_meta.shape[0]
+        out.view(batch_size * num_features, d).index_add_(
+            0, lookups.bag * num_features + lookups.feature, rows * scale[:, None]
+        )
+        return out
+    lookup, col = element_indices(lookups, feature_dims(feature_meta))
+    src = _row_starts(lookups, feature_meta)[lookup] + col
+    dst = lookups.bag[lookup] * total_dim + feature_meta[lookups.feature[lookup], META_OUT_COL] + col
+    out.view(-1).index_add_(0, dst, flat[src].to(torch.float32) * scale[lookup])
+    return out
+
+
+def backward(
+    grad_output: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    feature_meta: torch.Tensor,
+    key_index: torch.Tensor,
+    batch_size: int,
+    total_numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Dense gradient of the flat buffer (``[total_numel]``, in the weights' dtype)."""
+    grad = torch.zeros(total_numel, dtype=torch.float32, device=grad_output.device)
+    if feature_meta.shape[0] == 0 or batch_size == 0:
+        return grad.to(dtype)
+    grad_output = grad_output.to(torch.float32).contiguous()
+    lookups = expand_lookups(values, offsets, feature_meta, key_index, batch_size)
+    scale = lookup_scale(lookups, per_sample_weights)
+    total_dim = grad_output.shape[1]
+    d = _uniform_dim(feature_meta)
+    if d:
+        num_features = feature_meta.shape[0]
+        rows = grad_output.view(batch_size * num_features, d)[lookups.bag * num_features + lookups.feature]
+        grad.view(-1, d).index_add_(0, _row_starts(lookups, feature_meta) // d, rows * scale[:, None])
+        return grad.to(dtype)
+    lookup, col = element_indices(lookups, feature_dims(feature_meta))
+    dst = _row_starts(lookups, feature_meta)[lookup] + col
+    src = lookups.bag[lookup] * total_dim + feature_meta[lookups.feature[lookup], META_OUT_COL] + col
+    grad.index_add_(0, dst, grad_output.view(-1)[src] * scale[lookup])
+    return grad.to(dtype)
+
+
+def per_sample_weights_grad(
+    grad_output: torch.Tensor,
+    flat: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    feature_meta: torch.Tensor,
+    key_index: torch.Tensor,
+    batch_size: int,
+) -> torch.Tensor:
+    """d loss / d per_sample_weights[i] = sum over the features reading value i of
+    <grad of its bag, its row> (times 1/L for mean pooling)."""
+    grad = torch.zeros(values.numel(), dtype=torch.float32, device=grad_output.device)
+    if feature_meta.shape[0] == 0 or batch_size == 0:
+        return grad
+    grad_output = grad_output.to(torch.float32).contiguous()
+    lookups = expand_lookups(values, offsets, feature_meta, key_index, batch_size)
+    total_dim = grad_output.shape[1]
+    lookup, col = element_indices(lookups, feature_dims(feature_meta))
+    src = _row_starts(lookups, feature_meta)[lookup] + col
+    out_at = lookups.bag[lookup] * total_dim + feature_meta[lookups.feature[lookup], META_OUT_COL] + col
+    products = flat[src].to(torch.float32) * grad_output.view(-1)[out_at]
+    per_lookup = torch.zeros(lookups.ids.numel(), dtype=torch.float32, device=grad.device)
+    per_lookup.index_add_(0, lookup, products)
+    grad.index_add_(0, lookups.position, per_lookup * lookups.pool_scale)
+    return grad

@@ -1,0 +1,99 @@
+"""Input checks of the fused lookup, with errors that name the feature and the table.
+
+They run inside the custom op (so ``torch.compile`` keeps one graph) and cost a device-to-host
+sync on CUDA; modules switch them off with ``validate_inputs=False``.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+
+from .layout import META_NUM_EMBEDDINGS
+
+
+def encode_names(keys: List[str], features: List[str], tables: List[str]) -> str:
+    """Packs the names an error message may need into one string (a custom-op argument)."""
+    return "\t".join(keys) + "\n" + "\n".join(f"{f}\t{t}" for f, t in zip(features, tables))
+
+
+def _decode_names(names: str) -> Tuple[List[str], List[Tuple[str, str]]]:
+    first, _, rest = names.partition("\n")
+    keys = first.split("\t") if first else []
+    pairs = [tuple(line.split("\t", 1)) for line in rest.split("\n")] if rest else []
+    return keys, pairs  # type: ignore[return-value]
+
+
+def _tables_reading(key: str, pairs) -> str:
+    tables = [t for f, t in pairs if f == key]
+    return ", ".join(repr(t) for t in tables) if tables else "no table"
+
+
+def validate_inputs(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    feature_meta: torch.Tensor,
+    key_index: torch.Tensor,
+    batch_size: int,
+    names: str,
+) -> None:
+    keys, pairs = _decode_names(names)
+    num_keys = len(keys)
+    if offsets.dim() != 1 or offsets.numel() != num_keys * batch_size + 1:
+        raise ValueError(
+            f"KeyedJaggedTensor has {offsets.numel()} offsets for {num_keys} keys and batch size "
+            f"{batch_size}; expected {num_keys * batch_size + 1}"
+        )
+    if values.dim() != 1:
+        raise ValueError(f"KeyedJaggedTensor values must be 1-D, got shape {tuple(values.shape)}")
+    offsets = offsets.to(torch.int64)
+    lengths = offsets[1:] - offsets[:-1]
+    if num_keys and bool((lengths < 0).any()):
+        bad = int(torch.nonzero(lengths < 0)[0, 0])
+        key = keys[bad // batch_size]
+        raise ValueError(
+            f"feature {key!r} (table {_tables_reading(key, pairs)}): negative length at batch "
+            f"index {bad % batch_size}"
+        )
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0 or last != values.numel():
+        # Name the first key whose bags run past the values, or the last key when they fall short.
+        ends = offsets[batch_size::batch_size] if batch_size else offsets[1:]
+        over = torch.nonzero(ends > values.numel())
+        k = int(over[0, 0]) if over.numel() else num_keys - 1
+        key = keys[k] if keys else "<none>"
+        raise ValueError(
+            f"KeyedJaggedTensor lengths add up to {last - first} but there are {values.numel()} "
+            f"values: feature {key!r} (table {_tables_reading(key, pairs)}) is where they disagree"
+        )
+    if per_sample_weights is not None and per_sample_weights.numel() != values.numel():
+        raise ValueError(
+            f"KeyedJaggedTensor has {per_sample_weights.numel()} weights for {values.numel()} values"
+        )
+    if values.numel() == 0 or feature_meta.shape[0] == 0:
+        return
+    if values.is_floating_point() or values.dtype == torch.bool:
+        raise ValueError(f"KeyedJaggedTensor values must be integer ids, got {values.dtype}")
+    # Per value: the smallest table size among the features that read its key.
+    key_of_value = torch.repeat_interleave(
+        torch.arange(num_keys, device=values.device), offsets[batch_size::batch_size] - offsets[:-1:batch_size]
+    ) if batch_size else torch.zeros(0, dtype=torch.int64, device=values.device)
+    limit = torch.full((num_keys,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=values.device)
+    limit.scatter_reduce_(0, key_index.to(torch.int64), feature_meta[:, META_NUM_EMBEDDINGS], "amin")
+    ids = values.to(torch.int64)
+    bad = (ids < 0) | (ids >= limit[key_of_value])
+    if not bool(bad.any()):
+        return
+    pos = int(torch.nonzero(bad)[0, 0])
+    k = int(key_of_value[pos])
+    bad_id = int(ids[pos])
+    batch_index = int(torch.searchsorted(offsets, torch.tensor(pos, device=offsets.device), right=True)) - 1 - k * batch_size
+    for f in range(feature_meta.shape[0]):
+        n = int(feature_meta[f, META_NUM_EMBEDDINGS])
+        if int(key_index[f]) == k and (bad_id < 0 or bad_id >= n):
+            feature, table = pairs[f]
+            what = "negative" if bad_id < 0 else f"out of range for {n} rows"
+            raise ValueError(
+                f"feature {feature!r} (table {table!r}): id {bad_id} at batch index {batch_index} is "
+                f"{what}; ids must lie in [0, {n})"
+            )
+    raise AssertionError("unreachable: a bad id must belong to some feature")
