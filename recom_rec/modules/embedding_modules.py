@@ -4,6 +4,7 @@ Same constructor, input, output, ``state_dict`` and numbers as
 ``torchrec.EmbeddingBagCollection``; inside, all tables with the same weight dtype live in one
 flat buffer and every feature of every table is pooled by one kernel launch.
 """
+import copy
 from collections import OrderedDict
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
@@ -233,6 +234,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def _build_storage(self, device: torch.device) -> None:
         configs = self._embedding_bag_configs
+        bags: Dict[int, TableEmbeddingBag] = {}
+        self._host_index_buffers: Dict[str, torch.Tensor] = {}
         for group in self._groups:
             flat = torch.empty(group.total_numel, dtype=group.dtype, device=device)
             self.register_buffer(group.flat_name, flat, persistent=False)
@@ -240,19 +243,21 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             for f in group.features:
                 cols.append(col)
                 col += group.slots[f.table].embedding_dim
-            meta = feature_meta_tensor(group.slots, group.features, cols).to(device)
-            self.register_buffer(group.meta_name, meta, persistent=False)
+            meta = feature_meta_tensor(group.slots, group.features, cols)
+            self._host_index_buffers[group.meta_name] = meta
+            self.register_buffer(group.meta_name, meta.to(device), persistent=False)
             for slot, i in zip(group.slots, group.tables):
                 view = flat[slot.elem_base:slot.elem_base + slot.numel].view(slot.num_embeddings, slot.embedding_dim)
-                self.embedding_bags[slot.name] = TableEmbeddingBag(
-                    view, pooling_type_to_str(configs[i].pooling), self._flat_link
-                )
+                bags[i] = TableEmbeddingBag(view, pooling_type_to_str(configs[i].pooling), self._flat_link)
+        for i, config in enumerate(configs):  # table order, as torchrec's state_dict has it
+            self.embedding_bags[config.name] = bags[i]
         if len(self._groups) > 1:
             # Groups produce their columns side by side; this maps them back to table order.
             group_cols = [f.out_col + d for g in self._groups for f in g.features
                           for d in range(g.slots[f.table].embedding_dim)]
             order = torch.empty(len(group_cols), dtype=torch.int64)
             order[torch.tensor(group_cols, dtype=torch.int64)] = torch.arange(len(group_cols))
+            self._host_index_buffers["_output_columns"] = order
             self.register_buffer("_output_columns", order.to(device), persistent=False)
         else:
             self._output_columns = None
@@ -293,16 +298,32 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         for group in self._groups:
             new_flat = fn(self._flat(group))
             for w, slot in zip(self._table_weights(group), group.slots):
-                w.data = new_flat[slot.elem_base:slot.elem_base + slot.numel].view(slot.num_embeddings, slot.embedding_dim)
+                view = new_flat[slot.elem_base:slot.elem_base + slot.numel].view(slot.num_embeddings, slot.embedding_dim)
+                bag = self.embedding_bags[slot.name]
+                if torch._has_compatible_shallow_copy_type(w, view):
+                    w.data = view
+                else:  # e.g. meta -> cpu: the Parameter object itself must be replaced
+                    bag._parameters["weight"] = nn.Parameter(view, requires_grad=w.requires_grad)
                 if w.grad is not None:
-                    w.grad = fn(w.grad)
+                    bag.weight.grad = fn(w.grad)
             self._buffers[group.flat_name] = new_flat
-        for name, buf in self._buffers.items():
-            if buf is not None and not name.startswith("_flat_weights_"):
-                self._buffers[name] = fn(buf)
-        if self._groups:
-            self._device = self._flat(self._groups[0]).device
+        # Index metadata is not data: never let fn touch it (to_empty would fill it with
+        # garbage, .half() must not apply); rebuild it from its host copy on the new device.
+        device = self._flat(self._groups[0]).device if self._groups else self._device
+        for name, host in self._host_index_buffers.items():
+            self._buffers[name] = host.to(device)
+        self._device = device
         return self
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy clones each Parameter on its own (Parameter.__deepcopy__), which would
+        # leave the copy's tables detached from the copy's flat buffer: copy, then repack.
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        new._repack_flat_buffers()
+        return new
 
     # ----------------------------------------------------------------------------- torchrec API
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:

@@ -1,0 +1,75 @@
+"""Random EmbeddingBagCollection cases (tables, KJT) shared by the tests."""
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from hypothesis import strategies as st
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.modules.embedding_configs import DataType
+
+
+@dataclass
+class Case:
+    tables: List[EmbeddingBagConfig]
+    kjt: KeyedJaggedTensor
+    is_weighted: bool
+
+    def fresh_tables(self) -> List[EmbeddingBagConfig]:
+        """Configs are mutated by the modules (feature_names defaults): copy per module."""
+        return [EmbeddingBagConfig(
+            name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
+            feature_names=list(t.feature_names), pooling=t.pooling, data_type=t.data_type,
+        ) for t in self.tables]
+
+
+def make_kjt(tables, batch_size, max_len, seed, is_weighted, index_dtype=torch.int64,
+             extra_keys=0, zero_fraction=0.3, shuffle_keys=True) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(seed)
+    limits = {}
+    for t in tables:
+        for f in (t.feature_names or [t.name]):
+            limits[f] = min(limits.get(f, t.num_embeddings), t.num_embeddings)
+    keys = list(limits)
+    keys += [f"unused_{i}" for i in range(extra_keys)]
+    if shuffle_keys:
+        keys = [keys[i] for i in torch.randperm(len(keys), generator=g).tolist()]
+    lengths = torch.randint(0, max_len + 1, (len(keys), batch_size), generator=g)
+    lengths[torch.rand(lengths.shape, generator=g) < zero_fraction] = 0
+    values = []
+    for k, key in enumerate(keys):
+        n = int(lengths[k].sum())
+        values.append(torch.randint(0, limits.get(key, 1000), (n,), generator=g))
+    values = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64)
+    weights = torch.rand(values.numel(), generator=g) if is_weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=values.to(index_dtype), lengths=lengths.reshape(-1).to(index_dtype), weights=weights
+    )
+
+
+@st.composite
+def cases(draw, max_tables=40, max_dim=256, max_rows=10**5, max_batch=12, max_len=6,
+          element_budget=4 * 10**6, weighted: Optional[bool] = None, allow_mean_weighted=False,
+          data_types=(DataType.FP32,)):
+    is_weighted = draw(st.booleans()) if weighted is None else weighted
+    n_tables = draw(st.integers(1, max_tables))
+    per_table_budget = max(1, element_budget // n_tables)
+    pool = [f"f{i}" for i in range(max(2, n_tables + 2))]
+    tables = []
+    for i in range(n_tables):
+        dim = draw(st.integers(1, max_dim))
+        rows = min(draw(st.integers(1, max_rows)), max(1, per_table_budget // dim))
+        if is_weighted and not allow_mean_weighted:
+            pooling = PoolingType.SUM
+        else:
+            pooling = draw(st.sampled_from([PoolingType.SUM, PoolingType.MEAN]))
+        names = draw(st.lists(st.sampled_from(pool), min_size=0, max_size=3, unique=True))
+        tables.append(EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=names,
+            pooling=pooling, data_type=draw(st.sampled_from(list(data_types))),
+        ))
+    batch = draw(st.integers(1, max_batch))
+    seed = draw(st.integers(0, 2**31 - 1))
+    index_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    kjt = make_kjt(tables, batch, draw(st.integers(0, max_len)), seed, is_weighted, index_dtype,
+                   extra_keys=draw(st.integers(0, 2)))
+    return Case(tables, kjt, is_weighted)

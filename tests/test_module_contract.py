@@ -1,0 +1,180 @@
+"""The torchrec module contract: state_dict both ways, meta construction, init rules, device
+and dtype moves, copies, and what the constructor rejects."""
+import copy
+import io
+
+import pytest
+import torch
+import torchrec
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.modules.embedding_configs import DataType
+
+import recom_rec
+from ebc_cases import make_kjt
+
+
+def _tables():
+    return [
+        EmbeddingBagConfig(name="user", embedding_dim=8, num_embeddings=50, feature_names=["u", "shared"]),
+        EmbeddingBagConfig(name="item", embedding_dim=3, num_embeddings=30, feature_names=["i", "shared"],
+                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(name="small16", embedding_dim=5, num_embeddings=20, data_type=DataType.FP16),
+    ]
+
+
+def _close(a, b):
+    # The fp16 table: torchrec rounds its pooled output to fp16, we keep fp32.
+    torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+def _kjt():
+    return make_kjt(_tables(), batch_size=5, max_len=3, seed=3, is_weighted=False)
+
+
+def test_state_dict_keys_shapes_and_dtypes_match_torchrec():
+    ref, ours = torchrec.EmbeddingBagCollection(_tables()), recom_rec.EmbeddingBagCollection(_tables())
+    a, b = ref.state_dict(), ours.state_dict()
+    assert list(a) == list(b) == [f"embedding_bags.{n}.weight" for n in ("user", "item", "small16")]
+    for k in a:
+        assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype
+
+
+@pytest.mark.parametrize("direction", ["torchrec_to_ours", "ours_to_torchrec"])
+def test_checkpoint_loads_both_ways(direction):
+    ref, ours = torchrec.EmbeddingBagCollection(_tables()), recom_rec.EmbeddingBagCollection(_tables())
+    buf = io.BytesIO()
+    src, dst = (ref, ours) if direction == "torchrec_to_ours" else (ours, ref)
+    torch.save(src.state_dict(), buf)
+    buf.seek(0)
+    dst.load_state_dict(torch.load(buf))
+    _close(ours(_kjt()).values(), ref(_kjt()).values())
+
+
+def test_load_with_assign_repacks_the_flat_buffer():
+    ref, ours = torchrec.EmbeddingBagCollection(_tables()), recom_rec.EmbeddingBagCollection(_tables())
+    ours.load_state_dict(ref.state_dict(), assign=True)
+    _close(ours(_kjt()).values(), ref(_kjt()).values())
+    # After the repack, in-place updates of a table are seen by the fused lookup again.
+    with torch.no_grad():
+        ours.embedding_bags["user"].weight.add_(1.0)
+        ref.embedding_bags["user"].weight.add_(1.0)
+    _close(ours(_kjt()).values(), ref(_kjt()).values())
+
+
+def test_optimizer_step_on_dense_gradients_matches_torchrec():
+    ref, ours = torchrec.EmbeddingBagCollection(_tables()), recom_rec.EmbeddingBagCollection(_tables())
+    ours.load_state_dict(ref.state_dict())
+    opt_a = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt_b = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        kjt = make_kjt(_tables(), 4, 3, seed=step, is_weighted=False)
+        for model, opt in ((ref, opt_a), (ours, opt_b)):
+            opt.zero_grad()
+            model(kjt).values().pow(2).sum().backward()
+            opt.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[k].float(), v.float(), atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(ours(_kjt()).values(), ref(_kjt()).values(), atol=2e-3, rtol=1e-3)
+
+
+def test_meta_device_then_materialise():
+    ours = recom_rec.EmbeddingBagCollection(_tables(), device="meta")
+    assert ours.device.type == "meta"
+    assert all(p.is_meta for p in ours.parameters())
+    ours.to_empty(device="cpu")
+    ours.reset_parameters()
+    w = ours.embedding_bags["user"].weight
+    bound = (1 / 50) ** 0.5
+    assert w.device.type == "cpu" and w.abs().max() <= bound
+    out = ours(_kjt())
+    assert out.values().shape == (5, 8 * 2 + 3 * 2 + 5)
+
+
+def test_init_fn_and_init_bounds():
+    calls = []
+
+    def init_fn(w):
+        calls.append(tuple(w.shape))
+        torch.nn.init.constant_(w, 0.25)
+
+    tables = [EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, feature_names=["a"], init_fn=init_fn),
+              EmbeddingBagConfig(name="b", embedding_dim=2, num_embeddings=1000, feature_names=["b"],
+                                 weight_init_min=0.5, weight_init_max=0.6)]
+    ours = recom_rec.EmbeddingBagCollection(tables)
+    assert calls == [(10, 4)]
+    assert torch.all(ours.embedding_bags["a"].weight == 0.25)
+    b = ours.embedding_bags["b"].weight
+    assert b.min() >= 0.5 and b.max() <= 0.6
+    ours.reset_parameters()
+    assert calls == [(10, 4), (10, 4)]
+
+
+def test_accessors_and_defaults():
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10)]
+    ours = recom_rec.EmbeddingBagCollection(tables, is_weighted=True)
+    assert ours.is_weighted() is True
+    assert ours.embedding_bag_configs() is tables
+    assert tables[0].feature_names == ["t"]
+    bag = ours.embedding_bags["t"]
+    assert isinstance(bag, torch.nn.EmbeddingBag) and bag.mode == "sum"
+    assert isinstance(bag.weight, torch.nn.Parameter) and bag.weight.is_leaf
+
+
+def test_rejects_what_torchrec_rejects():
+    dup = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["a"]),
+           EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["b"])]
+    with pytest.raises(ValueError, match="Duplicate table name t"):
+        recom_rec.EmbeddingBagCollection(dup)
+    with pytest.raises(ValueError, match="Unsupported pooling type"):
+        recom_rec.EmbeddingBagCollection([EmbeddingBagConfig(
+            name="t", embedding_dim=4, num_embeddings=10, pooling=PoolingType.NONE)])
+    with pytest.raises(ValueError, match="table 't'.*INT8"):
+        recom_rec.EmbeddingBagCollection([EmbeddingBagConfig(
+            name="t", embedding_dim=4, num_embeddings=10, data_type=DataType.INT8)])
+    with pytest.raises(ValueError, match="unknown backend"):
+        recom_rec.EmbeddingBagCollection(_tables(), backend="cuda-please")
+
+
+def test_dtype_conversion_and_deepcopy_keep_one_flat_buffer():
+    ours = recom_rec.EmbeddingBagCollection(_tables())
+    expected = ours(_kjt()).values()
+    clone = copy.deepcopy(ours)
+    with torch.no_grad():
+        clone.embedding_bags["user"].weight.zero_()
+    # The copy's tables still view the copy's flat buffer, and the original is untouched.
+    assert not torch.equal(clone(_kjt()).values(), expected)
+    torch.testing.assert_close(ours(_kjt()).values(), expected)
+    ours.double()
+    assert ours.embedding_bags["user"].weight.dtype == torch.float64
+    with torch.no_grad():
+        ours.embedding_bags["user"].weight.mul_(0.0)
+        ours.embedding_bags["item"].weight.mul_(0.0)
+        ours.embedding_bags["small16"].weight.mul_(0.0)
+    assert not ours(_kjt()).values().any()
+
+
+def test_pickle_whole_module_round_trip():
+    ours = recom_rec.EmbeddingBagCollection(_tables())
+    buf = io.BytesIO()
+    torch.save(ours, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(loaded(_kjt()).values(), ours(_kjt()).values())
+    with torch.no_grad():
+        loaded.embedding_bags["item"].weight.fill_(1.0)
+    out = loaded(_kjt())
+    assert torch.all(out["i"][:, :] >= 0)
+
+
+def test_bf16_tables_pool_in_fp32():
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"],
+                                 data_type=DataType.BF16)]
+    ours = recom_rec.EmbeddingBagCollection(tables)
+    assert ours.embedding_bags["t"].weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        ours.embedding_bags["t"].weight.fill_(1.0 / 3.0)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1] * 300), torch.tensor([300]))
+    got = ours(kjt).values()
+    assert got.dtype == torch.float32
+    one_third = torch.tensor(1.0 / 3.0, dtype=torch.bfloat16).float()
+    torch.testing.assert_close(got, torch.full((1, 4), 300 * float(one_third)), rtol=1e-6, atol=1e-5)
