@@ -1,4 +1,5 @@
 """Random EmbeddingBagCollection cases (tables, KJT) shared by the tests."""
+import os
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -6,6 +7,11 @@ import torch
 from hypothesis import strategies as st
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.modules.embedding_configs import DataType
+
+
+# The suite runs on the CPU by default (Triton under its interpreter); RECOM_TEST_DEVICE=cuda runs
+# the same tests with CUDA tensors on the GPU machine.
+DEVICE = torch.device(os.environ.get("RECOM_TEST_DEVICE", "cpu"))
 
 
 @dataclass

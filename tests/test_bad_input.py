@@ -4,6 +4,7 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 import recom_rec
+from ebc_cases import DEVICE
 
 TABLES = [
     EmbeddingBagConfig(name="users", embedding_dim=4, num_embeddings=10, feature_names=["user_id"]),
@@ -16,12 +17,12 @@ BACKENDS = ["torch", "triton"]
 def _module(backend, **kw):
     return recom_rec.EmbeddingBagCollection(
         [EmbeddingBagConfig(**{**vars(t), "feature_names": list(t.feature_names)}) for t in TABLES],
-        backend=backend, **kw)
+        backend=backend, device=DEVICE, **kw)
 
 
 def _kjt(values, lengths, keys=("user_id", "item_id", "shared"), weights=None):
     return KeyedJaggedTensor(keys=list(keys), values=torch.tensor(values), lengths=torch.tensor(lengths),
-                             weights=weights)
+                             weights=weights).to(DEVICE)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -63,7 +64,7 @@ def test_weighted_module_needs_weights():
 
 def test_float_ids_rejected():
     kjt = KeyedJaggedTensor(keys=["user_id", "item_id", "shared"], values=torch.tensor([1.0, 2.0, 0.0]),
-                            lengths=torch.tensor([1, 1, 1]))
+                            lengths=torch.tensor([1, 1, 1])).to(DEVICE)
     with pytest.raises(ValueError, match="integer ids"):
         _module("torch")(kjt)
 

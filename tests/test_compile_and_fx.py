@@ -7,7 +7,7 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
 import recom_rec
-from ebc_cases import make_kjt
+from ebc_cases import DEVICE, make_kjt
 
 
 def _tables():
@@ -30,15 +30,15 @@ class Tower(nn.Module):
 
 
 def _batch(seed):
-    return make_kjt(_tables(), batch_size=6, max_len=3, seed=seed, is_weighted=False, shuffle_keys=False)
+    return make_kjt(_tables(), batch_size=6, max_len=3, seed=seed, is_weighted=False, shuffle_keys=False).to(DEVICE)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_compile_fullgraph_forward_and_backward_match_eager(backend):
     torch.manual_seed(0)
-    eager = Tower(recom_rec.EmbeddingBagCollection(_tables(), backend=backend))
+    eager = Tower(recom_rec.EmbeddingBagCollection(_tables(), backend=backend, device=DEVICE)).to(DEVICE)
     torch.manual_seed(0)
-    compiled_model = Tower(recom_rec.EmbeddingBagCollection(_tables(), backend=backend))
+    compiled_model = Tower(recom_rec.EmbeddingBagCollection(_tables(), backend=backend, device=DEVICE)).to(DEVICE)
     compiled = torch.compile(compiled_model, fullgraph=True, dynamic=False)
     for seed in range(2):
         kjt = _batch(seed)
@@ -55,7 +55,7 @@ def test_compile_counts_one_graph():
     from torch._dynamo.testing import CompileCounter
 
     counter = CompileCounter()
-    model = Tower(recom_rec.EmbeddingBagCollection(_tables()))
+    model = Tower(recom_rec.EmbeddingBagCollection(_tables(), device=DEVICE)).to(DEVICE)
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     with torch.no_grad():
         compiled(_batch(0))
@@ -64,7 +64,7 @@ def test_compile_counts_one_graph():
 
 
 def test_torchrec_fx_symbolic_trace():
-    model = Tower(recom_rec.EmbeddingBagCollection(_tables()))
+    model = Tower(recom_rec.EmbeddingBagCollection(_tables(), device=DEVICE)).to(DEVICE)
     gm = torchrec.fx.symbolic_trace(model)
     assert "_fused_lookup" in gm.code
     kjt = _batch(3)
@@ -74,7 +74,7 @@ def test_torchrec_fx_symbolic_trace():
 def test_fake_tensor_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    module = recom_rec.EmbeddingBagCollection(_tables())
+    module = recom_rec.EmbeddingBagCollection(_tables(), device=DEVICE)
     kjt = _batch(1)
     with FakeTensorMode(allow_non_fake_inputs=True):
         out = module(kjt)

@@ -1,7 +1,5 @@
 """The fused kernels (torch and Triton backends) against the pure-torch reference, including
 what torchrec's stock module cannot do (weighted mean pooling, bf16 tables)."""
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,10 +7,9 @@ from torchrec import KeyedJaggedTensor
 from torchrec.modules.embedding_configs import DataType
 
 import recom_rec
-from ebc_cases import cases, make_kjt
+from ebc_cases import DEVICE, cases, make_kjt
 from recom_rec.ops.reference import reference_pooled
 
-DEVICE = torch.device(os.environ.get("RECOM_TEST_DEVICE", "cpu"))
 SMALL = dict(max_tables=6, max_dim=40, max_rows=300, max_batch=5, max_len=5)
 TOL = {DataType.FP32: 1e-5, DataType.FP16: 1e-3, DataType.BF16: 1e-3}
 

@@ -1,8 +1,6 @@
 """recom_rec.EmbeddingBagCollection against torchrec's own EmbeddingBagCollection: same keys,
 values and weight gradients, on random configurations, on the CPU path and the Triton path
 (interpreter here, the GPU on the device machine)."""
-import os
-
 import pytest
 import torch
 import torchrec
@@ -10,9 +8,8 @@ from hypothesis import given, settings
 from torchrec.modules.embedding_configs import DataType
 
 import recom_rec
-from ebc_cases import cases
+from ebc_cases import DEVICE, cases
 
-DEVICE = torch.device(os.environ.get("RECOM_TEST_DEVICE", "cpu"))
 INTERPRETED = DEVICE.type == "cpu"
 # Interpreted Triton runs a numpy program per block: keep its shapes small.
 SHAPES = {

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m recom_rec.bench --help``."""

@@ -1,0 +1,99 @@
+"""python -m recom_rec.bench: recom_rec against its peers, one process, same inputs.
+
+Prints a table (median ms, our speed-up over each peer, our forward bandwidth as a share of the
+measured device-copy ceiling) and writes JSON and a PNG bar chart."""
+import argparse
+import gc
+import json
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+from .peers import PEERS, fbgemm_available
+from .report import format_table, plot_results
+from .timing import copy_bandwidth_gbs, time_ms
+from .workloads import WORKLOADS, get_workload
+
+PHASES = ("forward", "backward")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m recom_rec.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", nargs="+", default=["dlrm-kaggle", "many-500", "many-1000"],
+                   choices=list(WORKLOADS))
+    p.add_argument("--peers", nargs="+", default=["recom_rec", "torchrec", "fbgemm"], choices=list(PEERS))
+    p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES,
+                   help="forward: inference under no_grad; backward: forward+backward (dense gradients "
+                   "for recom_rec/torchrec; fbgemm always applies its fused SGD in backward)")
+    p.add_argument("--backend", default="auto", help="recom_rec backend: auto, triton or torch")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--small", action="store_true", help="scaled-down workloads (default on the CPU)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", default="bench-results", help="file stem for the .json and .png outputs")
+    return p.parse_args(argv)
+
+
+def run(args):
+    device = torch.device(args.device)
+    small = args.small or device.type == "cpu"
+    ceiling = copy_bandwidth_gbs(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
+    results = []
+    peers = [p for p in args.peers if p != "fbgemm" or fbgemm_available(device)]
+    for wname in tqdm(args.workloads, desc="workloads", file=sys.stderr):
+        w = get_workload(wname, small)
+        kjt = w.make_input(device)
+        for pname in peers:
+            kwargs = {"backend": args.backend} if pname == "recom_rec" else {}
+            try:
+                peer = PEERS[pname](w, device, "none", **kwargs)
+            except (RuntimeError, torch.OutOfMemoryError) as e:  # e.g. a peer that does not fit
+                results.append({"workload": wname, "peer": pname, "phase": "forward", "error": str(e)[:200]})
+                continue
+            for phase in args.phases:
+                row = {"workload": wname, "peer": pname, "phase": phase}
+                try:
+                    if phase == "forward":
+                        def step():
+                            with torch.no_grad():
+                                peer.forward(kjt)
+                    else:
+                        grad = torch.ones(w.batch_size, sum(w.dims), device=device)
+
+                        def step():
+                            peer.train_step(kjt, grad)
+                    row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
+                    if phase == "forward":
+                        row["gbs"] = w.lookup_bytes() / (row["ms"] * 1e-3) / 1e9
+                        row["ceiling_share"] = row["gbs"] / ceiling
+                except (RuntimeError, torch.OutOfMemoryError) as e:
+                    row["error"] = str(e)[:200]
+                results.append(row)
+            del peer
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "copy_gbs": ceiling, "small": small, "backend": args.backend,
+        "workloads": {n: get_workload(n, small).description for n in args.workloads},
+    }
+    return meta, results
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    meta, results = run(args)
+    print(format_table(meta, results, args.peers))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    plot_results(results, args.out + ".png", meta)
+    print(f"wrote {args.out}.json and {args.out}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The modules the benchmark runs, each behind the same small interface: build on a device,
+forward on a KJT, one training step on a KJT."""
+from typing import Callable, Dict, Optional
+
+import torch
+import torchrec
+
+import recom_rec
+
+from .workloads import Workload
+
+
+class Peer:
+    name = ""
+
+    def __init__(self, workload: Workload, device: torch.device, optimizer: str) -> None:
+        self.workload, self.device, self.optimizer = workload, device, optimizer
+
+    def forward(self, kjt) -> torch.Tensor:
+        raise NotImplementedError
+
+    def train_step(self, kjt, grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class _ModulePeer(Peer):
+    """torchrec-style modules (ours, torchrec's): dense gradients, then the optimizer."""
+
+    def __init__(self, workload, device, optimizer, module) -> None:
+        super().__init__(workload, device, optimizer)
+        self.module = module
+        self.opt = _dense_optimizer(optimizer, list(module.parameters()))
+
+    def forward(self, kjt):
+        return self.module(kjt).values()
+
+    def train_step(self, kjt, grad):
+        self.module(kjt).values().backward(grad)
+        if self.opt is not None:
+            self.opt.step()
+        for p in self.module.parameters():
+            p.grad = None
+
+
+def _dense_optimizer(name: str, params):
+    if name == "none":
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.01)
+    raise ValueError(f"no dense optimizer {name!r} for this peer")
+
+
+class RecomRec(_ModulePeer):
+    name = "recom_rec"
+
+    def __init__(self, workload, device, optimizer, backend="auto"):
+        module = recom_rec.EmbeddingBagCollection(workload.tables(), device=device, backend=backend,
+                                                  validate_inputs=False)
+        super().__init__(workload, device, optimizer, module)
+
+
+class TorchrecEBC(_ModulePeer):
+    name = "torchrec"
+
+    def __init__(self, workload, device, optimizer):
+        super().__init__(workload, device, optimizer, torchrec.EmbeddingBagCollection(workload.tables(), device=device))
+
+
+class CompiledTorchrecEBC(_ModulePeer):
+    name = "compile"
+
+    def __init__(self, workload, device, optimizer):
+        super().__init__(workload, device, optimizer, torchrec.EmbeddingBagCollection(workload.tables(), device=device))
+        self.compiled = torch.compile(self.module)
+
+    def forward(self, kjt):
+        return self.compiled(kjt).values()
+
+    def train_step(self, kjt, grad):
+        self.compiled(kjt).values().backward(grad)
+        if self.opt is not None:
+            self.opt.step()
+        for p in self.module.parameters():
+            p.grad = None
+
+
+def fbgemm_available(device: torch.device) -> bool:
+    try:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except Exception:
+        return False
+    return True
+
+
+class FbgemmTBE(Peer):
+    """fbgemm's table-batched embedding (what sharded torchrec runs), optimizer fused into its
+    backward (it has no plain-gradient mode)."""
+
+    name = "fbgemm"
+
+    def __init__(self, workload, device, optimizer):
+        super().__init__(workload, device, optimizer)
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
+        from fbgemm_gpu.split_embedding_configs import SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        cuda = device.type == "cuda"
+        location = EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST
+        compute = ComputeDevice.CUDA if cuda else ComputeDevice.CPU
+        opt = {"sgd": OptimType.EXACT_SGD, "none": OptimType.EXACT_SGD,
+               "rowwise_adagrad": OptimType.EXACT_ROWWISE_ADAGRAD}[optimizer]
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(n, d, location, compute) for n, d in zip(workload.rows, workload.dims)],
+            optimizer=opt, learning_rate=0.01, pooling_mode=PoolingMode.SUM,
+            weights_precision=SparseType.FP32, output_dtype=SparseType.FP32,
+            device=device if cuda else None,
+        )
+
+    def forward(self, kjt):
+        return self.tbe(kjt.values(), kjt.offsets())
+
+    def train_step(self, kjt, grad):
+        self.tbe(kjt.values(), kjt.offsets()).backward(grad)
+
+
+PEERS: Dict[str, Callable[..., Peer]] = {
+    "recom_rec": RecomRec,
+    "torchrec": TorchrecEBC,
+    "fbgemm": FbgemmTBE,
+    "compile": CompiledTorchrecEBC,
+}
