@@ -67,6 +67,30 @@ def _pooled_forward_kernel(
 
 
 @triton.jit
+def _sum_row_gradient(
+    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
+    i, key, num_lookups, total_dim, d, d_mask, META_W: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Sum of the gradients of every lookup of one row (the run of equal keys starting at i),
+    in input order."""
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    j = i
+    more = True
+    while more:
+        e = tl.load(order_ptr + j)
+        f = tl.load(feature_ptr + e)
+        bag = tl.load(bag_ptr + e)
+        s = tl.load(scale_ptr + e)
+        col = tl.load(meta_ptr + f * META_W + 2)
+        g = tl.load(grad_out_ptr + bag * total_dim + col + d, mask=d_mask, other=0.0).to(tl.float32)
+        acc += g * s
+        j += 1
+        nxt = tl.load(sorted_key_ptr + j, mask=j < num_lookups, other=-1)
+        more = (j < num_lookups) & (nxt == key)
+    return acc
+
+
+@triton.jit
 def _row_gradient_kernel(
     sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr, grad_ptr,
     num_lookups, total_dim,
@@ -77,29 +101,68 @@ def _row_gradient_kernel(
     prev = tl.load(sorted_key_ptr + i - 1, mask=i > 0, other=-1)
     # Only the first lookup of each distinct row does the work for all of that row's lookups.
     if (i == 0) | (prev != key):
-        first = tl.load(order_ptr + i)
-        f0 = tl.load(feature_ptr + first)
+        f0 = tl.load(feature_ptr + tl.load(order_ptr + i))
         dim = tl.load(meta_ptr + f0 * META_W + 0)
         base = tl.load(meta_ptr + f0 * META_W + 1)
         row_base = tl.load(meta_ptr + f0 * META_W + 5)
         d = tl.arange(0, BLOCK_D)
         d_mask = d < dim
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        j = i
-        more = True
-        while more:
-            e = tl.load(order_ptr + j)
-            f = tl.load(feature_ptr + e)
-            bag = tl.load(bag_ptr + e)
-            s = tl.load(scale_ptr + e)
-            col = tl.load(meta_ptr + f * META_W + 2)
-            g = tl.load(grad_out_ptr + bag * total_dim + col + d, mask=d_mask, other=0.0).to(tl.float32)
-            acc += g * s
-            j += 1
-            nxt = tl.load(sorted_key_ptr + j, mask=j < num_lookups, other=-1)
-            more = (j < num_lookups) & (nxt == key)
+        acc = _sum_row_gradient(sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr,
+                                grad_out_ptr, i, key, num_lookups, total_dim, d, d_mask, META_W, BLOCK_D)
         row = key - row_base
         tl.store(grad_ptr + base + row * dim + d, acc.to(grad_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _row_update_kernel(
+    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
+    weight_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
+    num_lookups, total_dim,
+    META_W: tl.constexpr, BLOCK_D: tl.constexpr, OPT: tl.constexpr,
+):
+    """Backward with the optimizer fused in: one program per distinct row sums its gradient and
+    updates the row (and its optimizer state) in place. Same formulas as optim/rows.py."""
+    i = tl.program_id(0).to(tl.int64)
+    key = tl.load(sorted_key_ptr + i)
+    prev = tl.load(sorted_key_ptr + i - 1, mask=i > 0, other=-1)
+    if (i == 0) | (prev != key):
+        f0 = tl.load(feature_ptr + tl.load(order_ptr + i))
+        dim = tl.load(meta_ptr + f0 * META_W + 0)
+        base = tl.load(meta_ptr + f0 * META_W + 1)
+        row_base = tl.load(meta_ptr + f0 * META_W + 5)
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < dim
+        g = _sum_row_gradient(sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr,
+                              grad_out_ptr, i, key, num_lookups, total_dim, d, d_mask, META_W, BLOCK_D)
+        at = base + (key - row_base) * dim + d
+        w = tl.load(weight_ptr + at, mask=d_mask, other=0.0).to(tl.float32)
+        lr = tl.load(hyper_ptr + 0)
+        eps = tl.load(hyper_ptr + 1)
+        wd = tl.load(hyper_ptr + 4)
+        decoupled = tl.load(hyper_ptr + 5)
+        g = tl.where(d_mask, g + wd * (1.0 - decoupled) * w, 0.0)
+        if OPT == 0:  # SGD
+            w_new = w - lr * g
+        elif OPT == 1:  # Adagrad: one accumulator per element
+            acc = tl.load(state1_ptr + at, mask=d_mask, other=0.0) + g * g
+            tl.store(state1_ptr + at, acc, mask=d_mask)
+            w_new = w - lr * g / (tl.sqrt(acc) + eps)
+        elif OPT == 2:  # row-wise Adagrad: one accumulator per row, indexed by global row
+            acc = tl.load(state1_ptr + key) + tl.sum(g * g, axis=0) / dim.to(tl.float32)
+            tl.store(state1_ptr + key, acc)
+            w_new = w - lr * g / (tl.sqrt(acc) + eps)
+        else:  # Adam (sparse: only touched rows' moments move)
+            beta1 = tl.load(hyper_ptr + 2)
+            beta2 = tl.load(hyper_ptr + 3)
+            t = tl.load(step_ptr).to(tl.float32)
+            m = beta1 * tl.load(state1_ptr + at, mask=d_mask, other=0.0) + (1.0 - beta1) * g
+            v = beta2 * tl.load(state2_ptr + at, mask=d_mask, other=0.0) + (1.0 - beta2) * g * g
+            tl.store(state1_ptr + at, m, mask=d_mask)
+            tl.store(state2_ptr + at, v, mask=d_mask)
+            m_hat = m / (1.0 - tl.exp(t * tl.log(beta1)))
+            v_hat = v / (1.0 - tl.exp(t * tl.log(beta2)))
+            w_new = w - lr * (m_hat / (tl.sqrt(v_hat) + eps)) - lr * wd * decoupled * w
+        tl.store(weight_ptr + at, w_new.to(weight_ptr.dtype.element_ty), mask=d_mask)
 
 
 def _block_d(feature_meta_cpu_max_dim: int) -> int:
@@ -169,3 +232,24 @@ def backward(
         META_W=META_WIDTH, BLOCK_D=_block_d(max_dim),
     )
     return grad
+
+
+def fused_update(
+    grad_output, flat, states, state_is_row, hyper, step, values, offsets, per_sample_weights,
+    feature_meta, key_index, batch_size, max_dim, kind,
+) -> None:
+    if feature_meta.shape[0] == 0 or batch_size == 0:
+        return
+    lookups, scale, sorted_key, order = sorted_lookups(
+        values, offsets, per_sample_weights, feature_meta, key_index, batch_size
+    )
+    n = sorted_key.numel()
+    if n == 0:
+        return
+    state1 = states[0] if len(states) > 0 else flat
+    state2 = states[1] if len(states) > 1 else flat
+    _row_update_kernel[(n,)](
+        sorted_key, order, lookups.feature, lookups.bag, scale, feature_meta, grad_output.contiguous(),
+        flat, state1, state2, hyper, step, n, grad_output.shape[1],
+        META_W=META_WIDTH, BLOCK_D=_block_d(max_dim), OPT=kind,
+    )

@@ -7,7 +7,7 @@ flat buffer and every feature of every table is pooled by one kernel launch.
 import copy
 from collections import OrderedDict
 from functools import lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -34,6 +34,8 @@ from ..ops.layout import (
     pack_tables,
 )
 from ..ops.validation import encode_names
+from ..optim.keyed import FusedEmbeddingOptimizer
+from ..optim.spec import FusedOptimizerSpec, spec_from_optimizer
 from .table_weight import FlatLink, TableEmbeddingBag
 
 try:  # torchrec >= 1.7 accepts a TensorDict as input
@@ -103,6 +105,11 @@ def _fused_lookup(
     backend: str,
     validate: bool,
     output_columns: Optional[torch.Tensor],
+    optimizer: int,
+    optimizer_states: List[List[torch.Tensor]],
+    optimizer_state_is_row: List[bool],
+    hyper: Optional[torch.Tensor],
+    step: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """All groups' lookups, concatenated in the module's output order.
 
@@ -132,6 +139,7 @@ def _fused_lookup(
             pooled_embedding_forward(
                 weights[g], flats[g], values, offsets, per_sample_weights, metas[g], key_index,
                 batch_size, sum(group_dims[g]), max(group_dims[g]), backend, validate, names,
+                optimizer, optimizer_states[g] if optimizer >= 0 else [], optimizer_state_is_row, hyper, step,
             )
         )
     if len(outs) == 1:
@@ -201,6 +209,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._feature_names: List[List[str]] = [t.feature_names for t in tables]
         self._groups = self._plan_groups(tables)
         self._build_storage(device)
+        self._fused_spec: Optional[FusedOptimizerSpec] = None
+        self._fused_optimizer: Optional[FusedEmbeddingOptimizer] = None
+        self._seen_in_backward = None
         self.reset_parameters()
 
     # ----------------------------------------------------------------------------- layout
@@ -307,6 +318,16 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 if w.grad is not None:
                     bag.weight.grad = fn(w.grad)
             self._buffers[group.flat_name] = new_flat
+        if self._fused_spec is not None:
+            # .data swaps keep the tensors the KeyedOptimizer holds (param group, "step").
+            device = self._flat(self._groups[0]).device if self._groups else self._device
+            self._fused_hyper.data = self._fused_hyper.data.to(device)
+            self._fused_step.data = self._fused_step.data.to(device)
+            for group in self._groups:
+                for name, _ in self._fused_spec.state_names():
+                    key = f"_optimizer_{name}_{group.index}"
+                    self._buffers[key] = fn(self._buffers[key])
+                self._bind_optimizer_state_views(group)
         # Index metadata is not data: never let fn touch it (to_empty would fill it with
         # garbage, .half() must not apply); rebuild it from its host copy on the new device.
         device = self._flat(self._groups[0]).device if self._groups else self._device
@@ -332,7 +353,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         features = maybe_td_to_kjt(features, None)
         if self._flat_link.stale:
             self._repack_flat_buffers()
+        if not torch.compiler.is_compiling():
+            self._sync_optimizer_in_backward()
         grad = torch.is_grad_enabled()
+        fused = self._fused_spec
         values = _fused_lookup(
             features,
             [self._flat(g) for g in self._groups],
@@ -345,10 +369,98 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             self.backend,
             self.validate_inputs,
             self._output_columns,
+            fused.kind if fused is not None and grad else -1,
+            [self._optimizer_states(g) for g in self._groups] if fused is not None else [],
+            [kind == "row" for _, kind in fused.state_names()] if fused is not None else [],
+            self._fused_hyper if fused is not None else None,
+            self._fused_step if fused is not None else None,
         )
         return KeyedTensor(
             keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding
         )
+
+    # ----------------------------------------------------------------------------- fused training
+    def enable_fused_optimizer(self, optimizer: Any, **kwargs: Any) -> FusedEmbeddingOptimizer:
+        """Fuses ``optimizer`` into the backward: each batch's touched rows are updated in place
+        (duplicate ids summed first) and the tables get no ``.grad``. ``optimizer`` is a class
+        (``torch.optim.SGD``/``Adagrad``/``Adam``/``AdamW``, ``torchrec.optim.RowWiseAdagrad``)
+        or a name (``"sgd"``, ``"adagrad"``, ``"rowwise_adagrad"``, ``"adam"``, ``"adamw"``);
+        ``kwargs`` are its constructor's. torchrec's ``apply_optimizer_in_backward`` on this
+        module's parameters does the same. Returns ``self.fused_optimizer``."""
+        spec = spec_from_optimizer(optimizer, kwargs)
+        device = self._device
+        self._fused_spec = spec
+        self._fused_hyper = spec.hyper_tensor(device)
+        self._fused_step = torch.zeros(1, dtype=torch.int64, device=device)
+        state: Dict[nn.Parameter, Dict[str, torch.Tensor]] = {}
+        for group in self._groups:
+            for name, kind in spec.state_names():
+                size = sum(s.num_embeddings for s in group.slots) if kind == "row" else group.total_numel
+                flat_state = torch.full((size,), spec.initial_accumulator_value if name == "sum" else 0.0,
+                                        dtype=torch.float32, device=device)
+                self.register_buffer(f"_optimizer_{name}_{group.index}", flat_state, persistent=False)
+            self._bind_optimizer_state_views(group)
+            for slot in group.slots:
+                bag = self.embedding_bags[slot.name]
+                state[bag.weight] = {name: bag._buffers[f"optimizer_{name}"] for name, _ in spec.state_names()}
+                if spec.kind == 3:  # Adam: the bias correction's step count
+                    state[bag.weight]["step"] = self._fused_step
+        params = {f"embedding_bags.{name}.weight": bag.weight for name, bag in self.embedding_bags.items()}
+        self._fused_optimizer = FusedEmbeddingOptimizer(spec, params, state, self._fused_hyper)
+        return self._fused_optimizer
+
+    def _bind_optimizer_state_views(self, group: _Group) -> None:
+        """Per-table views of the group's flat optimizer state, as persistent buffers of the
+        table modules (so the state is saved and restored with the module's checkpoint)."""
+        for name, kind in self._fused_spec.state_names():
+            flat_state = getattr(self, f"_optimizer_{name}_{group.index}")
+            for slot in group.slots:
+                if kind == "row":
+                    view = flat_state[slot.row_base:slot.row_base + slot.num_embeddings]
+                else:
+                    view = flat_state[slot.elem_base:slot.elem_base + slot.numel].view(
+                        slot.num_embeddings, slot.embedding_dim)
+                buffers = self.embedding_bags[slot.name]._buffers
+                existing = buffers.get(f"optimizer_{name}")
+                if existing is not None and torch._has_compatible_shallow_copy_type(existing, view):
+                    existing.data = view  # keep the object the KeyedOptimizer's state refers to
+                else:
+                    buffers[f"optimizer_{name}"] = view
+
+    def _optimizer_states(self, group: _Group) -> List[torch.Tensor]:
+        return [getattr(self, f"_optimizer_{name}_{group.index}") for name, _ in self._fused_spec.state_names()]
+
+    @property
+    def fused_optimizer(self) -> Optional[FusedEmbeddingOptimizer]:
+        """The fused optimizer as a torchrec ``KeyedOptimizer`` (None until one is enabled)."""
+        return self._fused_optimizer
+
+    def _sync_optimizer_in_backward(self) -> None:
+        """Picks up ``apply_optimizer_in_backward(cls, module.parameters(), kwargs)``."""
+        if not self._groups or not self._groups[0].slots:
+            return
+        first = self.embedding_bags[self._groups[0].slots[0].name].weight
+        classes = getattr(first, "_optimizer_classes", None)
+        if not classes:
+            return
+        marker = (id(classes), len(classes))
+        if marker == self._seen_in_backward:
+            return
+        configs = []
+        for name, bag in self.embedding_bags.items():
+            cls = getattr(bag.weight, "_optimizer_classes", None)
+            kw = getattr(bag.weight, "_optimizer_kwargs", None)
+            if not cls:
+                raise ValueError(f"apply_optimizer_in_backward was applied to some tables but not to {name!r}; "
+                                 "a fused module applies one optimizer to all its tables")
+            configs.append((name, cls[-1], kw[-1]))
+        _, cls0, kw0 = configs[0]
+        for name, cls, kw in configs[1:]:
+            if cls is not cls0 or kw != kw0:
+                raise ValueError(f"table {name!r} asks for {cls.__name__}({kw}) but {configs[0][0]!r} for "
+                                 f"{cls0.__name__}({kw0}); a fused module applies one optimizer to all its tables")
+        self.enable_fused_optimizer(cls0, **kw0)
+        self._seen_in_backward = marker
 
     def is_weighted(self) -> bool:
         return self._is_weighted

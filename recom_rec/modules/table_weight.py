@@ -31,3 +31,12 @@ class TableEmbeddingBag(nn.EmbeddingBag):
         link = self.__dict__.get("_flat_link")
         if name == "weight" and link is not None:
             link.stale = True
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        # A checkpoint without fused-optimizer state (e.g. torchrec's own) still loads: the
+        # state keeps its current values.
+        optimizer_keys = {prefix + name for name in self._buffers if name.startswith("optimizer_")}
+        missing_keys[:] = [k for k in missing_keys if k not in optimizer_keys]

@@ -53,11 +53,18 @@ def pooled_embedding_forward(
     backend: str,
     validate: bool,
     names: str,
+    optimizer: int,
+    optimizer_states: List[Tensor],
+    optimizer_state_is_row: List[bool],
+    hyper: Optional[Tensor],
+    step: Optional[Tensor],
 ) -> Tensor:
     """Pooled embeddings ``[batch_size, total_dim]`` (fp32) of every feature of a group.
 
     ``weights`` are the per-table parameters (views of ``flat``), passed only so autograd can
-    route gradients to them; the lookup itself reads ``flat``."""
+    route gradients to them; the lookup itself reads ``flat``. With ``optimizer >= 0`` (an
+    ``optim.spec`` kind) the backward updates ``flat`` and the optimizer states in place instead
+    of returning gradients."""
     keys = _key_index_tensor(key_index, flat.device)
     if validate:
         validate_inputs(values, offsets, per_sample_weights, feature_meta, keys, batch_size, names)
@@ -72,7 +79,8 @@ def pooled_embedding_forward(
 
 @pooled_embedding_forward.register_fake
 def _(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
-      total_dim, max_dim, backend, validate, names):
+      total_dim, max_dim, backend, validate, names, optimizer, optimizer_states,
+      optimizer_state_is_row, hyper, step):
     return flat.new_empty((batch_size, total_dim), dtype=torch.float32)
 
 
@@ -130,10 +138,52 @@ def _(grad_output, flat, values, offsets, feature_meta, key_index, batch_size):
     return grad_output.new_empty((values.shape[0],), dtype=torch.float32)
 
 
+@torch.library.custom_op(
+    "recom_rec::fused_embedding_update", mutates_args=("flat", "optimizer_states", "step")
+)
+def fused_embedding_update(
+    grad_output: Tensor,
+    flat: Tensor,
+    optimizer_states: List[Tensor],
+    optimizer_state_is_row: List[bool],
+    hyper: Tensor,
+    step: Tensor,
+    values: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Optional[Tensor],
+    feature_meta: Tensor,
+    key_index: List[int],
+    batch_size: int,
+    max_dim: int,
+    optimizer: int,
+    backend: str,
+) -> None:
+    """The backward with the optimizer fused in: updates the touched rows of ``flat`` and their
+    optimizer state in place (duplicate ids summed first), and counts the step."""
+    step.add_(1)
+    keys = _key_index_tensor(key_index, flat.device)
+    impl = _triton() if resolve_backend(backend, flat.device) == "triton" else torch_backend
+    impl.fused_update(
+        grad_output, flat, optimizer_states, optimizer_state_is_row, hyper, step, values, offsets,
+        per_sample_weights, feature_meta, keys, batch_size, max_dim, optimizer,
+    )
+
+
+@fused_embedding_update.register_fake
+def _(grad_output, flat, optimizer_states, optimizer_state_is_row, hyper, step, values, offsets,
+      per_sample_weights, feature_meta, key_index, batch_size, max_dim, optimizer, backend):
+    return None
+
+
 def _setup_context(ctx, inputs, output):
     (weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
-     total_dim, max_dim, backend, validate, names) = inputs
-    ctx.save_for_backward(flat, values, offsets, per_sample_weights, feature_meta)
+     total_dim, max_dim, backend, validate, names, optimizer, optimizer_states,
+     optimizer_state_is_row, hyper, step) = inputs
+    ctx.optimizer = optimizer
+    ctx.optimizer_state_is_row = optimizer_state_is_row
+    ctx.num_states = len(optimizer_states)
+    ctx.save_for_backward(flat, values, offsets, per_sample_weights, feature_meta, hyper, step,
+                          *optimizer_states)
     ctx.table_shapes = [tuple(w.shape) for w in weights]
     ctx.key_index = key_index
     ctx.batch_size = batch_size
@@ -149,9 +199,16 @@ def _wants_grad(flag) -> bool:
 
 
 def _backward(ctx, grad_output):
-    flat, values, offsets, per_sample_weights, feature_meta = ctx.saved_tensors
+    flat, values, offsets, per_sample_weights, feature_meta, hyper, step, *states = ctx.saved_tensors
     grad_weights = None
-    if ctx.table_shapes and _wants_grad(ctx.needs_input_grad[0]):
+    if ctx.optimizer >= 0 and ctx.table_shapes and _wants_grad(ctx.needs_input_grad[0]):
+        # The optimizer runs here; the tables get no .grad (as with fbgemm's fused TBE).
+        fused_embedding_update(
+            grad_output, flat, states, ctx.optimizer_state_is_row, hyper, step, values, offsets,
+            per_sample_weights, feature_meta, ctx.key_index, ctx.batch_size, ctx.max_dim,
+            ctx.optimizer, ctx.backend,
+        )
+    elif ctx.table_shapes and _wants_grad(ctx.needs_input_grad[0]):
         grad_flat = pooled_embedding_backward(
             grad_output, values, offsets, per_sample_weights, feature_meta, ctx.key_index,
             ctx.batch_size, ctx.flat_numel, ctx.max_dim, ctx.flat_dtype, ctx.backend,
@@ -165,7 +222,11 @@ def _backward(ctx, grad_output):
         grad_psw = pooled_embedding_weights_backward(
             grad_output, flat, values, offsets, feature_meta, ctx.key_index, ctx.batch_size
         ).to(per_sample_weights.dtype)
-    return (grad_weights, None, None, None, grad_psw) + (None,) * 8
+    # One entry per input, tensor lists mirrored element by element (autograd checks the structure).
+    if grad_weights is None:
+        grad_weights = [None] * len(ctx.table_shapes)
+    is_row = [] if not ctx.optimizer_state_is_row else None  # an empty list keeps its list structure
+    return (grad_weights, None, None, None, grad_psw) + (None,) * 9 + ([None] * ctx.num_states, is_row, None, None)
 
 
 pooled_embedding_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -4,12 +4,12 @@ It runs on any device (it is the CPU path, and a fallback on CUDA). Every table 
 served by the same few gathers and one ``index_add_`` over the flat buffer, never by a loop over
 tables. Accumulation is in fp32 whatever the weight dtype.
 """
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from .jagged import Lookups, element_indices, expand_lookups, feature_dims, lookup_scale
-from .layout import META_DIM, META_ELEM_BASE, META_OUT_COL
+from .layout import META_DIM, META_ELEM_BASE, META_OUT_COL, META_ROW_BASE
 
 
 def _uniform_dim(feature_meta: torch.Tensor) -> int:
@@ -118,3 +118,58 @@ def per_sample_weights_grad(
     per_lookup.index_add_(0, lookup, products)
     grad.index_add_(0, lookups.position, per_lookup * lookups.pool_scale)
     return grad
+
+
+def fused_update(
+    grad_output: torch.Tensor,
+    flat: torch.Tensor,
+    states: List[torch.Tensor],
+    state_is_row: List[bool],
+    hyper: torch.Tensor,
+    step: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    feature_meta: torch.Tensor,
+    key_index: torch.Tensor,
+    batch_size: int,
+    max_dim: int,
+    kind: int,
+) -> None:
+    """Backward with the optimizer fused in: sums the gradient of each touched row (duplicates
+    first, as fbgemm's exact optimizers do), then updates those rows and their state in place."""
+    from ..optim.rows import update_rows
+
+    if feature_meta.shape[0] == 0 or batch_size == 0:
+        return
+    grad_output = grad_output.to(torch.float32).contiguous()
+    lookups = expand_lookups(values, offsets, feature_meta, key_index, batch_size)
+    if lookups.ids.numel() == 0:
+        return
+    scale = lookup_scale(lookups, per_sample_weights)
+    row_key = feature_meta[lookups.feature, META_ROW_BASE] + lookups.ids
+    rows, inverse = torch.unique(row_key, sorted=True, return_inverse=True)
+    num_rows, total_dim = rows.numel(), grad_output.shape[1]
+    lookup, col = element_indices(lookups, feature_dims(feature_meta))
+    out_at = lookups.bag[lookup] * total_dim + feature_meta[lookups.feature[lookup], META_OUT_COL] + col
+    grads = torch.zeros(num_rows * max_dim, dtype=torch.float32, device=flat.device)
+    grads.index_add_(0, inverse[lookup] * max_dim + col, grad_output.view(-1)[out_at] * scale[lookup])
+    grads = grads.view(num_rows, max_dim)
+
+    feature_of_row = torch.empty(num_rows, dtype=torch.int64, device=flat.device).scatter_(0, inverse, lookups.feature)
+    dims = feature_meta[feature_of_row, META_DIM]
+    ids = rows - feature_meta[feature_of_row, META_ROW_BASE]
+    cols = torch.arange(max_dim, device=flat.device)
+    mask = cols[None, :] < dims[:, None]
+    elements = torch.where(mask, (feature_meta[feature_of_row, META_ELEM_BASE] + ids * dims)[:, None] + cols, 0)
+    old_states = [s[rows] if is_row else s[elements].to(torch.float32)
+                  for s, is_row in zip(states, state_is_row)]
+    new_weights, new_states = update_rows(
+        kind, flat[elements].to(torch.float32), grads, mask, dims, old_states, hyper, step
+    )
+    flat[elements[mask]] = new_weights[mask].to(flat.dtype)
+    for s, is_row, new in zip(states, state_is_row, new_states):
+        if is_row:
+            s[rows] = new
+        else:
+            s[elements[mask]] = new[mask].to(s.dtype)
