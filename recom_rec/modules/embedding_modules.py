@@ -5,6 +5,7 @@ Same constructor, input, output, ``state_dict`` and numbers as
 flat buffer and every feature of every table is pooled by one kernel launch.
 """
 import copy
+import warnings
 from collections import OrderedDict
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Tuple
@@ -43,6 +44,13 @@ try:  # torchrec >= 1.7 accepts a TensorDict as input
 except ImportError:  # pragma: no cover - torchrec 1.6
     def maybe_td_to_kjt(features, keys=None):  # type: ignore[misc]
         return features
+
+def _fx_tracing() -> bool:
+    from torch.fx import _symbolic_trace
+
+    check = getattr(_symbolic_trace, "is_fx_symbolic_tracing", None) or _symbolic_trace.is_fx_tracing
+    return check()
+
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 
@@ -336,6 +344,20 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._device = device
         return self
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        # Checkpoints without fused-optimizer state (torchrec's own) load strictly too.
+        missing_keys[:] = [k for k in missing_keys if k != prefix + "fused_optimizer_step"]
+        if self._fused_spec is None:
+            # Optimizer state for a module without a fused optimizer yet: nothing to put it in.
+            dropped = [k for k in unexpected_keys if k == prefix + "fused_optimizer_step"]
+            if dropped:
+                warnings.warn("fused_optimizer_step ignored: enable the fused optimizer before "
+                              "load_state_dict to restore it")
+                unexpected_keys[:] = [k for k in unexpected_keys if k not in dropped]
+
     def __deepcopy__(self, memo):
         # copy.deepcopy clones each Parameter on its own (Parameter.__deepcopy__), which would
         # leave the copy's tables detached from the copy's flat buffer: copy, then repack.
@@ -353,7 +375,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         features = maybe_td_to_kjt(features, None)
         if self._flat_link.stale:
             self._repack_flat_buffers()
-        if not torch.compiler.is_compiling():
+        if not (torch.compiler.is_compiling() or _fx_tracing()):
             self._sync_optimizer_in_backward()
         grad = torch.is_grad_enabled()
         fused = self._fused_spec
@@ -392,6 +414,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._fused_spec = spec
         self._fused_hyper = spec.hyper_tensor(device)
         self._fused_step = torch.zeros(1, dtype=torch.int64, device=device)
+        # Saved with the module's checkpoint (Adam's bias correction depends on it).
+        self.register_buffer("fused_optimizer_step", self._fused_step)
         state: Dict[nn.Parameter, Dict[str, torch.Tensor]] = {}
         for group in self._groups:
             for name, kind in spec.state_names():

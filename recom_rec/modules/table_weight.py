@@ -4,6 +4,8 @@ It *is* an ``nn.EmbeddingBag`` (so code written against torchrec's ``embedding_b
 working, and it can even be called on its own), whose ``weight`` is a leaf Parameter viewing the
 table's slice of the collection's flat buffer.
 """
+import warnings
+
 import torch
 from torch import nn
 
@@ -40,3 +42,9 @@ class TableEmbeddingBag(nn.EmbeddingBag):
         # state keeps its current values.
         optimizer_keys = {prefix + name for name in self._buffers if name.startswith("optimizer_")}
         missing_keys[:] = [k for k in missing_keys if k not in optimizer_keys]
+        # State of a fused optimizer this module does not have (yet): nothing to put it in.
+        dropped = [k for k in unexpected_keys if k.startswith(prefix + "optimizer_") and k not in optimizer_keys]
+        if dropped:
+            warnings.warn(f"fused-optimizer state {dropped} ignored: enable the same fused optimizer "
+                          "before load_state_dict to restore it")
+            unexpected_keys[:] = [k for k in unexpected_keys if k not in dropped]
