@@ -16,7 +16,11 @@ from .report import format_table, plot_results
 from .timing import copy_bandwidth_gbs, time_ms
 from .workloads import WORKLOADS, get_workload
 
-PHASES = ("forward", "backward")
+# forward: inference under no_grad. backward: forward + backward to dense gradients (fbgemm has
+# no such mode and applies its fused SGD). sgd / rowwise_adagrad: a whole training step of the
+# embeddings - fused into the backward for recom_rec and fbgemm, dense gradients + torch.optim
+# (torchrec's RowWiseAdagrad) for torchrec's module.
+PHASES = ("forward", "backward", "sgd", "rowwise_adagrad")
 
 
 def parse_args(argv=None):
@@ -26,8 +30,9 @@ def parse_args(argv=None):
                    choices=list(WORKLOADS))
     p.add_argument("--peers", nargs="+", default=["recom_rec", "torchrec", "fbgemm"], choices=list(PEERS))
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES,
-                   help="forward: inference under no_grad; backward: forward+backward (dense gradients "
-                   "for recom_rec/torchrec; fbgemm always applies its fused SGD in backward)")
+                   help="forward: inference under no_grad; backward: forward+backward to dense gradients "
+                   "(fbgemm applies its fused SGD); sgd, rowwise_adagrad: forward+backward+optimizer "
+                   "(fused for recom_rec and fbgemm)")
     p.add_argument("--backend", default="auto", help="recom_rec backend: auto, triton or torch")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="scaled-down workloads (default on the CPU)")
@@ -35,6 +40,39 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default="bench-results", help="file stem for the .json and .png outputs")
     return p.parse_args(argv)
+
+
+def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
+    rows = []
+    kwargs = {"backend": args.backend} if pname == "recom_rec" else {}
+    fbgemm_opt = "sgd" if optimizer == "none" else optimizer  # fbgemm always fuses an optimizer
+    try:
+        peer = PEERS[pname](w, device, fbgemm_opt if pname == "fbgemm" else optimizer, **kwargs)
+    except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:  # e.g. a peer that does not fit
+        return [{"workload": w.name, "peer": pname, "phase": p, "error": str(e)[:200]} for p in phases]
+    grad = torch.ones(w.batch_size, sum(w.dims), device=device)
+    for phase in phases:
+        row = {"workload": w.name, "peer": pname, "phase": phase}
+        if phase == "forward":
+            def step():
+                with torch.no_grad():
+                    peer.forward(kjt)
+        else:
+            def step():
+                peer.train_step(kjt, grad)
+        try:
+            row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
+            if phase == "forward":
+                row["gbs"] = w.lookup_bytes() / (row["ms"] * 1e-3) / 1e9
+                row["ceiling_share"] = row["gbs"] / ceiling
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            row["error"] = str(e)[:200]
+        rows.append(row)
+    del peer, step
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
 
 
 def run(args):
@@ -47,35 +85,12 @@ def run(args):
         w = get_workload(wname, small)
         kjt = w.make_input(device)
         for pname in peers:
-            kwargs = {"backend": args.backend} if pname == "recom_rec" else {}
-            try:
-                peer = PEERS[pname](w, device, "none", **kwargs)
-            except (RuntimeError, torch.OutOfMemoryError) as e:  # e.g. a peer that does not fit
-                results.append({"workload": wname, "peer": pname, "phase": "forward", "error": str(e)[:200]})
-                continue
-            for phase in args.phases:
-                row = {"workload": wname, "peer": pname, "phase": phase}
-                try:
-                    if phase == "forward":
-                        def step():
-                            with torch.no_grad():
-                                peer.forward(kjt)
-                    else:
-                        grad = torch.ones(w.batch_size, sum(w.dims), device=device)
-
-                        def step():
-                            peer.train_step(kjt, grad)
-                    row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
-                    if phase == "forward":
-                        row["gbs"] = w.lookup_bytes() / (row["ms"] * 1e-3) / 1e9
-                        row["ceiling_share"] = row["gbs"] / ceiling
-                except (RuntimeError, torch.OutOfMemoryError) as e:
-                    row["error"] = str(e)[:200]
-                results.append(row)
-            del peer
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            # forward and backward share a peer without optimizer; each optimizer phase builds its own.
+            plan = [("none", [p for p in args.phases if p in ("forward", "backward")])]
+            plan += [(p, [p]) for p in args.phases if p not in ("forward", "backward")]
+            for optimizer, phases in plan:
+                if phases:
+                    results.extend(_run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling))
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "copy_gbs": ceiling, "small": small, "backend": args.backend,

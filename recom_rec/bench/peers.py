@@ -47,16 +47,24 @@ def _dense_optimizer(name: str, params):
         return None
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.01)
+    if name == "rowwise_adagrad":
+        from torchrec.optim import RowWiseAdagrad
+
+        return RowWiseAdagrad(params, lr=0.01)
     raise ValueError(f"no dense optimizer {name!r} for this peer")
 
 
 class RecomRec(_ModulePeer):
+    """Ours: with an optimizer, fused into the backward (no dense gradient, no optimizer step)."""
+
     name = "recom_rec"
 
     def __init__(self, workload, device, optimizer, backend="auto"):
         module = recom_rec.EmbeddingBagCollection(workload.tables(), device=device, backend=backend,
                                                   validate_inputs=False)
-        super().__init__(workload, device, optimizer, module)
+        if optimizer != "none":
+            module.enable_fused_optimizer(optimizer, lr=0.01)
+        super().__init__(workload, device, "none", module)
 
 
 class TorchrecEBC(_ModulePeer):

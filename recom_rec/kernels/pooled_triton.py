@@ -179,19 +179,23 @@ def forward(
     batch_size: int,
     total_dim: int,
     max_dim: int,
+    block_b: Optional[int] = None,
+    num_warps: Optional[int] = None,
 ) -> torch.Tensor:
     out = torch.empty(batch_size, total_dim, dtype=torch.float32, device=flat.device)
     num_features = feature_meta.shape[0]
     if num_features == 0 or batch_size == 0:
         return out.zero_()
     block_d = _block_d(max_dim)
-    block_b = max(1, min(64, 4096 // block_d))
+    if block_b is None:
+        block_b = max(1, min(64, 4096 // block_d))
     grid = (num_features, triton.cdiv(batch_size, block_b))
     weights = per_sample_weights if per_sample_weights is not None else flat
     _pooled_forward_kernel[grid](
         flat, values, offsets, weights, feature_meta, key_index, out,
         batch_size, total_dim,
         META_W=META_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d,
+        num_warps=num_warps or 4,
     )
     return out
 

@@ -1,0 +1,67 @@
+"""Device-side investigation (not a benchmark): where recom_rec's time goes on a workload, and a
+sweep of the forward kernel's launch shape. Usage: python tools/profile_gpu.py OUT_DIR"""
+import json
+import sys
+
+import torch
+
+from recom_rec.bench.timing import time_ms
+from recom_rec.bench.workloads import get_workload
+from recom_rec.kernels import pooled_triton
+from recom_rec.ops.pooled_embedding import _key_index_tensor
+
+import recom_rec
+
+out_dir = sys.argv[1]
+dev = torch.device("cuda")
+report = {}
+for wname in ["many-1000", "dlrm-kaggle", "many-500"]:
+    w = get_workload(wname, False)
+    kjt = w.make_input(dev)
+    m = recom_rec.EmbeddingBagCollection(w.tables(), device=dev, validate_inputs=False)
+    g = m._groups[0]
+    flat, meta = m._flat(g), getattr(m, g.meta_name)
+    keys = _key_index_tensor(list(range(w.num_tables)), dev)
+    values, offsets = kjt.values(), kjt.offsets()
+    # 1. kernel alone vs whole module call
+    kernel_only = lambda bb=None, nw=None: pooled_triton.forward(flat, values, offsets, None, meta, keys, w.batch_size,
+                                                                 sum(w.dims), max(w.dims), bb, nw)
+    with torch.no_grad():
+        module_ms = time_ms(lambda: m(kjt), dev, iters=30)
+    rep = {"module_forward_ms": module_ms, "kernel_default_ms": time_ms(kernel_only, dev, iters=30)}
+    # 2. launch-shape sweep
+    sweep = {}
+    for bb in (8, 16, 32, 64, 128):
+        for nw in (2, 4, 8):
+            if bb * pooled_triton._block_d(max(w.dims)) > 16384:
+                continue
+            try:
+                sweep[f"bb{bb}_w{nw}"] = time_ms(lambda: kernel_only(bb, nw), dev, iters=20)
+            except Exception as e:  # noqa: BLE001 - report and continue the sweep
+                sweep[f"bb{bb}_w{nw}"] = str(e)[:80]
+    rep["forward_sweep_ms"] = sweep
+    # 3. profile of forward and of a fused-SGD training step
+    m.enable_fused_optimizer("sgd", lr=0.01)
+    grad = torch.ones(w.batch_size, sum(w.dims), device=dev)
+    step = lambda: m(kjt).values().backward(grad)
+    rep["fused_sgd_step_ms"] = time_ms(step, dev, iters=20)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    rep["profile_train"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.no_grad():
+            for _ in range(5):
+                m(kjt)
+        torch.cuda.synchronize()
+    rep["profile_forward"] = prof.key_averages().table(sort_by="cpu_time_total", row_limit=15)
+    report[wname] = rep
+    print(wname, {k: v for k, v in rep.items() if not k.startswith("profile")}, flush=True)
+    del m, flat, kjt
+    torch.cuda.empty_cache()
+json.dump(report, open(f"{out_dir}/profile.json", "w"), indent=1)
+for wname, rep in report.items():
+    print("=" * 30, wname)
+    print(rep["profile_train"])
+    print(rep["profile_forward"])
