@@ -26,7 +26,7 @@ PHASES = ("forward", "backward", "sgd", "rowwise_adagrad")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m recom_rec.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", nargs="+", default=["dlrm-kaggle", "many-500", "many-1000"],
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS),
                    choices=list(WORKLOADS))
     p.add_argument("--peers", nargs="+", default=["recom_rec", "torchrec", "fbgemm"], choices=list(PEERS))
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES,

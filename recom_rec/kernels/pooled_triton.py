@@ -67,34 +67,84 @@ def _pooled_forward_kernel(
 
 
 @triton.jit
-def _sum_row_gradient(
+def _run_sum(
     sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
-    i, key, num_lookups, total_dim, d, d_mask, META_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    start, stop, key, total_dim, d, d_mask,
+    META_W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Sum of the gradients of every lookup of one row (the run of equal keys starting at i),
-    in input order."""
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    j = i
-    more = True
+    """Sum of the scaled output gradients of the lookups at sorted positions [start, stop) whose
+    row is ``key`` (a prefix of that range, since positions are sorted), BLOCK_L at a time."""
+    acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+    lane = tl.arange(0, BLOCK_L)
+    j = start
+    more = start < stop
     while more:
-        e = tl.load(order_ptr + j)
-        f = tl.load(feature_ptr + e)
-        bag = tl.load(bag_ptr + e)
-        s = tl.load(scale_ptr + e)
-        col = tl.load(meta_ptr + f * META_W + 2)
-        g = tl.load(grad_out_ptr + bag * total_dim + col + d, mask=d_mask, other=0.0).to(tl.float32)
-        acc += g * s
-        j += 1
-        nxt = tl.load(sorted_key_ptr + j, mask=j < num_lookups, other=-1)
-        more = (j < num_lookups) & (nxt == key)
+        pos = j + lane
+        live = tl.load(sorted_key_ptr + pos, mask=pos < stop, other=-1) == key
+        e = tl.load(order_ptr + pos, mask=live, other=0)
+        f = tl.load(feature_ptr + e, mask=live, other=0)
+        bag = tl.load(bag_ptr + e, mask=live, other=0)
+        s = tl.load(scale_ptr + e, mask=live, other=0.0)
+        col = tl.load(meta_ptr + f * META_W + 2, mask=live, other=0)
+        g = tl.load(grad_out_ptr + bag[:, None] * total_dim + col[:, None] + d[None, :],
+                    mask=live[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        acc += g * s[:, None]
+        j += BLOCK_L
+        more = (j < stop) & (tl.sum(live.to(tl.int32), axis=0) == BLOCK_L)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _chunk_partials_kernel(
+    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr, partial_ptr,
+    num_lookups, total_dim,
+    META_W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """A row hit many times (a small table, a hot id) would leave one program summing a very
+    long run. The sorted lookups are cut into chunks; a chunk that begins inside a run sums that
+    run's part in the chunk here, and the run's owner adds these partials in order."""
+    c = tl.program_id(0).to(tl.int64)
+    start = c * CHUNK
+    key = tl.load(sorted_key_ptr + start)
+    prev = tl.load(sorted_key_ptr + start - 1, mask=start > 0, other=-1)
+    if (start > 0) & (prev == key):
+        f0 = tl.load(feature_ptr + tl.load(order_ptr + start))
+        dim = tl.load(meta_ptr + f0 * META_W + 0)
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < dim
+        acc = _run_sum(sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
+                       start, tl.minimum(start + CHUNK, num_lookups), key, total_dim, d, d_mask,
+                       META_W, BLOCK_L, BLOCK_D)
+        tl.store(partial_ptr + c * BLOCK_D + d, acc)
+
+
+@triton.jit
+def _row_total(
+    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr, partial_ptr,
+    i, key, num_lookups, total_dim, d, d_mask,
+    META_W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Full gradient of the row whose run starts at sorted position i: its part of i's chunk,
+    then the partials of the following chunks the run covers (fixed order: deterministic)."""
+    chunk = i // CHUNK + 1
+    acc = _run_sum(sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
+                   i, tl.minimum(chunk * CHUNK, num_lookups), key, total_dim, d, d_mask,
+                   META_W, BLOCK_L, BLOCK_D)
+    at = chunk * CHUNK
+    more = tl.load(sorted_key_ptr + at, mask=at < num_lookups, other=-1) == key
+    while more:
+        acc += tl.load(partial_ptr + chunk * BLOCK_D + d, mask=d_mask, other=0.0)
+        chunk += 1
+        at = chunk * CHUNK
+        more = tl.load(sorted_key_ptr + at, mask=at < num_lookups, other=-1) == key
     return acc
 
 
 @triton.jit
 def _row_gradient_kernel(
-    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr, grad_ptr,
+    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr, partial_ptr, grad_ptr,
     num_lookups, total_dim,
-    META_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    META_W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     key = tl.load(sorted_key_ptr + i)
@@ -107,18 +157,19 @@ def _row_gradient_kernel(
         row_base = tl.load(meta_ptr + f0 * META_W + 5)
         d = tl.arange(0, BLOCK_D)
         d_mask = d < dim
-        acc = _sum_row_gradient(sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr,
-                                grad_out_ptr, i, key, num_lookups, total_dim, d, d_mask, META_W, BLOCK_D)
+        acc = _row_total(sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
+                         partial_ptr, i, key, num_lookups, total_dim, d, d_mask, META_W, BLOCK_L, BLOCK_D, CHUNK)
         row = key - row_base
         tl.store(grad_ptr + base + row * dim + d, acc.to(grad_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
 def _row_update_kernel(
-    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
+    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr, partial_ptr,
     weight_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
     num_lookups, total_dim,
-    META_W: tl.constexpr, BLOCK_D: tl.constexpr, OPT: tl.constexpr,
+    META_W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    OPT: tl.constexpr,
 ):
     """Backward with the optimizer fused in: one program per distinct row sums its gradient and
     updates the row (and its optimizer state) in place. Same formulas as optim/rows.py."""
@@ -132,8 +183,8 @@ def _row_update_kernel(
         row_base = tl.load(meta_ptr + f0 * META_W + 5)
         d = tl.arange(0, BLOCK_D)
         d_mask = d < dim
-        g = _sum_row_gradient(sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr,
-                              grad_out_ptr, i, key, num_lookups, total_dim, d, d_mask, META_W, BLOCK_D)
+        g = _row_total(sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
+                       partial_ptr, i, key, num_lookups, total_dim, d, d_mask, META_W, BLOCK_L, BLOCK_D, CHUNK)
         at = base + (key - row_base) * dim + d
         w = tl.load(weight_ptr + at, mask=d_mask, other=0.0).to(tl.float32)
         lr = tl.load(hyper_ptr + 0)
@@ -209,6 +260,25 @@ def sorted_lookups(values, offsets, per_sample_weights, feature_meta, key_index,
     return lookups, scale, sorted_key.contiguous(), order.contiguous()
 
 
+def _backward_launch_shape(max_dim: int):
+    block_d = _block_d(max_dim)
+    block_l = max(4, min(64, 2048 // block_d))
+    return block_d, block_l, block_l * 16
+
+
+def _chunk_partials(lookups, scale, sorted_key, order, feature_meta, grad_output, max_dim):
+    block_d, block_l, chunk = _backward_launch_shape(max_dim)
+    n = sorted_key.numel()
+    num_chunks = triton.cdiv(n, chunk)
+    partials = torch.empty(num_chunks * block_d, dtype=torch.float32, device=grad_output.device)
+    _chunk_partials_kernel[(num_chunks,)](
+        sorted_key, order, lookups.feature, lookups.bag, scale, feature_meta, grad_output, partials,
+        n, grad_output.shape[1],
+        META_W=META_WIDTH, BLOCK_L=block_l, BLOCK_D=block_d, CHUNK=chunk,
+    )
+    return partials
+
+
 def backward(
     grad_output: torch.Tensor,
     values: torch.Tensor,
@@ -230,10 +300,13 @@ def backward(
     n = sorted_key.numel()
     if n == 0:
         return grad
+    grad_output = grad_output.contiguous()
+    partials = _chunk_partials(lookups, scale, sorted_key, order, feature_meta, grad_output, max_dim)
+    block_d, block_l, chunk = _backward_launch_shape(max_dim)
     _row_gradient_kernel[(n,)](
-        sorted_key, order, lookups.feature, lookups.bag, scale, feature_meta,
-        grad_output.contiguous(), grad, n, grad_output.shape[1],
-        META_W=META_WIDTH, BLOCK_D=_block_d(max_dim),
+        sorted_key, order, lookups.feature, lookups.bag, scale, feature_meta, grad_output, partials, grad,
+        n, grad_output.shape[1],
+        META_W=META_WIDTH, BLOCK_L=block_l, BLOCK_D=block_d, CHUNK=chunk,
     )
     return grad
 
@@ -250,10 +323,13 @@ def fused_update(
     n = sorted_key.numel()
     if n == 0:
         return
+    grad_output = grad_output.contiguous()
+    partials = _chunk_partials(lookups, scale, sorted_key, order, feature_meta, grad_output, max_dim)
+    block_d, block_l, chunk = _backward_launch_shape(max_dim)
     state1 = states[0] if len(states) > 0 else flat
     state2 = states[1] if len(states) > 1 else flat
     _row_update_kernel[(n,)](
-        sorted_key, order, lookups.feature, lookups.bag, scale, feature_meta, grad_output.contiguous(),
+        sorted_key, order, lookups.feature, lookups.bag, scale, feature_meta, grad_output, partials,
         flat, state1, state2, hyper, step, n, grad_output.shape[1],
-        META_W=META_WIDTH, BLOCK_D=_block_d(max_dim), OPT=kind,
+        META_W=META_WIDTH, BLOCK_L=block_l, BLOCK_D=block_d, CHUNK=chunk, OPT=kind,
     )

@@ -100,6 +100,13 @@ def _key_plan(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str,
     return [position[f] for f in wanted]
 
 
+@lru_cache(maxsize=256)
+def _key_index_on(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str, ...],
+                  device: torch.device) -> torch.Tensor:
+    # A KJT's key order rarely changes between batches: keep its device copy.
+    return torch.tensor(_key_plan(keys, wanted, tables), dtype=torch.int64, device=device)
+
+
 @torch.fx.wrap
 def _fused_lookup(
     features: KeyedJaggedTensor,
@@ -139,9 +146,10 @@ def _fused_lookup(
     for g in range(len(flats)):
         wanted, tables = tuple(group_features[g]), tuple(group_tables[g])
         if torch.compiler.is_compiling():
-            key_index = _key_plan.__wrapped__(keys, wanted, tables)
+            key_index = torch.tensor(_key_plan.__wrapped__(keys, wanted, tables), dtype=torch.int64,
+                                     device=flats[g].device)
         else:
-            key_index = _key_plan(keys, wanted, tables)
+            key_index = _key_index_on(keys, wanted, tables, flats[g].device)
         names = encode_names(list(keys), group_features[g], group_tables[g]) if validate else ""
         outs.append(
             pooled_embedding_forward(
@@ -290,6 +298,15 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 for config in configs:
                     nn.init.normal_(self.embedding_bags[config.name].weight)
 
+    def _autograd_inputs(self, group: _Group) -> List[torch.Tensor]:
+        """What the lookup op differentiates against: the tables' Parameters for dense
+        gradients; with a fused optimizer just one empty tensor that requires grad (the update
+        happens inside the backward, and passing hundreds of Parameters through the op would
+        cost more host time than the kernels)."""
+        if self._fused_spec is not None:
+            return [self._autograd_anchor]
+        return self._table_weights(group)
+
     def _table_weights(self, group: _Group) -> List[torch.Tensor]:
         return [self.embedding_bags[s.name].weight for s in group.slots]
 
@@ -331,6 +348,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             device = self._flat(self._groups[0]).device if self._groups else self._device
             self._fused_hyper.data = self._fused_hyper.data.to(device)
             self._fused_step.data = self._fused_step.data.to(device)
+            self._autograd_anchor = torch.zeros(0, device=device, requires_grad=True)
             for group in self._groups:
                 for name, _ in self._fused_spec.state_names():
                     key = f"_optimizer_{name}_{group.index}"
@@ -382,7 +400,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         values = _fused_lookup(
             features,
             [self._flat(g) for g in self._groups],
-            [self._table_weights(g) if grad else [] for g in self._groups],
+            [self._autograd_inputs(g) if grad else [] for g in self._groups],
             [getattr(self, g.meta_name) for g in self._groups],
             self._group_features,
             self._group_tables,
@@ -414,6 +432,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._fused_spec = spec
         self._fused_hyper = spec.hyper_tensor(device)
         self._fused_step = torch.zeros(1, dtype=torch.int64, device=device)
+        self._autograd_anchor = torch.zeros(0, device=device, requires_grad=True)
         # Saved with the module's checkpoint (Adam's bias correction depends on it).
         self.register_buffer("fused_optimizer_step", self._fused_step)
         state: Dict[nn.Parameter, Dict[str, torch.Tensor]] = {}

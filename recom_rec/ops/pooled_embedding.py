@@ -7,7 +7,7 @@ gradient of the flat buffer, split into per-table views) and, when the KJT weigh
 ``torch.compile(fullgraph=True)`` in one graph and work on meta/fake tensors.
 """
 from functools import lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -15,21 +15,6 @@ from torch import Tensor
 from . import torch_backend
 from .backends import resolve_backend
 from .validation import validate_inputs
-
-_key_index_cache: Dict[Tuple[Tuple[int, ...], torch.device], Tensor] = {}
-
-
-def _key_index_tensor(key_index: List[int], device: torch.device) -> Tensor:
-    # A KJT's key order rarely changes between batches: keep its device copy.
-    cache_key = (tuple(key_index), device)
-    t = _key_index_cache.get(cache_key)
-    if t is None:
-        if len(_key_index_cache) > 256:
-            _key_index_cache.clear()
-        t = torch.tensor(key_index, dtype=torch.int64, device=device)
-        _key_index_cache[cache_key] = t
-    return t
-
 
 @lru_cache(maxsize=None)
 def _triton():
@@ -46,7 +31,7 @@ def pooled_embedding_forward(
     offsets: Tensor,
     per_sample_weights: Optional[Tensor],
     feature_meta: Tensor,
-    key_index: List[int],
+    key_index: Tensor,
     batch_size: int,
     total_dim: int,
     max_dim: int,
@@ -65,7 +50,7 @@ def pooled_embedding_forward(
     route gradients to them; the lookup itself reads ``flat``. With ``optimizer >= 0`` (an
     ``optim.spec`` kind) the backward updates ``flat`` and the optimizer states in place instead
     of returning gradients."""
-    keys = _key_index_tensor(key_index, flat.device)
+    keys = key_index
     if validate:
         validate_inputs(values, offsets, per_sample_weights, feature_meta, keys, batch_size, names)
     if resolve_backend(backend, flat.device) == "triton":
@@ -91,7 +76,7 @@ def pooled_embedding_backward(
     offsets: Tensor,
     per_sample_weights: Optional[Tensor],
     feature_meta: Tensor,
-    key_index: List[int],
+    key_index: Tensor,
     batch_size: int,
     total_numel: int,
     max_dim: int,
@@ -99,7 +84,7 @@ def pooled_embedding_backward(
     backend: str,
 ) -> Tensor:
     """Dense gradient ``[total_numel]`` of the flat weight buffer, in the weights' dtype."""
-    keys = _key_index_tensor(key_index, grad_output.device)
+    keys = key_index
     if resolve_backend(backend, grad_output.device) == "triton":
         return _triton().backward(
             grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size,
@@ -123,11 +108,11 @@ def pooled_embedding_weights_backward(
     values: Tensor,
     offsets: Tensor,
     feature_meta: Tensor,
-    key_index: List[int],
+    key_index: Tensor,
     batch_size: int,
 ) -> Tensor:
     """Gradient of the KJT's per-sample weights (e.g. learnable position weights)."""
-    keys = _key_index_tensor(key_index, grad_output.device)
+    keys = key_index
     return torch_backend.per_sample_weights_grad(
         grad_output, flat, values, offsets, feature_meta, keys, batch_size
     )
@@ -152,7 +137,7 @@ def fused_embedding_update(
     offsets: Tensor,
     per_sample_weights: Optional[Tensor],
     feature_meta: Tensor,
-    key_index: List[int],
+    key_index: Tensor,
     batch_size: int,
     max_dim: int,
     optimizer: int,
@@ -161,7 +146,7 @@ def fused_embedding_update(
     """The backward with the optimizer fused in: updates the touched rows of ``flat`` and their
     optimizer state in place (duplicate ids summed first), and counts the step."""
     step.add_(1)
-    keys = _key_index_tensor(key_index, flat.device)
+    keys = key_index
     impl = _triton() if resolve_backend(backend, flat.device) == "triton" else torch_backend
     impl.fused_update(
         grad_output, flat, optimizer_states, optimizer_state_is_row, hyper, step, values, offsets,
@@ -182,10 +167,9 @@ def _setup_context(ctx, inputs, output):
     ctx.optimizer = optimizer
     ctx.optimizer_state_is_row = optimizer_state_is_row
     ctx.num_states = len(optimizer_states)
-    ctx.save_for_backward(flat, values, offsets, per_sample_weights, feature_meta, hyper, step,
+    ctx.save_for_backward(flat, values, offsets, per_sample_weights, feature_meta, key_index, hyper, step,
                           *optimizer_states)
     ctx.table_shapes = [tuple(w.shape) for w in weights]
-    ctx.key_index = key_index
     ctx.batch_size = batch_size
     ctx.max_dim = max_dim
     ctx.backend = backend
@@ -199,18 +183,18 @@ def _wants_grad(flag) -> bool:
 
 
 def _backward(ctx, grad_output):
-    flat, values, offsets, per_sample_weights, feature_meta, hyper, step, *states = ctx.saved_tensors
+    flat, values, offsets, per_sample_weights, feature_meta, key_index, hyper, step, *states = ctx.saved_tensors
     grad_weights = None
     if ctx.optimizer >= 0 and ctx.table_shapes and _wants_grad(ctx.needs_input_grad[0]):
         # The optimizer runs here; the tables get no .grad (as with fbgemm's fused TBE).
         fused_embedding_update(
             grad_output, flat, states, ctx.optimizer_state_is_row, hyper, step, values, offsets,
-            per_sample_weights, feature_meta, ctx.key_index, ctx.batch_size, ctx.max_dim,
+            per_sample_weights, feature_meta, key_index, ctx.batch_size, ctx.max_dim,
             ctx.optimizer, ctx.backend,
         )
     elif ctx.table_shapes and _wants_grad(ctx.needs_input_grad[0]):
         grad_flat = pooled_embedding_backward(
-            grad_output, values, offsets, per_sample_weights, feature_meta, ctx.key_index,
+            grad_output, values, offsets, per_sample_weights, feature_meta, key_index,
             ctx.batch_size, ctx.flat_numel, ctx.max_dim, ctx.flat_dtype, ctx.backend,
         )
         grad_weights, start = [], 0
@@ -220,7 +204,7 @@ def _backward(ctx, grad_output):
     grad_psw = None
     if per_sample_weights is not None and _wants_grad(ctx.needs_input_grad[4]):
         grad_psw = pooled_embedding_weights_backward(
-            grad_output, flat, values, offsets, feature_meta, ctx.key_index, ctx.batch_size
+            grad_output, flat, values, offsets, feature_meta, key_index, ctx.batch_size
         ).to(per_sample_weights.dtype)
     # One entry per input, tensor lists mirrored element by element (autograd checks the structure).
     if grad_weights is None:
