@@ -321,5 +321,9 @@ def test_hot_rows_fused_update_matches_torch_backend(optimizer):
         for step, kjt in enumerate(kjts):
             _loss(m(kjt).values(), step).backward()
         results[backend] = m.state_dict()
+    # The two backends sum a hot row's thousands of gradients in different orders; Adam divides
+    # by the gradient's own magnitude, which turns last-bit differences of a small component
+    # into ~1e-5 differences of the update.
+    tol = 1e-4 if optimizer == "adam" else 1e-5
     for key, value in results["torch"].items():
-        torch.testing.assert_close(results["triton"][key], value, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(results["triton"][key], value, atol=tol, rtol=tol)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..ops.jagged import expand_lookups, lookup_scale
-from ..ops.layout import META_ELEM_BASE, META_ROW_BASE, META_WIDTH
+from ..ops.layout import META_ROW_BASE, META_WIDTH
 
 
 @triton.jit
@@ -67,153 +67,129 @@ def _pooled_forward_kernel(
 
 
 @triton.jit
-def _run_sum(
-    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
-    start, stop, key, total_dim, d, d_mask,
-    META_W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+def _sum_segments(
+    order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
+    seg_start, seg_len, seg_feature, seg_mask, total_dim,
+    META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Sum of the scaled output gradients of the lookups at sorted positions [start, stop) whose
-    row is ``key`` (a prefix of that range, since positions are sorted), BLOCK_L at a time."""
-    acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-    lane = tl.arange(0, BLOCK_L)
-    j = start
-    more = start < stop
-    while more:
-        pos = j + lane
-        live = tl.load(sorted_key_ptr + pos, mask=pos < stop, other=-1) == key
-        e = tl.load(order_ptr + pos, mask=live, other=0)
+    """For BLOCK_R segments of the sorted lookups at once (lock-step, like the forward's bags):
+    the sum of each segment's scaled output gradients, [BLOCK_R, BLOCK_D] in fp32."""
+    dim = tl.load(meta_ptr + seg_feature * META_W + 0, mask=seg_mask, other=0)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d[None, :] < dim[:, None]
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    max_len = tl.max(seg_len, axis=0)
+    i = 0
+    while i < max_len:
+        live = seg_mask & (i < seg_len)
+        e = tl.load(order_ptr + seg_start + i, mask=live, other=0)
         f = tl.load(feature_ptr + e, mask=live, other=0)
         bag = tl.load(bag_ptr + e, mask=live, other=0)
         s = tl.load(scale_ptr + e, mask=live, other=0.0)
         col = tl.load(meta_ptr + f * META_W + 2, mask=live, other=0)
         g = tl.load(grad_out_ptr + bag[:, None] * total_dim + col[:, None] + d[None, :],
-                    mask=live[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                    mask=live[:, None] & d_mask, other=0.0).to(tl.float32)
         acc += g * s[:, None]
-        j += BLOCK_L
-        more = (j < stop) & (tl.sum(live.to(tl.int32), axis=0) == BLOCK_L)
-    return tl.sum(acc, axis=0)
-
-
-@triton.jit
-def _chunk_partials_kernel(
-    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr, partial_ptr,
-    num_lookups, total_dim,
-    META_W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """A row hit many times (a small table, a hot id) would leave one program summing a very
-    long run. The sorted lookups are cut into chunks; a chunk that begins inside a run sums that
-    run's part in the chunk here, and the run's owner adds these partials in order."""
-    c = tl.program_id(0).to(tl.int64)
-    start = c * CHUNK
-    key = tl.load(sorted_key_ptr + start)
-    prev = tl.load(sorted_key_ptr + start - 1, mask=start > 0, other=-1)
-    if (start > 0) & (prev == key):
-        f0 = tl.load(feature_ptr + tl.load(order_ptr + start))
-        dim = tl.load(meta_ptr + f0 * META_W + 0)
-        d = tl.arange(0, BLOCK_D)
-        d_mask = d < dim
-        acc = _run_sum(sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
-                       start, tl.minimum(start + CHUNK, num_lookups), key, total_dim, d, d_mask,
-                       META_W, BLOCK_L, BLOCK_D)
-        tl.store(partial_ptr + c * BLOCK_D + d, acc)
-
-
-@triton.jit
-def _row_total(
-    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr, partial_ptr,
-    i, key, num_lookups, total_dim, d, d_mask,
-    META_W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """Full gradient of the row whose run starts at sorted position i: its part of i's chunk,
-    then the partials of the following chunks the run covers (fixed order: deterministic)."""
-    chunk = i // CHUNK + 1
-    acc = _run_sum(sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
-                   i, tl.minimum(chunk * CHUNK, num_lookups), key, total_dim, d, d_mask,
-                   META_W, BLOCK_L, BLOCK_D)
-    at = chunk * CHUNK
-    more = tl.load(sorted_key_ptr + at, mask=at < num_lookups, other=-1) == key
-    while more:
-        acc += tl.load(partial_ptr + chunk * BLOCK_D + d, mask=d_mask, other=0.0)
-        chunk += 1
-        at = chunk * CHUNK
-        more = tl.load(sorted_key_ptr + at, mask=at < num_lookups, other=-1) == key
+        i += 1
     return acc
 
 
 @triton.jit
-def _row_gradient_kernel(
-    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr, partial_ptr, grad_ptr,
-    num_lookups, total_dim,
-    META_W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+def _apply_rows(
+    g, row_key, row_feature, row_mask, meta_ptr, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
+    META_W: tl.constexpr, BLOCK_D: tl.constexpr, OPT: tl.constexpr,
 ):
-    i = tl.program_id(0).to(tl.int64)
-    key = tl.load(sorted_key_ptr + i)
-    prev = tl.load(sorted_key_ptr + i - 1, mask=i > 0, other=-1)
-    # Only the first lookup of each distinct row does the work for all of that row's lookups.
-    if (i == 0) | (prev != key):
-        f0 = tl.load(feature_ptr + tl.load(order_ptr + i))
-        dim = tl.load(meta_ptr + f0 * META_W + 0)
-        base = tl.load(meta_ptr + f0 * META_W + 1)
-        row_base = tl.load(meta_ptr + f0 * META_W + 5)
-        d = tl.arange(0, BLOCK_D)
-        d_mask = d < dim
-        acc = _row_total(sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
-                         partial_ptr, i, key, num_lookups, total_dim, d, d_mask, META_W, BLOCK_L, BLOCK_D, CHUNK)
-        row = key - row_base
-        tl.store(grad_ptr + base + row * dim + d, acc.to(grad_ptr.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit
-def _row_update_kernel(
-    sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr, partial_ptr,
-    weight_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
-    num_lookups, total_dim,
-    META_W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-    OPT: tl.constexpr,
-):
-    """Backward with the optimizer fused in: one program per distinct row sums its gradient and
-    updates the row (and its optimizer state) in place. Same formulas as optim/rows.py."""
-    i = tl.program_id(0).to(tl.int64)
-    key = tl.load(sorted_key_ptr + i)
-    prev = tl.load(sorted_key_ptr + i - 1, mask=i > 0, other=-1)
-    if (i == 0) | (prev != key):
-        f0 = tl.load(feature_ptr + tl.load(order_ptr + i))
-        dim = tl.load(meta_ptr + f0 * META_W + 0)
-        base = tl.load(meta_ptr + f0 * META_W + 1)
-        row_base = tl.load(meta_ptr + f0 * META_W + 5)
-        d = tl.arange(0, BLOCK_D)
-        d_mask = d < dim
-        g = _row_total(sorted_key_ptr, order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
-                       partial_ptr, i, key, num_lookups, total_dim, d, d_mask, META_W, BLOCK_L, BLOCK_D, CHUNK)
-        at = base + (key - row_base) * dim + d
-        w = tl.load(weight_ptr + at, mask=d_mask, other=0.0).to(tl.float32)
+    """Writes the rows' gradient (OPT < 0) or applies the fused optimizer to them in place
+    (same formulas as optim/rows.py). ``g`` is [BLOCK_R, BLOCK_D]; one row per lane."""
+    dim = tl.load(meta_ptr + row_feature * META_W + 0, mask=row_mask, other=1)
+    base = tl.load(meta_ptr + row_feature * META_W + 1, mask=row_mask, other=0)
+    row_base = tl.load(meta_ptr + row_feature * META_W + 5, mask=row_mask, other=0)
+    d = tl.arange(0, BLOCK_D)
+    mask = row_mask[:, None] & (d[None, :] < dim[:, None])
+    at = (base + (row_key - row_base) * dim)[:, None] + d[None, :]
+    if OPT < 0:
+        tl.store(out_ptr + at, g.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        w = tl.load(out_ptr + at, mask=mask, other=0.0).to(tl.float32)
         lr = tl.load(hyper_ptr + 0)
         eps = tl.load(hyper_ptr + 1)
         wd = tl.load(hyper_ptr + 4)
         decoupled = tl.load(hyper_ptr + 5)
-        g = tl.where(d_mask, g + wd * (1.0 - decoupled) * w, 0.0)
+        g = tl.where(mask, g + wd * (1.0 - decoupled) * w, 0.0)
         if OPT == 0:  # SGD
             w_new = w - lr * g
         elif OPT == 1:  # Adagrad: one accumulator per element
-            acc = tl.load(state1_ptr + at, mask=d_mask, other=0.0) + g * g
-            tl.store(state1_ptr + at, acc, mask=d_mask)
+            acc = tl.load(state1_ptr + at, mask=mask, other=0.0) + g * g
+            tl.store(state1_ptr + at, acc, mask=mask)
             w_new = w - lr * g / (tl.sqrt(acc) + eps)
-        elif OPT == 2:  # row-wise Adagrad: one accumulator per row, indexed by global row
-            acc = tl.load(state1_ptr + key) + tl.sum(g * g, axis=0) / dim.to(tl.float32)
-            tl.store(state1_ptr + key, acc)
-            w_new = w - lr * g / (tl.sqrt(acc) + eps)
+        elif OPT == 2:  # row-wise Adagrad: one accumulator per row, indexed by the row key
+            acc = tl.load(state1_ptr + row_key, mask=row_mask, other=0.0) + tl.sum(g * g, axis=1) / dim.to(tl.float32)
+            tl.store(state1_ptr + row_key, acc, mask=row_mask)
+            w_new = w - lr * g / (tl.sqrt(acc)[:, None] + eps)
         else:  # Adam (sparse: only touched rows' moments move)
             beta1 = tl.load(hyper_ptr + 2)
             beta2 = tl.load(hyper_ptr + 3)
             t = tl.load(step_ptr).to(tl.float32)
-            m = beta1 * tl.load(state1_ptr + at, mask=d_mask, other=0.0) + (1.0 - beta1) * g
-            v = beta2 * tl.load(state2_ptr + at, mask=d_mask, other=0.0) + (1.0 - beta2) * g * g
-            tl.store(state1_ptr + at, m, mask=d_mask)
-            tl.store(state2_ptr + at, v, mask=d_mask)
+            m = beta1 * tl.load(state1_ptr + at, mask=mask, other=0.0) + (1.0 - beta1) * g
+            v = beta2 * tl.load(state2_ptr + at, mask=mask, other=0.0) + (1.0 - beta2) * g * g
+            tl.store(state1_ptr + at, m, mask=mask)
+            tl.store(state2_ptr + at, v, mask=mask)
             m_hat = m / (1.0 - tl.exp(t * tl.log(beta1)))
             v_hat = v / (1.0 - tl.exp(t * tl.log(beta2)))
             w_new = w - lr * (m_hat / (tl.sqrt(v_hat) + eps)) - lr * wd * decoupled * w
-        tl.store(weight_ptr + at, w_new.to(weight_ptr.dtype.element_ty), mask=d_mask)
+        tl.store(out_ptr + at, w_new.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _segment_kernel(
+    order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
+    seg_start_ptr, seg_len_ptr, seg_key_ptr, seg_slot_ptr, partial_ptr,
+    out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
+    num_segments, total_dim,
+    META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, OPT: tl.constexpr,
+):
+    """One lane per segment of equal rows (at most CAP lookups long). A segment that is a whole
+    row finishes it here; a piece of a longer row leaves its sum in its partial slot."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    seg_mask = r < num_segments
+    start = tl.load(seg_start_ptr + r, mask=seg_mask, other=0)
+    length = tl.load(seg_len_ptr + r, mask=seg_mask, other=0)
+    key = tl.load(seg_key_ptr + r, mask=seg_mask, other=0)
+    slot = tl.load(seg_slot_ptr + r, mask=seg_mask, other=-1)
+    feature = tl.load(feature_ptr + tl.load(order_ptr + start, mask=seg_mask, other=0), mask=seg_mask, other=0)
+    g = _sum_segments(order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
+                      start, length, feature, seg_mask, total_dim, META_W, BLOCK_R, BLOCK_D)
+    d = tl.arange(0, BLOCK_D)
+    is_piece = seg_mask & (slot >= 0)
+    tl.store(partial_ptr + slot[:, None] * BLOCK_D + d[None, :], g, mask=is_piece[:, None])
+    _apply_rows(g, key, feature, seg_mask & (slot < 0), meta_ptr, out_ptr, state1_ptr, state2_ptr,
+                hyper_ptr, step_ptr, META_W, BLOCK_D, OPT)
+
+
+@triton.jit
+def _split_row_kernel(
+    partial_ptr, first_slot_ptr, num_slots_ptr, key_ptr, feature_ptr, meta_ptr,
+    out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr, num_rows,
+    META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, OPT: tl.constexpr,
+):
+    """Rows hit more than CAP times (tiny tables, hot ids): add their pieces' partial sums in
+    order (deterministic) and finish the row."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = r < num_rows
+    first = tl.load(first_slot_ptr + r, mask=row_mask, other=0)
+    count = tl.load(num_slots_ptr + r, mask=row_mask, other=0)
+    key = tl.load(key_ptr + r, mask=row_mask, other=0)
+    feature = tl.load(feature_ptr + r, mask=row_mask, other=0)
+    d = tl.arange(0, BLOCK_D)
+    g = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    max_count = tl.max(count, axis=0)
+    i = 0
+    while i < max_count:
+        live = row_mask & (i < count)
+        g += tl.load(partial_ptr + (first + i)[:, None] * BLOCK_D + d[None, :], mask=live[:, None], other=0.0)
+        i += 1
+    _apply_rows(g, key, feature, row_mask, meta_ptr, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
+                META_W, BLOCK_D, OPT)
 
 
 def _block_d(feature_meta_cpu_max_dim: int) -> int:
@@ -239,44 +215,88 @@ def forward(
         return out.zero_()
     block_d = _block_d(max_dim)
     if block_b is None:
-        block_b = max(1, min(64, 4096 // block_d))
+        # From the H100 sweep (docs/perf-notes.md, v1): ~8K-element tiles for wide rows with 2
+        # warps, up to 128 bags for narrow ones with 4.
+        block_b = max(8, min(128, 8192 // block_d))
+    if num_warps is None:
+        num_warps = 2 if block_d >= 128 else 4
     grid = (num_features, triton.cdiv(batch_size, block_b))
     weights = per_sample_weights if per_sample_weights is not None else flat
     _pooled_forward_kernel[grid](
         flat, values, offsets, weights, feature_meta, key_index, out,
         batch_size, total_dim,
         META_W=META_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d,
-        num_warps=num_warps or 4,
+        num_warps=num_warps,
     )
     return out
 
 
-def sorted_lookups(values, offsets, per_sample_weights, feature_meta, key_index, batch_size):
-    """Lookups ordered by global row (table row base + id); stable, so ties keep input order."""
+# A row's lookups are summed by one lane in pieces of at most CAP: longer runs (a table of 3
+# rows read 65536 times) are cut so that no lane walks them alone.
+SEGMENT_CAP = 128
+
+
+def _segments(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count):
+    """Lookups sorted by row, cut into segments of equal rows of at most SEGMENT_CAP lookups."""
     lookups = expand_lookups(values, offsets, feature_meta, key_index, batch_size)
     scale = lookup_scale(lookups, per_sample_weights).contiguous()
     row_key = feature_meta[lookups.feature, META_ROW_BASE] + lookups.ids
+    if row_count < 2**31:  # 32-bit radix sort: half the passes
+        row_key = row_key.to(torch.int32)
     sorted_key, order = torch.sort(row_key, stable=True)
-    return lookups, scale, sorted_key.contiguous(), order.contiguous()
+    keys, counts = torch.unique_consecutive(sorted_key, return_counts=True)
+    row_start = torch.cumsum(counts, 0) - counts
+    pieces = (counts + SEGMENT_CAP - 1) // SEGMENT_CAP
+    num_segments = int(pieces.sum())
+    if num_segments == keys.numel():  # no row longer than the cap
+        seg_slot = torch.full_like(counts, -1)
+        split = None
+        return lookups, scale, order, row_start, counts, keys.to(torch.int64), seg_slot, split
+    seg_row = torch.repeat_interleave(torch.arange(keys.numel(), device=keys.device), pieces,
+                                      output_size=num_segments)
+    piece = torch.arange(num_segments, device=keys.device) - (torch.cumsum(pieces, 0) - pieces)[seg_row]
+    seg_start = row_start[seg_row] + piece * SEGMENT_CAP
+    seg_len = torch.minimum(counts[seg_row] - piece * SEGMENT_CAP, torch.full_like(seg_start, SEGMENT_CAP))
+    is_split = pieces[seg_row] > 1
+    seg_slot = torch.where(is_split, torch.cumsum(is_split.to(torch.int64), 0) - 1, -1)
+    split_rows = torch.nonzero(pieces > 1).squeeze(1)
+    first_slot = seg_slot[(torch.cumsum(pieces, 0) - pieces)[split_rows]]
+    split = (first_slot.contiguous(), pieces[split_rows].contiguous(), keys[split_rows].to(torch.int64).contiguous(),
+             lookups.feature[order[row_start[split_rows]]].contiguous(), int(split_rows.numel()),
+             int(is_split.sum()))
+    return lookups, scale, order, seg_start, seg_len, keys[seg_row].to(torch.int64), seg_slot, split
 
 
-def _backward_launch_shape(max_dim: int):
+def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
+                  key_index, batch_size, max_dim, row_count, opt):
+    lookups, scale, order, seg_start, seg_len, seg_key, seg_slot, split = _segments(
+        values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count)
+    num_segments = seg_start.numel()
+    if num_segments == 0:
+        return
+    grad_output = grad_output.contiguous()
     block_d = _block_d(max_dim)
-    block_l = max(4, min(64, 2048 // block_d))
-    return block_d, block_l, block_l * 16
-
-
-def _chunk_partials(lookups, scale, sorted_key, order, feature_meta, grad_output, max_dim):
-    block_d, block_l, chunk = _backward_launch_shape(max_dim)
-    n = sorted_key.numel()
-    num_chunks = triton.cdiv(n, chunk)
-    partials = torch.empty(num_chunks * block_d, dtype=torch.float32, device=grad_output.device)
-    _chunk_partials_kernel[(num_chunks,)](
-        sorted_key, order, lookups.feature, lookups.bag, scale, feature_meta, grad_output, partials,
-        n, grad_output.shape[1],
-        META_W=META_WIDTH, BLOCK_L=block_l, BLOCK_D=block_d, CHUNK=chunk,
+    block_r = max(1, min(64, 4096 // block_d))
+    device = grad_output.device
+    num_slots = split[5] if split is not None else 0
+    partials = torch.empty(max(1, num_slots) * block_d, dtype=torch.float32, device=device)
+    state1 = states[0] if len(states) > 0 else out
+    state2 = states[1] if len(states) > 1 else out
+    hyper = hyper if hyper is not None else partials
+    step = step if step is not None else partials
+    _segment_kernel[(triton.cdiv(num_segments, block_r),)](
+        order, lookups.feature, lookups.bag, scale, feature_meta, grad_output,
+        seg_start, seg_len.to(torch.int32), seg_key, seg_slot, partials,
+        out, state1, state2, hyper, step, num_segments, grad_output.shape[1],
+        META_W=META_WIDTH, BLOCK_R=block_r, BLOCK_D=block_d, OPT=opt,
     )
-    return partials
+    if split is not None:
+        first_slot, count, keys, features, num_rows, _ = split
+        _split_row_kernel[(triton.cdiv(num_rows, block_r),)](
+            partials, first_slot, count.to(torch.int32), keys, features, feature_meta,
+            out, state1, state2, hyper, step, num_rows,
+            META_W=META_WIDTH, BLOCK_R=block_r, BLOCK_D=block_d, OPT=opt,
+        )
 
 
 def backward(
@@ -294,20 +314,8 @@ def backward(
     grad = torch.zeros(total_numel, dtype=dtype, device=grad_output.device)
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return grad
-    lookups, scale, sorted_key, order = sorted_lookups(
-        values, offsets, per_sample_weights, feature_meta, key_index, batch_size
-    )
-    n = sorted_key.numel()
-    if n == 0:
-        return grad
-    grad_output = grad_output.contiguous()
-    partials = _chunk_partials(lookups, scale, sorted_key, order, feature_meta, grad_output, max_dim)
-    block_d, block_l, chunk = _backward_launch_shape(max_dim)
-    _row_gradient_kernel[(n,)](
-        sorted_key, order, lookups.feature, lookups.bag, scale, feature_meta, grad_output, partials, grad,
-        n, grad_output.shape[1],
-        META_W=META_WIDTH, BLOCK_L=block_l, BLOCK_D=block_d, CHUNK=chunk,
-    )
+    _run_backward(grad_output, grad, [], None, None, values, offsets, per_sample_weights, feature_meta,
+                  key_index, batch_size, max_dim, total_numel, -1)
     return grad
 
 
@@ -317,19 +325,5 @@ def fused_update(
 ) -> None:
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return
-    lookups, scale, sorted_key, order = sorted_lookups(
-        values, offsets, per_sample_weights, feature_meta, key_index, batch_size
-    )
-    n = sorted_key.numel()
-    if n == 0:
-        return
-    grad_output = grad_output.contiguous()
-    partials = _chunk_partials(lookups, scale, sorted_key, order, feature_meta, grad_output, max_dim)
-    block_d, block_l, chunk = _backward_launch_shape(max_dim)
-    state1 = states[0] if len(states) > 0 else flat
-    state2 = states[1] if len(states) > 1 else flat
-    _row_update_kernel[(n,)](
-        sorted_key, order, lookups.feature, lookups.bag, scale, feature_meta, grad_output, partials,
-        flat, state1, state2, hyper, step, n, grad_output.shape[1],
-        META_W=META_WIDTH, BLOCK_L=block_l, BLOCK_D=block_d, CHUNK=chunk, OPT=kind,
-    )
+    _run_backward(grad_output, flat, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
+                  key_index, batch_size, max_dim, flat.numel(), kind)
