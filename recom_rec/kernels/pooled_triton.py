@@ -69,12 +69,11 @@ def _pooled_forward_kernel(
 @triton.jit
 def _sum_segments(
     order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
-    seg_start, seg_len, seg_feature, seg_mask, total_dim,
+    seg_start, seg_len, dim, seg_mask, total_dim,
     META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """For BLOCK_R segments of the sorted lookups at once (lock-step, like the forward's bags):
     the sum of each segment's scaled output gradients, [BLOCK_R, BLOCK_D] in fp32."""
-    dim = tl.load(meta_ptr + seg_feature * META_W + 0, mask=seg_mask, other=0)
     d = tl.arange(0, BLOCK_D)
     d_mask = d[None, :] < dim[:, None]
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
@@ -96,14 +95,13 @@ def _sum_segments(
 
 @triton.jit
 def _apply_rows(
-    g, row_key, row_feature, row_mask, meta_ptr, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
-    META_W: tl.constexpr, BLOCK_D: tl.constexpr, OPT: tl.constexpr,
+    g, row_key, dim, base, row_base, row_mask, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
+    BLOCK_D: tl.constexpr, OPT: tl.constexpr,
 ):
     """Writes the rows' gradient (OPT < 0) or applies the fused optimizer to them in place
-    (same formulas as optim/rows.py). ``g`` is [BLOCK_R, BLOCK_D]; one row per lane."""
-    dim = tl.load(meta_ptr + row_feature * META_W + 0, mask=row_mask, other=1)
-    base = tl.load(meta_ptr + row_feature * META_W + 1, mask=row_mask, other=0)
-    row_base = tl.load(meta_ptr + row_feature * META_W + 5, mask=row_mask, other=0)
+    (same formulas as optim/rows.py). ``g`` is [BLOCK_R, BLOCK_D]; one row per lane; ``dim``,
+    ``base``, ``row_base`` are the rows' tables' metadata (loaded once by the caller: loading
+    them again here trips Triton 3.6's layout pass)."""
     d = tl.arange(0, BLOCK_D)
     mask = row_mask[:, None] & (d[None, :] < dim[:, None])
     at = (base + (row_key - row_base) * dim)[:, None] + d[None, :]
@@ -157,13 +155,16 @@ def _segment_kernel(
     key = tl.load(seg_key_ptr + r, mask=seg_mask, other=0)
     slot = tl.load(seg_slot_ptr + r, mask=seg_mask, other=-1)
     feature = tl.load(feature_ptr + tl.load(order_ptr + start, mask=seg_mask, other=0), mask=seg_mask, other=0)
+    dim = tl.load(meta_ptr + feature * META_W + 0, mask=seg_mask, other=1)
+    base = tl.load(meta_ptr + feature * META_W + 1, mask=seg_mask, other=0)
+    row_base = tl.load(meta_ptr + feature * META_W + 5, mask=seg_mask, other=0)
     g = _sum_segments(order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
-                      start, length, feature, seg_mask, total_dim, META_W, BLOCK_R, BLOCK_D)
+                      start, length, dim, seg_mask, total_dim, META_W, BLOCK_R, BLOCK_D)
     d = tl.arange(0, BLOCK_D)
     is_piece = seg_mask & (slot >= 0)
     tl.store(partial_ptr + slot[:, None] * BLOCK_D + d[None, :], g, mask=is_piece[:, None])
-    _apply_rows(g, key, feature, seg_mask & (slot < 0), meta_ptr, out_ptr, state1_ptr, state2_ptr,
-                hyper_ptr, step_ptr, META_W, BLOCK_D, OPT)
+    _apply_rows(g, key, dim, base, row_base, seg_mask & (slot < 0), out_ptr, state1_ptr, state2_ptr,
+                hyper_ptr, step_ptr, BLOCK_D, OPT)
 
 
 @triton.jit
@@ -188,8 +189,11 @@ def _split_row_kernel(
         live = row_mask & (i < count)
         g += tl.load(partial_ptr + (first + i)[:, None] * BLOCK_D + d[None, :], mask=live[:, None], other=0.0)
         i += 1
-    _apply_rows(g, key, feature, row_mask, meta_ptr, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
-                META_W, BLOCK_D, OPT)
+    dim = tl.load(meta_ptr + feature * META_W + 0, mask=row_mask, other=1)
+    base = tl.load(meta_ptr + feature * META_W + 1, mask=row_mask, other=0)
+    row_base = tl.load(meta_ptr + feature * META_W + 5, mask=row_mask, other=0)
+    _apply_rows(g, key, dim, base, row_base, row_mask, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
+                BLOCK_D, OPT)
 
 
 def _block_d(feature_meta_cpu_max_dim: int) -> int:
