@@ -100,6 +100,10 @@ def _key_plan(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str,
     return [position[f] for f in wanted]
 
 
+def _two_states(states: List[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    return (states[0] if len(states) > 0 else None, states[1] if len(states) > 1 else None)
+
+
 @lru_cache(maxsize=256)
 def _key_index_on(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str, ...],
                   device: torch.device) -> torch.Tensor:
@@ -122,7 +126,7 @@ def _fused_lookup(
     output_columns: Optional[torch.Tensor],
     optimizer: int,
     optimizer_states: List[List[torch.Tensor]],
-    optimizer_state_is_row: List[bool],
+    state1_is_row: bool,
     hyper: Optional[torch.Tensor],
     step: Optional[torch.Tensor],
 ) -> torch.Tensor:
@@ -155,7 +159,7 @@ def _fused_lookup(
             pooled_embedding_forward(
                 weights[g], flats[g], values, offsets, per_sample_weights, metas[g], key_index,
                 batch_size, sum(group_dims[g]), max(group_dims[g]), backend, validate, names,
-                optimizer, optimizer_states[g] if optimizer >= 0 else [], optimizer_state_is_row, hyper, step,
+                optimizer, *_two_states(optimizer_states[g] if optimizer >= 0 else []), state1_is_row, hyper, step,
             )
         )
     if len(outs) == 1:
@@ -400,7 +404,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         values = _fused_lookup(
             features,
             [self._flat(g) for g in self._groups],
-            [self._autograd_inputs(g) if grad else [] for g in self._groups],
+            # Never an empty list (Inductor's wrapper code generation has trouble with them);
+            # without grad the op only needs *a* tensor here, and the flat buffer needs none.
+            [self._autograd_inputs(g) if grad else [self._flat(g)] for g in self._groups],
             [getattr(self, g.meta_name) for g in self._groups],
             self._group_features,
             self._group_tables,
@@ -411,7 +417,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             self._output_columns,
             fused.kind if fused is not None and grad else -1,
             [self._optimizer_states(g) for g in self._groups] if fused is not None else [],
-            [kind == "row" for _, kind in fused.state_names()] if fused is not None else [],
+            fused is not None and any(kind == "row" for _, kind in fused.state_names()),
             self._fused_hyper if fused is not None else None,
             self._fused_step if fused is not None else None,
         )

@@ -39,8 +39,9 @@ def pooled_embedding_forward(
     validate: bool,
     names: str,
     optimizer: int,
-    optimizer_states: List[Tensor],
-    optimizer_state_is_row: List[bool],
+    state1: Optional[Tensor],
+    state2: Optional[Tensor],
+    state1_is_row: bool,
     hyper: Optional[Tensor],
     step: Optional[Tensor],
 ) -> Tensor:
@@ -64,8 +65,7 @@ def pooled_embedding_forward(
 
 @pooled_embedding_forward.register_fake
 def _(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
-      total_dim, max_dim, backend, validate, names, optimizer, optimizer_states,
-      optimizer_state_is_row, hyper, step):
+      total_dim, max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step):
     return flat.new_empty((batch_size, total_dim), dtype=torch.float32)
 
 
@@ -124,13 +124,14 @@ def _(grad_output, flat, values, offsets, feature_meta, key_index, batch_size):
 
 
 @torch.library.custom_op(
-    "recom_rec::fused_embedding_update", mutates_args=("flat", "optimizer_states", "step")
+    "recom_rec::fused_embedding_update", mutates_args=("flat", "state1", "state2", "step")
 )
 def fused_embedding_update(
     grad_output: Tensor,
     flat: Tensor,
-    optimizer_states: List[Tensor],
-    optimizer_state_is_row: List[bool],
+    state1: Optional[Tensor],
+    state2: Optional[Tensor],
+    state1_is_row: bool,
     hyper: Tensor,
     step: Tensor,
     values: Tensor,
@@ -148,27 +149,27 @@ def fused_embedding_update(
     step.add_(1)
     keys = key_index
     impl = _triton() if resolve_backend(backend, flat.device) == "triton" else torch_backend
+    states = [t for t in (state1, state2) if t is not None]
     impl.fused_update(
-        grad_output, flat, optimizer_states, optimizer_state_is_row, hyper, step, values, offsets,
+        grad_output, flat, states, [state1_is_row, False][:len(states)], hyper, step, values, offsets,
         per_sample_weights, feature_meta, keys, batch_size, max_dim, optimizer,
     )
 
 
 @fused_embedding_update.register_fake
-def _(grad_output, flat, optimizer_states, optimizer_state_is_row, hyper, step, values, offsets,
+def _(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, offsets,
       per_sample_weights, feature_meta, key_index, batch_size, max_dim, optimizer, backend):
     return None
 
 
 def _setup_context(ctx, inputs, output):
     (weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
-     total_dim, max_dim, backend, validate, names, optimizer, optimizer_states,
-     optimizer_state_is_row, hyper, step) = inputs
+     total_dim, max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row,
+     hyper, step) = inputs
     ctx.optimizer = optimizer
-    ctx.optimizer_state_is_row = optimizer_state_is_row
-    ctx.num_states = len(optimizer_states)
+    ctx.state1_is_row = state1_is_row
     ctx.save_for_backward(flat, values, offsets, per_sample_weights, feature_meta, key_index, hyper, step,
-                          *optimizer_states)
+                          state1, state2)
     ctx.table_shapes = [tuple(w.shape) for w in weights]
     ctx.batch_size = batch_size
     ctx.max_dim = max_dim
@@ -183,12 +184,12 @@ def _wants_grad(flag) -> bool:
 
 
 def _backward(ctx, grad_output):
-    flat, values, offsets, per_sample_weights, feature_meta, key_index, hyper, step, *states = ctx.saved_tensors
+    flat, values, offsets, per_sample_weights, feature_meta, key_index, hyper, step, state1, state2 = ctx.saved_tensors
     grad_weights = None
     if ctx.optimizer >= 0 and ctx.table_shapes and _wants_grad(ctx.needs_input_grad[0]):
         # The optimizer runs here; the tables get no .grad (as with fbgemm's fused TBE).
         fused_embedding_update(
-            grad_output, flat, states, ctx.optimizer_state_is_row, hyper, step, values, offsets,
+            grad_output, flat, state1, state2, ctx.state1_is_row, hyper, step, values, offsets,
             per_sample_weights, feature_meta, key_index, ctx.batch_size, ctx.max_dim,
             ctx.optimizer, ctx.backend,
         )
@@ -206,11 +207,10 @@ def _backward(ctx, grad_output):
         grad_psw = pooled_embedding_weights_backward(
             grad_output, flat, values, offsets, feature_meta, key_index, ctx.batch_size
         ).to(per_sample_weights.dtype)
-    # One entry per input, tensor lists mirrored element by element (autograd checks the structure).
+    # One entry per input (autograd checks the structure; the Tensor[] input gets a list).
     if grad_weights is None:
         grad_weights = [None] * len(ctx.table_shapes)
-    is_row = [] if not ctx.optimizer_state_is_row else None  # an empty list keeps its list structure
-    return (grad_weights, None, None, None, grad_psw) + (None,) * 9 + ([None] * ctx.num_states, is_row, None, None)
+    return (grad_weights, None, None, None, grad_psw) + (None,) * 14
 
 
 pooled_embedding_forward.register_autograd(_backward, setup_context=_setup_context)

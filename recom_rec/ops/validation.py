@@ -10,16 +10,21 @@ import torch
 from .layout import META_NUM_EMBEDDINGS
 
 
+# Names travel to the op as one string (a custom-op argument) joined with ASCII unit/record
+# separators: no newlines or quotes for compilers that embed it in generated code, and plain
+# str.join, which torch.compile folds to a constant.
+_UNIT, _RECORD = "\x1f", "\x1e"
+
+
 def encode_names(keys: List[str], features: List[str], tables: List[str]) -> str:
-    """Packs the names an error message may need into one string (a custom-op argument)."""
-    return "\t".join(keys) + "\n" + "\n".join(f"{f}\t{t}" for f, t in zip(features, tables))
+    """Packs the names an error message may need: the KJT's keys, then (feature, table) pairs."""
+    return _RECORD.join([_UNIT.join(keys)] + [f + _UNIT + t for f, t in zip(features, tables)])
 
 
 def _decode_names(names: str) -> Tuple[List[str], List[Tuple[str, str]]]:
-    first, _, rest = names.partition("\n")
-    keys = first.split("\t") if first else []
-    pairs = [tuple(line.split("\t", 1)) for line in rest.split("\n")] if rest else []
-    return keys, pairs  # type: ignore[return-value]
+    first, *rest = names.split(_RECORD)
+    keys = first.split(_UNIT) if first else []
+    return keys, [tuple(r.split(_UNIT, 1)) for r in rest]  # type: ignore[misc]
 
 
 def _tables_reading(key: str, pairs) -> str:
