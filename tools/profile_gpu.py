@@ -1,6 +1,7 @@
 """Device-side investigation (not a benchmark): where recom_rec's time goes on a workload, and a
 sweep of the forward kernel's launch shape. Usage: python tools/profile_gpu.py OUT_DIR"""
 import json
+import os
 import sys
 
 import torch
@@ -30,7 +31,7 @@ for wname in sys.argv[2:] or ["many-1000", "dlrm-kaggle", "many-500"]:
     rep = {"module_forward_ms": module_ms, "kernel_default_ms": time_ms(kernel_only, dev, iters=30)}
     # 2. launch-shape sweep
     sweep = {}
-    for bb in (8, 16, 32, 64, 128):
+    for bb in (8, 16, 32, 64, 128) if os.environ.get("SWEEP", "1") == "1" else ():
         for nw in (1, 2, 4, 8):
             if bb * pooled_triton._block_d(max(w.dims)) > 16384:
                 continue
@@ -50,6 +51,7 @@ for wname in sys.argv[2:] or ["many-1000", "dlrm-kaggle", "many-500"]:
             step()
         torch.cuda.synchronize()
     rep["profile_train"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    rep["profile_train_cpu"] = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         with torch.no_grad():
             for _ in range(5):
@@ -64,4 +66,5 @@ json.dump(report, open(f"{out_dir}/profile.json", "w"), indent=1)
 for wname, rep in report.items():
     print("=" * 30, wname)
     print(rep["profile_train"])
+    print(rep["profile_train_cpu"])
     print(rep["profile_forward"])
