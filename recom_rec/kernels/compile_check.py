@@ -28,15 +28,15 @@ def _variants():
         block_r = max(1, min(64, 4096 // block_d))
         common = {"out_ptr": ptr[wdtype], "state1_ptr": "*fp32", "state2_ptr": "*fp32",
                   "hyper_ptr": "*fp32", "step_ptr": "*i64"}
-        yield k._segment_kernel, {
-            "order_ptr": "*i64", "feature_ptr": "*i64", "bag_ptr": "*i64", "scale_ptr": "*fp32",
-            "meta_ptr": "*i64", "grad_out_ptr": "*fp32", "seg_start_ptr": "*i64", "seg_len_ptr": "*i32",
-            "seg_key_ptr": "*i64", "seg_slot_ptr": "*i64", "partial_ptr": "*fp32", **common,
-            "num_segments": "i32", "total_dim": "i32",
+        yield k._piece_kernel, {
+            "src_ptr": "*i64", "scale_ptr": "*fp32", "grad_out_ptr": "*fp32", "meta_ptr": "*i64",
+            "piece_start_ptr": "*i64", "piece_len_ptr": "*i32", "piece_key_ptr": "*i64",
+            "piece_feature_ptr": "*i64", "piece_slot_ptr": "*i64", "num_pieces_ptr": "*i64",
+            "partial_ptr": "*fp32", **common,
         }, {"META_W": 8, "BLOCK_R": block_r, "BLOCK_D": block_d, "OPT": opt}
         yield k._split_row_kernel, {
             "partial_ptr": "*fp32", "first_slot_ptr": "*i64", "num_slots_ptr": "*i32", "key_ptr": "*i64",
-            "feature_ptr": "*i64", "meta_ptr": "*i64", **common, "num_rows": "i32",
+            "feature_ptr": "*i64", "num_rows_ptr": "*i64", "meta_ptr": "*i64", **common,
         }, {"META_W": 8, "BLOCK_R": block_r, "BLOCK_D": block_d, "OPT": opt}
 
 

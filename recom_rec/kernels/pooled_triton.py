@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..ops.jagged import expand_lookups, lookup_scale
-from ..ops.layout import META_ROW_BASE, META_WIDTH
+from ..ops.layout import META_OUT_COL, META_ROW_BASE, META_WIDTH
 
 
 @triton.jit
@@ -67,28 +67,24 @@ def _pooled_forward_kernel(
 
 
 @triton.jit
-def _sum_segments(
-    order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
-    seg_start, seg_len, dim, seg_mask, total_dim,
-    META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+def _sum_pieces(
+    src_ptr, scale_ptr, grad_out_ptr, start, length, dim, lane_mask,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """For BLOCK_R segments of the sorted lookups at once (lock-step, like the forward's bags):
-    the sum of each segment's scaled output gradients, [BLOCK_R, BLOCK_D] in fp32."""
+    """For BLOCK_R pieces of the sorted lookups at once (lock-step, like the forward's bags): the
+    sum of each piece's scaled output-gradient rows, [BLOCK_R, BLOCK_D] in fp32. ``src`` (where
+    each lookup's gradient row starts in grad_output) and ``scale`` are in sorted order."""
     d = tl.arange(0, BLOCK_D)
     d_mask = d[None, :] < dim[:, None]
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    max_len = tl.max(seg_len, axis=0)
+    max_len = tl.max(length, axis=0)
     i = 0
     while i < max_len:
-        live = seg_mask & (i < seg_len)
-        e = tl.load(order_ptr + seg_start + i, mask=live, other=0)
-        f = tl.load(feature_ptr + e, mask=live, other=0)
-        bag = tl.load(bag_ptr + e, mask=live, other=0)
-        s = tl.load(scale_ptr + e, mask=live, other=0.0)
-        col = tl.load(meta_ptr + f * META_W + 2, mask=live, other=0)
-        g = tl.load(grad_out_ptr + bag[:, None] * total_dim + col[:, None] + d[None, :],
-                    mask=live[:, None] & d_mask, other=0.0).to(tl.float32)
-        acc += g * s[:, None]
+        live = lane_mask & (i < length)
+        src = tl.load(src_ptr + start + i, mask=live, other=0)
+        s = tl.load(scale_ptr + start + i, mask=live, other=0.0)
+        g = tl.load(grad_out_ptr + src[:, None] + d[None, :], mask=live[:, None] & d_mask, other=0.0)
+        acc += g.to(tl.float32) * s[:, None]
         i += 1
     return acc
 
@@ -139,60 +135,59 @@ def _apply_rows(
 
 
 @triton.jit
-def _segment_kernel(
-    order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
-    seg_start_ptr, seg_len_ptr, seg_key_ptr, seg_slot_ptr, partial_ptr,
-    out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
-    num_segments, total_dim,
+def _piece_kernel(
+    src_ptr, scale_ptr, grad_out_ptr, meta_ptr,
+    piece_start_ptr, piece_len_ptr, piece_key_ptr, piece_feature_ptr, piece_slot_ptr, num_pieces_ptr,
+    partial_ptr, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
     META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, OPT: tl.constexpr,
 ):
-    """One lane per segment of equal rows (at most CAP lookups long). A segment that is a whole
-    row finishes it here; a piece of a longer row leaves its sum in its partial slot."""
+    """One lane per piece (at most CAP lookups of one row). A piece that is a whole row finishes
+    the row here; a piece of a longer row leaves its sum in its partial slot. The grid is sized
+    for the most pieces possible; the actual count is read on the device (no host sync)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    seg_mask = r < num_segments
-    start = tl.load(seg_start_ptr + r, mask=seg_mask, other=0)
-    length = tl.load(seg_len_ptr + r, mask=seg_mask, other=0)
-    key = tl.load(seg_key_ptr + r, mask=seg_mask, other=0)
-    slot = tl.load(seg_slot_ptr + r, mask=seg_mask, other=-1)
-    feature = tl.load(feature_ptr + tl.load(order_ptr + start, mask=seg_mask, other=0), mask=seg_mask, other=0)
-    dim = tl.load(meta_ptr + feature * META_W + 0, mask=seg_mask, other=1)
-    base = tl.load(meta_ptr + feature * META_W + 1, mask=seg_mask, other=0)
-    row_base = tl.load(meta_ptr + feature * META_W + 5, mask=seg_mask, other=0)
-    g = _sum_segments(order_ptr, feature_ptr, bag_ptr, scale_ptr, meta_ptr, grad_out_ptr,
-                      start, length, dim, seg_mask, total_dim, META_W, BLOCK_R, BLOCK_D)
+    lane = r < tl.load(num_pieces_ptr)
+    start = tl.load(piece_start_ptr + r, mask=lane, other=0)
+    length = tl.load(piece_len_ptr + r, mask=lane, other=0)
+    key = tl.load(piece_key_ptr + r, mask=lane, other=0)
+    feature = tl.load(piece_feature_ptr + r, mask=lane, other=0)
+    slot = tl.load(piece_slot_ptr + r, mask=lane, other=-1)
+    dim = tl.load(meta_ptr + feature * META_W + 0, mask=lane, other=1)
+    base = tl.load(meta_ptr + feature * META_W + 1, mask=lane, other=0)
+    row_base = tl.load(meta_ptr + feature * META_W + 5, mask=lane, other=0)
+    g = _sum_pieces(src_ptr, scale_ptr, grad_out_ptr, start, length, dim, lane, BLOCK_R, BLOCK_D)
     d = tl.arange(0, BLOCK_D)
-    is_piece = seg_mask & (slot >= 0)
-    tl.store(partial_ptr + slot[:, None] * BLOCK_D + d[None, :], g, mask=is_piece[:, None])
-    _apply_rows(g, key, dim, base, row_base, seg_mask & (slot < 0), out_ptr, state1_ptr, state2_ptr,
+    is_part = lane & (slot >= 0)
+    tl.store(partial_ptr + slot[:, None] * BLOCK_D + d[None, :], g, mask=is_part[:, None])
+    _apply_rows(g, key, dim, base, row_base, lane & (slot < 0), out_ptr, state1_ptr, state2_ptr,
                 hyper_ptr, step_ptr, BLOCK_D, OPT)
 
 
 @triton.jit
 def _split_row_kernel(
-    partial_ptr, first_slot_ptr, num_slots_ptr, key_ptr, feature_ptr, meta_ptr,
-    out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr, num_rows,
+    partial_ptr, first_slot_ptr, num_slots_ptr, key_ptr, feature_ptr, num_rows_ptr, meta_ptr,
+    out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
     META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, OPT: tl.constexpr,
 ):
-    """Rows hit more than CAP times (tiny tables, hot ids): add their pieces' partial sums in
-    order (deterministic) and finish the row."""
+    """Rows longer than one piece (tiny tables, hot ids): add their pieces' partial sums in order
+    (deterministic) and finish the row."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = r < num_rows
-    first = tl.load(first_slot_ptr + r, mask=row_mask, other=0)
-    count = tl.load(num_slots_ptr + r, mask=row_mask, other=0)
-    key = tl.load(key_ptr + r, mask=row_mask, other=0)
-    feature = tl.load(feature_ptr + r, mask=row_mask, other=0)
+    lane = r < tl.load(num_rows_ptr)
+    first = tl.load(first_slot_ptr + r, mask=lane, other=0)
+    count = tl.load(num_slots_ptr + r, mask=lane, other=0)
+    key = tl.load(key_ptr + r, mask=lane, other=0)
+    feature = tl.load(feature_ptr + r, mask=lane, other=0)
     d = tl.arange(0, BLOCK_D)
     g = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     max_count = tl.max(count, axis=0)
     i = 0
     while i < max_count:
-        live = row_mask & (i < count)
+        live = lane & (i < count)
         g += tl.load(partial_ptr + (first + i)[:, None] * BLOCK_D + d[None, :], mask=live[:, None], other=0.0)
         i += 1
-    dim = tl.load(meta_ptr + feature * META_W + 0, mask=row_mask, other=1)
-    base = tl.load(meta_ptr + feature * META_W + 1, mask=row_mask, other=0)
-    row_base = tl.load(meta_ptr + feature * META_W + 5, mask=row_mask, other=0)
-    _apply_rows(g, key, dim, base, row_base, row_mask, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
+    dim = tl.load(meta_ptr + feature * META_W + 0, mask=lane, other=1)
+    base = tl.load(meta_ptr + feature * META_W + 1, mask=lane, other=0)
+    row_base = tl.load(meta_ptr + feature * META_W + 5, mask=lane, other=0)
+    _apply_rows(g, key, dim, base, row_base, lane, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
                 BLOCK_D, OPT)
 
 
@@ -235,72 +230,96 @@ def forward(
     return out
 
 
-# A row's lookups are summed by one lane in pieces of at most CAP: longer runs (a table of 3
-# rows read 65536 times) are cut so that no lane walks them alone.
-SEGMENT_CAP = 128
+# A row's lookups are summed by one lane in pieces of at most PIECE lookups: lanes of a program
+# walk their pieces in lock-step, so bounding the piece length bounds the idle lanes, and a row
+# read 65536 times (a 3-row table) is spread over many lanes, its partial sums added in order.
+PIECE = 32
 
 
-def _segments(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count):
-    """Lookups sorted by row, cut into segments of equal rows of at most SEGMENT_CAP lookups."""
-    lookups = expand_lookups(values, offsets, feature_meta, key_index, batch_size)
-    scale = lookup_scale(lookups, per_sample_weights).contiguous()
+def _first_index(segment: torch.Tensor, size: int) -> torch.Tensor:
+    """For segment ids ``segment`` (non-decreasing, 0..k-1), the first position of each segment
+    (entries past k stay ``size``)."""
+    n = segment.numel()
+    first = torch.full((size,), n, dtype=torch.int64, device=segment.device)
+    return first.scatter_reduce_(0, segment, torch.arange(n, device=segment.device), "amin", include_self=True)
+
+
+def _pieces(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count,
+            total_dim, num_lookups):
+    """Sorted lookups cut into pieces, with no device-to-host sync when ``num_lookups`` is
+    known: arrays are sized for the worst case and the real counts stay on the device."""
+    lookups = expand_lookups(values, offsets, feature_meta, key_index, batch_size, num_lookups)
+    n = lookups.ids.numel()
+    device = values.device
+    scale = lookup_scale(lookups, per_sample_weights)
     row_key = feature_meta[lookups.feature, META_ROW_BASE] + lookups.ids
     if row_count < 2**31:  # 32-bit radix sort: half the passes
         row_key = row_key.to(torch.int32)
     sorted_key, order = torch.sort(row_key, stable=True)
-    keys, counts = torch.unique_consecutive(sorted_key, return_counts=True)
-    row_start = torch.cumsum(counts, 0) - counts
-    pieces = (counts + SEGMENT_CAP - 1) // SEGMENT_CAP
-    num_segments = int(pieces.sum())
-    if num_segments == keys.numel():  # no row longer than the cap
-        seg_slot = torch.full_like(counts, -1)
-        split = None
-        return lookups, scale, order, row_start, counts, keys.to(torch.int64), seg_slot, split
-    seg_row = torch.repeat_interleave(torch.arange(keys.numel(), device=keys.device), pieces,
-                                      output_size=num_segments)
-    piece = torch.arange(num_segments, device=keys.device) - (torch.cumsum(pieces, 0) - pieces)[seg_row]
-    seg_start = row_start[seg_row] + piece * SEGMENT_CAP
-    seg_len = torch.minimum(counts[seg_row] - piece * SEGMENT_CAP, torch.full_like(seg_start, SEGMENT_CAP))
-    is_split = pieces[seg_row] > 1
-    seg_slot = torch.where(is_split, torch.cumsum(is_split.to(torch.int64), 0) - 1, -1)
-    split_rows = torch.nonzero(pieces > 1).squeeze(1)
-    first_slot = seg_slot[(torch.cumsum(pieces, 0) - pieces)[split_rows]]
-    split = (first_slot.contiguous(), pieces[split_rows].contiguous(), keys[split_rows].to(torch.int64).contiguous(),
-             lookups.feature[order[row_start[split_rows]]].contiguous(), int(split_rows.numel()),
-             int(is_split.sum()))
-    return lookups, scale, order, seg_start, seg_len, keys[seg_row].to(torch.int64), seg_slot, split
+    sorted_key = sorted_key.to(torch.int64)
+    feature = lookups.feature[order]
+    src = (lookups.bag * total_dim + feature_meta[lookups.feature, META_OUT_COL])[order]
+    scale = scale[order]
+
+    positions = torch.arange(n, device=device)
+    row_start = torch.ones(n, dtype=torch.bool, device=device)
+    row_start[1:] = sorted_key[1:] != sorted_key[:-1]
+    row = torch.cumsum(row_start, 0) - 1  # row (segment) id of each lookup
+    row_first = _first_index(row, n)
+    within = positions - row_first[row]
+    piece_start = (within % PIECE) == 0
+    piece = torch.cumsum(piece_start, 0) - 1
+    num_pieces = piece[-1:] + 1 if n else torch.zeros(1, dtype=torch.int64, device=device)
+    first = _first_index(piece, n)  # start of each piece; n past the last
+    length = torch.zeros(n, dtype=torch.int32, device=device).index_add_(
+        0, piece, torch.ones(n, dtype=torch.int32, device=device))
+    at = first.clamp_max(max(n - 1, 0))
+    pieces_per_row = torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, row, piece_start.to(torch.int64))
+    split = pieces_per_row[row[at]] > 1  # the piece belongs to a row of several pieces
+    split &= positions < num_pieces
+    slot = torch.where(split, torch.cumsum(split, 0) - 1, -1)
+    pieces = (first, length, sorted_key[at], feature[at], slot, num_pieces)
+
+    # Rows of several pieces, compacted (row r's first piece is piece[row_first[r]]).
+    row_split = (pieces_per_row > 1) & (positions < row[-1:] + 1)
+    split_rank = torch.cumsum(row_split, 0) - 1
+    num_split = split_rank[-1:] + 1
+    dest = torch.where(row_split, split_rank, n)  # n: dropped
+    def compact(v, fill=0):
+        out = torch.full((n + 1,), fill, dtype=v.dtype, device=device)
+        return out.scatter_(0, dest, v)[:n]
+    row_at = row_first.clamp_max(max(n - 1, 0))
+    rows = (compact(slot[piece[row_at]]), compact(pieces_per_row.to(torch.int32)), compact(sorted_key[row_at]),
+            compact(feature[row_at]), num_split)
+    return src.contiguous(), scale.contiguous(), pieces, rows
 
 
 def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, row_count, opt):
-    lookups, scale, order, seg_start, seg_len, seg_key, seg_slot, split = _segments(
-        values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count)
-    num_segments = seg_start.numel()
-    if num_segments == 0:
-        return
+                  key_index, batch_size, max_dim, row_count, opt, num_lookups):
     grad_output = grad_output.contiguous()
+    src, scale, pieces, rows = _pieces(values, offsets, per_sample_weights, feature_meta, key_index,
+                                       batch_size, row_count, grad_output.shape[1], num_lookups)
+    n = src.numel()
+    if n == 0:
+        return
     block_d = _block_d(max_dim)
     block_r = max(1, min(64, 4096 // block_d))
-    device = grad_output.device
-    num_slots = split[5] if split is not None else 0
-    partials = torch.empty(max(1, num_slots) * block_d, dtype=torch.float32, device=device)
+    # Pieces of split rows: a split row of L > PIECE lookups has at most L / PIECE + 1 pieces.
+    max_slots = 2 * n // PIECE + 1
+    partials = torch.empty(max_slots * block_d, dtype=torch.float32, device=grad_output.device)
     state1 = states[0] if len(states) > 0 else out
     state2 = states[1] if len(states) > 1 else out
     hyper = hyper if hyper is not None else partials
     step = step if step is not None else partials
-    _segment_kernel[(triton.cdiv(num_segments, block_r),)](
-        order, lookups.feature, lookups.bag, scale, feature_meta, grad_output,
-        seg_start, seg_len.to(torch.int32), seg_key, seg_slot, partials,
-        out, state1, state2, hyper, step, num_segments, grad_output.shape[1],
+    _piece_kernel[(triton.cdiv(n, block_r),)](
+        src, scale, grad_output, feature_meta, *pieces, partials, out, state1, state2, hyper, step,
         META_W=META_WIDTH, BLOCK_R=block_r, BLOCK_D=block_d, OPT=opt,
     )
-    if split is not None:
-        first_slot, count, keys, features, num_rows, _ = split
-        _split_row_kernel[(triton.cdiv(num_rows, block_r),)](
-            partials, first_slot, count.to(torch.int32), keys, features, feature_meta,
-            out, state1, state2, hyper, step, num_rows,
-            META_W=META_WIDTH, BLOCK_R=block_r, BLOCK_D=block_d, OPT=opt,
-        )
+    # A split row has at least PIECE + 1 lookups.
+    _split_row_kernel[(triton.cdiv(n // (PIECE + 1) + 1, block_r),)](
+        partials, *rows, feature_meta, out, state1, state2, hyper, step,
+        META_W=META_WIDTH, BLOCK_R=block_r, BLOCK_D=block_d, OPT=opt,
+    )
 
 
 def backward(
@@ -314,20 +333,21 @@ def backward(
     total_numel: int,
     dtype: torch.dtype,
     max_dim: int,
+    num_lookups: int = -1,
 ) -> torch.Tensor:
     grad = torch.zeros(total_numel, dtype=dtype, device=grad_output.device)
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return grad
     _run_backward(grad_output, grad, [], None, None, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, total_numel, -1)
+                  key_index, batch_size, max_dim, total_numel, -1, num_lookups)
     return grad
 
 
 def fused_update(
     grad_output, flat, states, state_is_row, hyper, step, values, offsets, per_sample_weights,
-    feature_meta, key_index, batch_size, max_dim, kind,
+    feature_meta, key_index, batch_size, max_dim, kind, num_lookups=-1,
 ) -> None:
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return
     _run_backward(grad_output, flat, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, flat.numel(), kind)
+                  key_index, batch_size, max_dim, flat.numel(), kind, num_lookups)

@@ -105,6 +105,11 @@ def _two_states(states: List[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Opt
 
 
 @lru_cache(maxsize=256)
+def _reads_each_key_once(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str, ...]) -> bool:
+    return sorted(_key_plan(keys, wanted, tables)) == list(range(len(keys)))
+
+
+@lru_cache(maxsize=256)
 def _key_index_on(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str, ...],
                   device: torch.device) -> torch.Tensor:
     # A KJT's key order rarely changes between batches: keep its device copy.
@@ -150,16 +155,20 @@ def _fused_lookup(
     for g in range(len(flats)):
         wanted, tables = tuple(group_features[g]), tuple(group_tables[g])
         if torch.compiler.is_compiling():
-            key_index = torch.tensor(_key_plan.__wrapped__(keys, wanted, tables), dtype=torch.int64,
-                                     device=flats[g].device)
+            key_index_list = _key_plan.__wrapped__(keys, wanted, tables)
+            key_index = torch.tensor(key_index_list, dtype=torch.int64, device=flats[g].device)
+            reads_each_key_once = sorted(key_index_list) == list(range(len(keys)))
         else:
             key_index = _key_index_on(keys, wanted, tables, flats[g].device)
+            reads_each_key_once = _reads_each_key_once(keys, wanted, tables)
         names = encode_names(list(keys), group_features[g], group_tables[g]) if validate else ""
         outs.append(
             pooled_embedding_forward(
                 weights[g], flats[g], values, offsets, per_sample_weights, metas[g], key_index,
                 batch_size, sum(group_dims[g]), max(group_dims[g]), backend, validate, names,
                 optimizer, *_two_states(optimizer_states[g] if optimizer >= 0 else []), state1_is_row, hyper, step,
+                # Every key read by exactly one feature: the lookups are the values (no sync to count them).
+                values.numel() if reads_each_key_once else -1,
             )
         )
     if len(outs) == 1:

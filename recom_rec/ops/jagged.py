@@ -30,8 +30,12 @@ def expand_lookups(
     feature_meta: torch.Tensor,
     key_index: torch.Tensor,
     batch_size: int,
+    num_lookups: int = -1,
 ) -> Lookups:
     """Lists every lookup of every output feature.
+
+    ``num_lookups``, when the caller knows it (every KJT key read by exactly one feature: it is
+    the number of values), spares a device-to-host sync.
 
     ``offsets`` is the KJT's ``[num_keys * B + 1]`` offsets, ``key_index[f]`` the KJT key that
     output feature ``f`` reads. A key read by two features (a feature shared by two tables) is
@@ -43,7 +47,8 @@ def expand_lookups(
     hi = offsets[(key_index + 1) * batch_size]
     counts = hi - lo
     num_features = feature_meta.shape[0]
-    feature = torch.repeat_interleave(torch.arange(num_features, device=device), counts)
+    feature = torch.repeat_interleave(torch.arange(num_features, device=device), counts,
+                                      output_size=num_lookups if num_lookups >= 0 else None)
     n = feature.numel()
     within = torch.arange(n, device=device) - _exclusive_cumsum(counts)[feature]
     position = lo[feature] + within

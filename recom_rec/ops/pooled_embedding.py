@@ -44,6 +44,7 @@ def pooled_embedding_forward(
     state1_is_row: bool,
     hyper: Optional[Tensor],
     step: Optional[Tensor],
+    num_lookups: int,
 ) -> Tensor:
     """Pooled embeddings ``[batch_size, total_dim]`` (fp32) of every feature of a group.
 
@@ -65,7 +66,8 @@ def pooled_embedding_forward(
 
 @pooled_embedding_forward.register_fake
 def _(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
-      total_dim, max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step):
+      total_dim, max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step,
+      num_lookups):
     return flat.new_empty((batch_size, total_dim), dtype=torch.float32)
 
 
@@ -82,13 +84,14 @@ def pooled_embedding_backward(
     max_dim: int,
     dtype: torch.dtype,
     backend: str,
+    num_lookups: int,
 ) -> Tensor:
     """Dense gradient ``[total_numel]`` of the flat weight buffer, in the weights' dtype."""
     keys = key_index
     if resolve_backend(backend, grad_output.device) == "triton":
         return _triton().backward(
             grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size,
-            total_numel, dtype, max_dim,
+            total_numel, dtype, max_dim, num_lookups,
         )
     return torch_backend.backward(
         grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_numel, dtype
@@ -97,7 +100,7 @@ def pooled_embedding_backward(
 
 @pooled_embedding_backward.register_fake
 def _(grad_output, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
-      total_numel, max_dim, dtype, backend):
+      total_numel, max_dim, dtype, backend, num_lookups):
     return grad_output.new_empty((total_numel,), dtype=dtype)
 
 
@@ -143,6 +146,7 @@ def fused_embedding_update(
     max_dim: int,
     optimizer: int,
     backend: str,
+    num_lookups: int,
 ) -> None:
     """The backward with the optimizer fused in: updates the touched rows of ``flat`` and their
     optimizer state in place (duplicate ids summed first), and counts the step."""
@@ -152,20 +156,21 @@ def fused_embedding_update(
     states = [t for t in (state1, state2) if t is not None]
     impl.fused_update(
         grad_output, flat, states, [state1_is_row, False][:len(states)], hyper, step, values, offsets,
-        per_sample_weights, feature_meta, keys, batch_size, max_dim, optimizer,
+        per_sample_weights, feature_meta, keys, batch_size, max_dim, optimizer, num_lookups,
     )
 
 
 @fused_embedding_update.register_fake
 def _(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, offsets,
-      per_sample_weights, feature_meta, key_index, batch_size, max_dim, optimizer, backend):
+      per_sample_weights, feature_meta, key_index, batch_size, max_dim, optimizer, backend, num_lookups):
     return None
 
 
 def _setup_context(ctx, inputs, output):
     (weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
      total_dim, max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row,
-     hyper, step) = inputs
+     hyper, step, num_lookups) = inputs
+    ctx.num_lookups = num_lookups
     ctx.optimizer = optimizer
     ctx.state1_is_row = state1_is_row
     ctx.save_for_backward(flat, values, offsets, per_sample_weights, feature_meta, key_index, hyper, step,
@@ -191,12 +196,12 @@ def _backward(ctx, grad_output):
         fused_embedding_update(
             grad_output, flat, state1, state2, ctx.state1_is_row, hyper, step, values, offsets,
             per_sample_weights, feature_meta, key_index, ctx.batch_size, ctx.max_dim,
-            ctx.optimizer, ctx.backend,
+            ctx.optimizer, ctx.backend, ctx.num_lookups,
         )
     elif ctx.table_shapes and _wants_grad(ctx.needs_input_grad[0]):
         grad_flat = pooled_embedding_backward(
             grad_output, values, offsets, per_sample_weights, feature_meta, key_index,
-            ctx.batch_size, ctx.flat_numel, ctx.max_dim, ctx.flat_dtype, ctx.backend,
+            ctx.batch_size, ctx.flat_numel, ctx.max_dim, ctx.flat_dtype, ctx.backend, ctx.num_lookups,
         )
         grad_weights, start = [], 0
         for rows, dim in ctx.table_shapes:
@@ -210,7 +215,7 @@ def _backward(ctx, grad_output):
     # One entry per input (autograd checks the structure; the Tensor[] input gets a list).
     if grad_weights is None:
         grad_weights = [None] * len(ctx.table_shapes)
-    return (grad_weights, None, None, None, grad_psw) + (None,) * 14
+    return (grad_weights, None, None, None, grad_psw) + (None,) * 15
 
 
 pooled_embedding_forward.register_autograd(_backward, setup_context=_setup_context)

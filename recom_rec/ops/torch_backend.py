@@ -135,6 +135,7 @@ def fused_update(
     batch_size: int,
     max_dim: int,
     kind: int,
+    num_lookups: int = -1,
 ) -> None:
     """Backward with the optimizer fused in: sums the gradient of each touched row (duplicates
     first, as fbgemm's exact optimizers do), then updates those rows and their state in place."""
@@ -143,7 +144,7 @@ def fused_update(
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return
     grad_output = grad_output.to(torch.float32).contiguous()
-    lookups = expand_lookups(values, offsets, feature_meta, key_index, batch_size)
+    lookups = expand_lookups(values, offsets, feature_meta, key_index, batch_size, num_lookups)
     if lookups.ids.numel() == 0:
         return
     scale = lookup_scale(lookups, per_sample_weights)
