@@ -127,11 +127,22 @@ def _parse_rows(rows: List[List[str]], order: List[int], width: int, first_row: 
     return CriteoChunk(labels=labels, dense=dense, categorical=categorical)
 
 
-def iter_criteo_chunks(path: PathLike, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterator[CriteoChunk]:
+def iter_criteo_chunks(
+    path: PathLike,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    shard: int = 0,
+    num_shards: int = 1,
+) -> Iterator[CriteoChunk]:
     """Stream one Criteo file (TSV or CSV-with-header, plain or gzip) as raw chunks of at most
-    `chunk_rows` rows. Blank lines are skipped; a row with the wrong field count raises."""
+    `chunk_rows` rows. Blank lines are skipped; a row with the wrong field count raises.
+
+    With `num_shards` > 1 only chunks number `shard`, `shard + num_shards`, ... are parsed and
+    yielded (the others are read past unparsed), so parallel readers split the parsing work.
+    """
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"need 0 <= shard < num_shards, got {shard}, {num_shards}")
     with open_text(path) as f:
         first_line = f.readline()
         if not first_line.strip():
@@ -151,11 +162,12 @@ def iter_criteo_chunks(path: PathLike, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> 
         leading = [] if has_header else [first_row]
         rows = (row for row in itertools.chain(leading, reader) if row)  # skip blank lines
         row_number = 1
-        while True:
+        for index in itertools.count():
             block = list(itertools.islice(rows, chunk_rows))
             if not block:
                 return
-            yield _parse_rows(block, order, width, row_number)
+            if index % num_shards == shard:
+                yield _parse_rows(block, order, width, row_number)
             row_number += len(block)
 
 
@@ -246,9 +258,9 @@ class CriteoIterDataset(IterableDataset):
     """`IterableDataset` of Criteo `Batch`es (see `criteo_batches`); use it with
     `DataLoader(dataset, batch_size=None)` since it already batches.
 
-    With several DataLoader workers, parsed chunks are dealt round-robin to workers (each
-    worker still reads the files, but parses and batches only its share of chunks), and each
-    worker shuffles with `seed + worker_id`.
+    With several DataLoader workers, each file's chunks of `chunk_rows` rows are dealt
+    round-robin to workers (every worker reads the files but parses and batches only its share,
+    see `iter_criteo_chunks`), and each worker shuffles with `seed + worker_id`.
     """
 
     def __init__(
@@ -272,14 +284,14 @@ class CriteoIterDataset(IterableDataset):
         self.chunk_rows = chunk_rows
 
     def __iter__(self) -> Iterator[Batch]:
-        chunks: Iterable[CriteoChunk] = (
-            c for p in self.paths for c in iter_criteo_chunks(p, self.chunk_rows)
-        )
-        seed = self.seed
         worker = get_worker_info()
-        if worker is not None and worker.num_workers > 1:
-            chunks = itertools.islice(chunks, worker.id, None, worker.num_workers)
-            seed += worker.id
+        shard, num_shards = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        chunks = (
+            c
+            for p in self.paths
+            for c in iter_criteo_chunks(p, self.chunk_rows, shard, num_shards)
+        )
+        seed = self.seed + shard
         return _batches_from_chunks(
             chunks, self.batch_size, self.hash_sizes, self.drop_last, self.shuffle_buffer, seed
         )

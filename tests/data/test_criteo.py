@@ -196,6 +196,12 @@ def test_chunk_boundaries_do_not_change_batches(tmp_path):
         torch.testing.assert_close(a.dense_features, b.dense_features)
         np.testing.assert_array_equal(batch_ids(a), batch_ids(b))
     assert sum(len(c) for c in iter_criteo_chunks(path, chunk_rows=7)) == 101
+    # Shards take every third chunk: together the whole file, each chunk once, in order.
+    shards = [list(iter_criteo_chunks(path, 7, shard=s, num_shards=3)) for s in range(3)]
+    assert [len(c) for c in shards[1]] == [7, 7, 7, 7, 7]  # chunks 1, 4, 7, 10, 13
+    dealt = [shards[i % 3][i // 3] for i in range(15)]
+    all_ids = np.concatenate([c.categorical for c in iter_criteo_chunks(path, 7)])
+    np.testing.assert_array_equal(np.concatenate([c.categorical for c in dealt]), all_ids)
 
 
 @pytest.mark.parametrize("drop_last, sizes", [(False, [32, 32, 32, 4]), (True, [32, 32, 32])])
