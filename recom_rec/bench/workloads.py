@@ -9,11 +9,7 @@ import numpy as np
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-CRITEO_KAGGLE_CARDINALITIES = [
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
-    5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-]
-
+from ..data import CRITEO_KAGGLE_CARDINALITIES, truncated_zipf
 
 @dataclass
 class Workload:
@@ -65,16 +61,9 @@ class Workload:
 
 
 def zipf_ids(rng: np.random.Generator, a: float, n: int, count: int) -> np.ndarray:
-    """Zipf(a) ranks truncated to [0, n), hot ranks scattered over the table by a fixed
-    permutation-like hash (so hot rows are not all adjacent)."""
-    ranks = np.empty(count, dtype=np.int64)
-    filled = 0
-    while filled < count:  # rejection of ranks past the table size
-        draw = rng.zipf(a, size=(count - filled) * 2) - 1
-        draw = draw[draw < n][: count - filled]
-        ranks[filled:filled + draw.size] = draw
-        filled += draw.size
-    return (ranks * 2654435761) % n
+    """Zipf(a) ids in [0, n), hot ranks scattered over the table by a fixed multiplicative hash
+    (so the hot rows are not all adjacent in memory)."""
+    return (truncated_zipf(rng, a, n, count) * 2654435761) % n
 
 
 def _dlrm_kaggle(small: bool) -> Workload:
