@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from .base import RowStore, StoreError, StoreUnavailable
-from .registry import redact_url
+from .registry import join_url, redact_url
 
 #: Keys per MGET/MSET/DEL command.
 CHUNK = 4096
@@ -326,9 +326,7 @@ def _common_options() -> dict:
 def _single_client(parts, rest_query) -> redis.Redis:
     """redis://, rediss://, unix://: redis-py parses these itself once our arguments are
     removed; options given in the URL override our defaults."""
-    clean = urlunsplit(
-        (parts.scheme, parts.netloc, parts.path, urlencode(rest_query), parts.fragment)
-    )
+    clean = join_url(parts.scheme, parts.netloc, parts.path, urlencode(rest_query))
     return redis.Redis.from_url(clean, **_common_options())
 
 

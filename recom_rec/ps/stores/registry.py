@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 from typing import Callable, Dict
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from .base import RowStore
 
@@ -39,7 +39,18 @@ def redact_url(url: str) -> str:
                 [(k, "***" if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs],
                 safe="*/,",
             )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return join_url(parts.scheme, netloc, parts.path, query, parts.fragment)
+
+
+def join_url(scheme: str, netloc: str, path: str, query: str = "", fragment: str = "") -> str:
+    """Inverse of ``urlsplit`` that keeps ``//`` for an empty netloc (``unix:///path``), which
+    ``urlunsplit`` drops for schemes it does not know."""
+    url = f"{scheme}://{netloc}{path}"
+    if query:
+        url += f"?{query}"
+    if fragment:
+        url += f"#{fragment}"
+    return url
 
 
 def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False) -> None:
