@@ -1,0 +1,390 @@
+"""Redis-backed row store: ``redis://``, ``rediss://``, ``unix://`` and ``redis+cluster://``.
+
+URL forms (query arguments ``prefix`` and ``retry_timeout`` are ours, the rest go to redis-py)::
+
+    redis://[user:password@]host:port/db?prefix=NAME&retry_timeout=30
+    rediss://[user:password@]host:port/db?prefix=NAME&ssl_cert_reqs=required&ssl_ca_certs=/ca.pem
+    unix:///path/to/redis.sock?db=N&prefix=NAME
+    redis+cluster://[user:password@]host:port[,host:port...]?prefix=NAME
+
+Layout: the row of (table, id) is the value of key ``{prefix}:{table}:`` + the id as 8 bytes
+little-endian, holding the row's raw bytes (``width * itemsize``). No other keys are written:
+``scan_ids``/``clear`` use SCAN with MATCH on the key head, so a put is a single MSET and needs
+no id-set bookkeeping (SCAN is O(keys in the db), acceptable for checkpoints/cold starts, which
+is when the PS tier scans).
+
+Batching: keys go in chunks of ``CHUNK`` per MGET/MSET/DEL, all chunks of a call sent in one
+pipeline (single server) or through the cluster client's per-slot pipelines (cluster; no hash
+tags, so a table's rows spread over all shards).
+
+Failures: connection errors and timeouts are retried with exponential backoff until
+``retry_timeout`` seconds have passed since the operation started, then
+:class:`StoreUnavailable` is raised. Operations are idempotent (MSET/MGET/DEL of fixed
+values), so re-sending a whole batch after a partial failure is safe. Opening does not retry:
+an unreachable server fails fast (small connect timeout + PING).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
+
+import numpy as np
+import torch
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ClusterDownError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.retry import Retry
+
+from .base import RowStore, StoreError, StoreUnavailable
+from .registry import join_url, redact_url
+
+#: Keys per MGET/MSET/DEL command.
+CHUNK = 4096
+DEFAULT_PREFIX = "recom_rec"
+DEFAULT_RETRY_TIMEOUT = 30.0
+# Small connect timeout so an unreachable server is reported quickly; reads get longer since
+# a chunk can be several MB.
+DEFAULT_CONNECT_TIMEOUT = 2.0
+DEFAULT_SOCKET_TIMEOUT = 10.0
+_BACKOFF_START = 0.05
+_BACKOFF_CAP = 1.0
+
+# Errors worth retrying: the server is down, restarting, loading its AOF, or a cluster is
+# failing over. redis' ConnectionError covers BusyLoadingError but also the auth errors,
+# which are excluded explicitly before this tuple is consulted.
+_TRANSIENT = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    ClusterDownError,
+    TryAgainError,
+    RedisClusterException,
+    OSError,
+)
+_AUTH = (AuthenticationError, AuthorizationError)
+
+T = TypeVar("T")
+
+
+class RedisStore(RowStore):
+    """:class:`RowStore` on a Redis server or cluster; open it with :func:`open_redis_store`."""
+
+    def __init__(
+        self,
+        client,
+        *,
+        cluster: bool,
+        prefix: str,
+        retry_timeout: float,
+        redacted_url: str,
+        secrets: Sequence[str] = (),
+    ):
+        super().__init__(redacted_url)
+        self._client = client
+        self._cluster = cluster
+        self._prefix = prefix
+        self._retry_timeout = retry_timeout
+        self._secrets = tuple(s for s in secrets if s)
+
+    @property
+    def prefix(self) -> str:
+        """Key prefix isolating this store's rows from other users of the same server."""
+        return self._prefix
+
+    @property
+    def retry_timeout(self) -> float:
+        return self._retry_timeout
+
+    # ------------------------------------------------------------------ RowStore hooks
+
+    def _get(self, table, ids, width, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        keys = self._keys(table, ids)
+        values = self._retrying("get", lambda: self._mget(keys))
+        row_bytes = width * torch.empty(0, dtype=dtype).element_size()
+        found = torch.tensor([v is not None for v in values], dtype=torch.bool)
+        rows = torch.zeros(len(keys), width, dtype=dtype)
+        for i, v in enumerate(values):
+            if v is not None and len(v) != row_bytes:
+                raise StoreError(
+                    f"{self!r}: stored row of table {table!r} id {int(ids[i])} has {len(v)} "
+                    f"bytes, expected {row_bytes} (width {width} x {dtype}); the table was "
+                    f"written with another width or dtype"
+                )
+        payload = b"".join(v for v in values if v is not None)
+        if payload:
+            stored = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            rows[found] = stored.view(dtype).view(-1, width)
+        return rows, found
+
+    def _put(self, table, ids, rows) -> None:
+        keys = self._keys(table, ids)
+        data = rows.view(torch.uint8).numpy().tobytes()
+        row_bytes = len(data) // len(keys)
+        values = [data[i * row_bytes : (i + 1) * row_bytes] for i in range(len(keys))]
+        self._retrying("put", lambda: self._mset(keys, values))
+
+    def _delete(self, table, ids) -> None:
+        keys = self._keys(table, ids)
+        self._retrying("delete", lambda: self._del(keys))
+
+    def _scan_ids(self, table) -> torch.Tensor:
+        head = self._head(table)
+
+        def scan() -> torch.Tensor:
+            suffixes = [k[len(head) :] for k in self._scan_keys(head)]
+            if not suffixes:
+                return torch.zeros(0, dtype=torch.int64)
+            ids = np.frombuffer(b"".join(suffixes), dtype="<i8").astype(np.int64)
+            return torch.from_numpy(ids)
+
+        return self._retrying("scan_ids", scan)
+
+    def _clear(self, table) -> None:
+        head = self._head(table)
+
+        def clear() -> None:
+            batch: List[bytes] = []
+            for key in self._scan_keys(head):
+                batch.append(key)
+                if len(batch) == CHUNK:
+                    self._del(batch)
+                    batch = []
+            if batch:
+                self._del(batch)
+
+        self._retrying("clear", clear)
+
+    def _close(self) -> None:
+        try:
+            self._client.close()
+        except RedisError:
+            pass  # closing sockets of a dead server is not an error worth reporting
+
+    # ------------------------------------------------------------------ keys
+
+    def _head(self, table: str) -> bytes:
+        return f"{self._prefix}:{table}:".encode()
+
+    def _keys(self, table: str, ids: torch.Tensor) -> List[bytes]:
+        head = self._head(table)
+        packed = ids.numpy().astype("<i8", copy=False).tobytes()
+        return [head + packed[i : i + 8] for i in range(0, len(packed), 8)]
+
+    def _scan_keys(self, head: bytes):
+        """Keys of exactly ``head`` + 8 id bytes (the length check rejects foreign keys that
+        happen to match the glob)."""
+        pattern = _escape_glob(head) + b"*"
+        want = len(head) + 8
+        for key in self._client.scan_iter(match=pattern, count=1000):
+            if len(key) == want and key.startswith(head):
+                yield key
+
+    # ------------------------------------------------------------------ batched commands
+
+    def _mget(self, keys: List[bytes]) -> list:
+        if self._cluster:
+            out: list = []
+            for chunk in _chunks(keys):
+                out.extend(self._client.mget_nonatomic(chunk))
+            return out
+        pipe = self._client.pipeline(transaction=False)
+        for chunk in _chunks(keys):
+            pipe.mget(chunk)
+        return [v for reply in pipe.execute() for v in reply]
+
+    def _mset(self, keys: List[bytes], values: List[bytes]) -> None:
+        # execute() raises if any command failed, so returning means every chunk was acked.
+        if self._cluster:
+            for start in range(0, len(keys), CHUNK):
+                end = start + CHUNK
+                self._client.mset_nonatomic(dict(zip(keys[start:end], values[start:end])))
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for start in range(0, len(keys), CHUNK):
+            end = start + CHUNK
+            pipe.mset(dict(zip(keys[start:end], values[start:end])))
+        pipe.execute()
+
+    def _del(self, keys: List[bytes]) -> None:
+        if self._cluster:
+            for chunk in _chunks(keys):
+                self._client.delete(*chunk)  # the cluster client splits it by slot
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for chunk in _chunks(keys):
+            pipe.delete(*chunk)
+        pipe.execute()
+
+    # ------------------------------------------------------------------ error handling
+
+    def _retrying(self, op: str, fn: Callable[[], T]) -> T:
+        """Run ``fn``, retrying transient failures with exponential backoff until
+        ``retry_timeout`` has passed; map redis errors to StoreError/StoreUnavailable."""
+        deadline = time.monotonic() + self._retry_timeout
+        delay = _BACKOFF_START
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                return fn()
+            except _AUTH as exc:
+                raise StoreError(
+                    f"{op} on {self.url}: authentication failed: {self._scrub(exc)}"
+                ) from None
+            except _TRANSIENT as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StoreUnavailable(
+                        f"{op} on {self.url}: store unreachable for {self._retry_timeout:g}s "
+                        f"({attempts} attempts), last error: {self._scrub(exc)}"
+                    ) from None
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, _BACKOFF_CAP)
+            except ResponseError as exc:
+                raise StoreError(f"{op} on {self.url} failed: {self._scrub(exc)}") from None
+
+    def _scrub(self, exc: BaseException) -> str:
+        return _scrub(f"{type(exc).__name__}: {exc}", self._secrets)
+
+
+# ---------------------------------------------------------------------- opening
+
+
+def open_redis_store(url: str) -> RedisStore:
+    """Open a :class:`RedisStore` from one of the URL forms in the module docstring.
+
+    Raises :class:`StoreUnavailable` if the server does not answer PING (no retry, so this is
+    quick), :class:`StoreError` if it rejects the credentials, ``ValueError`` for a bad URL.
+    """
+    redacted = redact_url(url)
+    parts = urlsplit(url)
+    secrets = [unquote(parts.password)] if _password_of(parts) else []
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    secrets += [v for k, v in query if k == "password"]
+    ours = {k: v for k, v in query if k in ("prefix", "retry_timeout")}
+    rest = [(k, v) for k, v in query if k not in ("prefix", "retry_timeout")]
+
+    prefix = ours.get("prefix", DEFAULT_PREFIX)
+    if not prefix or ":" in prefix:
+        raise ValueError(f"prefix must be non-empty and contain no ':' in {redacted!r}")
+    try:
+        retry_timeout = float(ours.get("retry_timeout", DEFAULT_RETRY_TIMEOUT))
+    except ValueError:
+        raise ValueError(f"retry_timeout must be a number of seconds in {redacted!r}") from None
+    if retry_timeout < 0:
+        raise ValueError(f"retry_timeout must be >= 0 in {redacted!r}")
+
+    cluster = parts.scheme == "redis+cluster"
+    try:
+        if cluster:
+            client = _cluster_client(parts, rest, redacted)
+        else:
+            client = _single_client(parts, rest)
+        client.ping()
+    except _AUTH as exc:
+        raise StoreError(
+            f"cannot open {redacted}: authentication failed: "
+            f"{_scrub(f'{type(exc).__name__}: {exc}', secrets)}"
+        ) from None
+    except (*_TRANSIENT, ResponseError) as exc:
+        raise StoreUnavailable(
+            f"cannot open {redacted}: store unreachable: "
+            f"{_scrub(f'{type(exc).__name__}: {exc}', secrets)}"
+        ) from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad store URL {redacted!r}: {_scrub(str(exc), secrets)}") from None
+    return RedisStore(
+        client,
+        cluster=cluster,
+        prefix=prefix,
+        retry_timeout=retry_timeout,
+        redacted_url=redacted,
+        secrets=secrets,
+    )
+
+
+def _common_options() -> dict:
+    # redis-py's own retry is disabled: RedisStore retries whole batches against its own
+    # deadline, and a second retry layer would make "unreachable at open" slow.
+    return dict(
+        socket_connect_timeout=DEFAULT_CONNECT_TIMEOUT,
+        socket_timeout=DEFAULT_SOCKET_TIMEOUT,
+        retry=Retry(NoBackoff(), 0),
+        decode_responses=False,
+    )
+
+
+def _single_client(parts, rest_query) -> redis.Redis:
+    """redis://, rediss://, unix://: redis-py parses these itself once our arguments are
+    removed; options given in the URL override our defaults."""
+    clean = join_url(parts.scheme, parts.netloc, parts.path, urlencode(rest_query))
+    return redis.Redis.from_url(clean, **_common_options())
+
+
+_CLUSTER_FLOAT_ARGS = ("socket_timeout", "socket_connect_timeout")
+
+
+def _cluster_client(parts, rest_query, redacted: str):
+    from redis.cluster import ClusterNode, RedisCluster
+
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    nodes = []
+    for hostport in hosts.split(","):
+        host, sep, port = hostport.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"cluster nodes must be host:port[,host:port...] in {redacted!r}")
+        nodes.append(ClusterNode(host.strip("[]"), int(port)))
+    options = _common_options()
+    for key, value in rest_query:
+        if key not in _CLUSTER_FLOAT_ARGS:
+            raise ValueError(
+                f"unsupported query argument {key!r} for redis+cluster:// in {redacted!r}; "
+                f"supported: prefix, retry_timeout, " + ", ".join(_CLUSTER_FLOAT_ARGS)
+            )
+        options[key] = float(value)
+    return RedisCluster(
+        startup_nodes=nodes,
+        username=unquote(username) or None,
+        password=unquote(password) or None,
+        **options,
+    )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _password_of(parts) -> Optional[str]:
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    return userinfo.partition(":")[2] if at else None
+
+
+def _scrub(text: str, secrets: Sequence[str]) -> str:
+    """Remove secrets from error text we did not write (redis-py messages, parse errors)."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+def _escape_glob(raw: bytes) -> bytes:
+    """Escape Redis glob metacharacters so SCAN MATCH treats the key head literally."""
+    out = bytearray()
+    for byte in raw:
+        if byte in b"*?[]\\":
+            out += b"\\"
+        out.append(byte)
+    return bytes(out)
+
+
+def _chunks(items: list) -> List[list]:
+    return [items[i : i + CHUNK] for i in range(0, len(items), CHUNK)]
