@@ -47,11 +47,12 @@ def _fused_module(tables, backend, opt, **kw):
     (torch.optim.Adagrad, {"lr": 0.2, "initial_accumulator_value": 0.1}),
     (RowWiseAdagrad, {"lr": 0.2, "eps": 1e-8}),
 ])
-def test_matches_torch_optimizer_on_dense_gradients(backend, pooling, opt_class, kwargs):
+@pytest.mark.parametrize("dims", [(3, 17, 5), (6, 6, 6)])
+def test_matches_torch_optimizer_on_dense_gradients(backend, pooling, opt_class, kwargs, dims):
     # For these optimizers an untouched row does not move under dense gradients either, so the
     # fused sparse update must equal torch's dense one.
-    tables = _tables((3, 17, 5), pooling)
-    ref = torchrec.EmbeddingBagCollection(_tables((3, 17, 5), pooling), device=DEVICE)
+    tables = _tables(dims, pooling)
+    ref = torchrec.EmbeddingBagCollection(_tables(dims, pooling), device=DEVICE)
     ours = recom_rec.EmbeddingBagCollection(tables, device=DEVICE, backend=backend)
     ours.load_state_dict(ref.state_dict())
     ours.enable_fused_optimizer(opt_class, **kwargs)
@@ -92,8 +93,9 @@ def _tbe(tables, optimizer, lr, eps=1e-8, weight_decay=0.0):
     ("adagrad", {"lr": 0.2, "eps": 1e-8}),
 ])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_matches_fbgemm_cpu_tbe(backend, optimizer, kwargs, weighted):
-    tables = _tables((4, 8, 12))
+@pytest.mark.parametrize("dims", [(4, 8, 12), (8, 8, 8)])  # mixed dims; one dim (whole-row fast path)
+def test_matches_fbgemm_cpu_tbe(backend, optimizer, kwargs, weighted, dims):
+    tables = _tables(dims)
     tbe = _tbe(tables, optimizer, **kwargs)
     ours = recom_rec.EmbeddingBagCollection(tables, is_weighted=weighted, device=DEVICE, backend=backend)
     with torch.no_grad():

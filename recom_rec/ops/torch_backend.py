@@ -151,15 +151,36 @@ def fused_update(
     row_key = feature_meta[lookups.feature, META_ROW_BASE] + lookups.ids
     rows, inverse = torch.unique(row_key, sorted=True, return_inverse=True)
     num_rows, total_dim = rows.numel(), grad_output.shape[1]
+    feature_of_row = torch.empty(num_rows, dtype=torch.int64, device=flat.device).scatter_(0, inverse, lookups.feature)
+    ids = rows - feature_meta[feature_of_row, META_ROW_BASE]
+    d = _uniform_dim(feature_meta)
+    if d:
+        # Every table has dim d: whole-row gathers and scatters (much faster than per element).
+        num_features = feature_meta.shape[0]
+        contributions = grad_output.view(-1, d)[lookups.bag * num_features + lookups.feature] * scale[:, None]
+        grads = torch.zeros(num_rows, d, dtype=torch.float32, device=flat.device).index_add_(0, inverse, contributions)
+        at = feature_meta[feature_of_row, META_ELEM_BASE] // d + ids
+        dims = torch.full((num_rows,), d, dtype=torch.int64, device=flat.device)
+        mask = torch.ones(num_rows, d, dtype=torch.bool, device=flat.device)
+        old_states = [s[rows] if is_row else s.view(-1, d).index_select(0, at).to(torch.float32)
+                      for s, is_row in zip(states, state_is_row)]
+        new_weights, new_states = update_rows(
+            kind, flat.view(-1, d).index_select(0, at).to(torch.float32), grads, mask, dims, old_states, hyper, step
+        )
+        flat.view(-1, d).index_copy_(0, at, new_weights.to(flat.dtype))
+        for s, is_row, new in zip(states, state_is_row, new_states):
+            if is_row:
+                s[rows] = new
+            else:
+                s.view(-1, d).index_copy_(0, at, new.to(s.dtype))
+        return
     lookup, col = element_indices(lookups, feature_dims(feature_meta))
     out_at = lookups.bag[lookup] * total_dim + feature_meta[lookups.feature[lookup], META_OUT_COL] + col
     grads = torch.zeros(num_rows * max_dim, dtype=torch.float32, device=flat.device)
     grads.index_add_(0, inverse[lookup] * max_dim + col, grad_output.view(-1)[out_at] * scale[lookup])
     grads = grads.view(num_rows, max_dim)
 
-    feature_of_row = torch.empty(num_rows, dtype=torch.int64, device=flat.device).scatter_(0, inverse, lookups.feature)
     dims = feature_meta[feature_of_row, META_DIM]
-    ids = rows - feature_meta[feature_of_row, META_ROW_BASE]
     cols = torch.arange(max_dim, device=flat.device)
     mask = cols[None, :] < dims[:, None]
     elements = torch.where(mask, (feature_meta[feature_of_row, META_ELEM_BASE] + ids * dims)[:, None] + cols, 0)
