@@ -46,6 +46,16 @@ for wname in sys.argv[2:] or ["many-1000", "dlrm-kaggle", "many-500"]:
     grad = torch.ones(w.batch_size, sum(w.dims), device=dev)
     step = lambda: m(kjt).values().backward(grad)
     rep["fused_sgd_step_ms"] = time_ms(step, dev, iters=20)
+    bsweep = {}
+    for br in (4, 8, 16, 32, 64) if os.environ.get("BSWEEP", "0") == "1" else ():
+        for nw in (1, 2, 4, 8):
+            pooled_triton.BACKWARD_LAUNCH.update(block_r=br, num_warps=nw)
+            try:
+                bsweep[f"br{br}_w{nw}"] = round(time_ms(step, dev, iters=10), 3)
+            except Exception as e:  # noqa: BLE001
+                bsweep[f"br{br}_w{nw}"] = str(e)[:60]
+    pooled_triton.BACKWARD_LAUNCH.clear()
+    rep["backward_sweep_step_ms"] = bsweep
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             step()

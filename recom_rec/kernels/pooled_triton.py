@@ -234,6 +234,8 @@ def forward(
 # walk their pieces in lock-step, so bounding the piece length bounds the idle lanes, and a row
 # read 65536 times (a 3-row table) is spread over many lanes, its partial sums added in order.
 PIECE = 32
+# Launch-shape overrides for experiments (tools/profile_gpu.py); empty means the defaults.
+BACKWARD_LAUNCH: dict = {}
 
 
 def _first_index(segment: torch.Tensor, size: int) -> torch.Tensor:
@@ -303,7 +305,8 @@ def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sa
     if n == 0:
         return
     block_d = _block_d(max_dim)
-    block_r = max(1, min(64, 4096 // block_d))
+    block_r = BACKWARD_LAUNCH.get("block_r") or max(1, min(64, 4096 // block_d))
+    num_warps = BACKWARD_LAUNCH.get("num_warps") or 4
     # Pieces of split rows: a split row of L > PIECE lookups has at most L / PIECE + 1 pieces.
     max_slots = 2 * n // PIECE + 1
     partials = torch.empty(max_slots * block_d, dtype=torch.float32, device=grad_output.device)
@@ -313,7 +316,7 @@ def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sa
     step = step if step is not None else partials
     _piece_kernel[(triton.cdiv(n, block_r),)](
         src, scale, grad_output, feature_meta, *pieces, partials, out, state1, state2, hyper, step,
-        META_W=META_WIDTH, BLOCK_R=block_r, BLOCK_D=block_d, OPT=opt,
+        META_W=META_WIDTH, BLOCK_R=block_r, BLOCK_D=block_d, OPT=opt, num_warps=num_warps,
     )
     # A split row has at least PIECE + 1 lookups.
     _split_row_kernel[(triton.cdiv(n // (PIECE + 1) + 1, block_r),)](
