@@ -34,10 +34,24 @@ def redis_binary(name: str = "redis-server") -> str:
     return path
 
 
-def free_port() -> int:
+def free_port(below: int = 65536) -> int:
+    """A free loopback port under ``below`` (a cluster node also needs port + 10000 free)."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < below and (below == 65536 or _is_free(port + 10000)):
+            return port
+    raise RuntimeError(f"no free loopback port below {below}")
+
+
+def _is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class RedisServer:
@@ -153,6 +167,8 @@ class RedisClusterProcesses:
         self.servers = [
             RedisServer(
                 Path(workdir) / f"node{i}",
+                # Redis listens for cluster traffic on port + 10000, which must exist and be free.
+                port=free_port(below=55536),
                 extra_args=[
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf",

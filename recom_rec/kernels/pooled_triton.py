@@ -305,8 +305,9 @@ def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sa
     if n == 0:
         return
     block_d = _block_d(max_dim)
-    block_r = BACKWARD_LAUNCH.get("block_r") or max(1, min(64, 4096 // block_d))
-    num_warps = BACKWARD_LAUNCH.get("num_warps") or 4
+    # From the H100 sweep (docs/perf-notes.md, v4): ~512-element tiles; one warp for wide rows.
+    block_r = BACKWARD_LAUNCH.get("block_r") or max(1, min(32, 512 // block_d))
+    num_warps = BACKWARD_LAUNCH.get("num_warps") or (1 if block_d >= 64 else 4)
     # Pieces of split rows: a split row of L > PIECE lookups has at most L / PIECE + 1 pieces.
     max_slots = 2 * n // PIECE + 1
     partials = torch.empty(max_slots * block_d, dtype=torch.float32, device=grad_output.device)
