@@ -23,9 +23,10 @@ def _variants():
             "flat_ptr": ptr[wdtype], "values_ptr": ptr[idx], "offsets_ptr": ptr[idx],
             "weights_ptr": "*fp32" if has_w else ptr[wdtype], "meta_ptr": "*i64", "key_index_ptr": "*i64",
             "out_ptr": "*fp32", "batch_size": "i32", "total_dim": "i32",
-        }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d}
+        }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d}, \
+            {"num_warps": 2 if block_d >= 128 else 4}
     for wdtype, opt, block_d in itertools.product(("fp32", "fp16", "bf16"), (-1, 0, 1, 2, 3), (16, 128)):
-        block_r = max(1, min(64, 4096 // block_d))
+        block_r = max(1, min(32, 512 // block_d))
         common = {"out_ptr": ptr[wdtype], "state1_ptr": "*fp32", "state2_ptr": "*fp32",
                   "hyper_ptr": "*fp32", "step_ptr": "*i64"}
         yield k._piece_kernel, {
@@ -33,11 +34,12 @@ def _variants():
             "piece_start_ptr": "*i64", "piece_len_ptr": "*i32", "piece_key_ptr": "*i64",
             "piece_feature_ptr": "*i64", "piece_slot_ptr": "*i64", "num_pieces_ptr": "*i64",
             "partial_ptr": "*fp32", **common,
-        }, {"META_W": 8, "BLOCK_R": block_r, "BLOCK_D": block_d, "OPT": opt}
+        }, {"META_W": 8, "BLOCK_R": block_r, "BLOCK_D": block_d, "OPT": opt}, \
+            {"num_warps": 1 if block_d >= 64 else 4}
         yield k._split_row_kernel, {
             "partial_ptr": "*fp32", "first_slot_ptr": "*i64", "num_slots_ptr": "*i32", "key_ptr": "*i64",
             "feature_ptr": "*i64", "num_rows_ptr": "*i64", "meta_ptr": "*i64", **common,
-        }, {"META_W": 8, "BLOCK_R": block_r, "BLOCK_D": block_d, "OPT": opt}
+        }, {"META_W": 8, "BLOCK_R": block_r, "BLOCK_D": block_d, "OPT": opt}, {"num_warps": 4}
 
 
 def main(argv=None) -> int:
@@ -54,11 +56,12 @@ def main(argv=None) -> int:
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
     count = 0
-    for kernel, signature, constexprs in _variants():
+    for kernel, signature, constexprs, options in _variants():
         signature = {**signature, **{name: "constexpr" for name in constexprs}}
         count += 1
         try:
-            triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target)
+            triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
+                           options=options)
         except Exception as e:  # noqa: BLE001 - report every failing variant
             failures += 1
             print(f"FAILED {kernel.__name__} {constexprs}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
