@@ -196,21 +196,14 @@ def _block_d(max_dim: int) -> int:
     return max(16, triton.next_power_of_2(int(max_dim)))
 
 
-# Per feature-metadata tensor: id -> (weak reference, {(batch size, tile): items}). The weak
-# reference tells a live entry from one whose tensor died and whose id was reused.
-_work_items_cache: dict = {}
+# Per feature-metadata tensor (weakly held: the cache dies with the module's buffer).
+_work_items_cache: "weakref.WeakKeyDictionary[torch.Tensor, dict]" = weakref.WeakKeyDictionary()
 
 
 def _work_items(feature_meta: torch.Tensor, batch_size: int, tile: int):
     """(feature, first bag) of every program of the forward, for this batch size (cached: the
     layout is static and the batch size rarely changes)."""
-    entry = _work_items_cache.get(id(feature_meta))
-    if entry is None or entry[0]() is not feature_meta:
-        if len(_work_items_cache) > 64:
-            _work_items_cache.clear()
-        entry = (weakref.ref(feature_meta), {})
-        _work_items_cache[id(feature_meta)] = entry
-    per_meta = entry[1]
+    per_meta = _work_items_cache.setdefault(feature_meta, {})
     items = per_meta.get((batch_size, tile))
     if items is None:
         lanes = feature_meta[:, 7].cpu()
