@@ -16,14 +16,15 @@ def _variants():
     from . import pooled_triton as k
 
     ptr = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64"}
-    for wdtype, idx, has_w, tile in itertools.product(("fp32", "fp16", "bf16"), ("i32", "i64"),
-                                                      (False, True), (1024, 2048)):
+    for wdtype, idx, has_w, block_d in itertools.product(("fp32", "fp16", "bf16"), ("i32", "i64"),
+                                                         (False, True), (16, 32, 128, 256)):
+        block_b = max(8, min(128, 8192 // block_d))
         yield k._pooled_forward_kernel, {
             "flat_ptr": ptr[wdtype], "values_ptr": ptr[idx], "offsets_ptr": ptr[idx],
             "weights_ptr": "*fp32" if has_w else ptr[wdtype], "meta_ptr": "*i64", "key_index_ptr": "*i64",
-            "out_ptr": "*fp32", "item_feature_ptr": "*i64", "item_bag_ptr": "*i64",
-            "batch_size": "i32", "total_dim": "i32",
-        }, {"META_W": 8, "HAS_WEIGHTS": has_w, "TILE": tile}, {"num_warps": 4}
+            "out_ptr": "*fp32", "batch_size": "i32", "total_dim": "i32",
+        }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d}, \
+            {"num_warps": 2 if block_d >= 128 else 4}
     for wdtype, opt, block_d in itertools.product(("fp32", "fp16", "bf16"), (-1, 0, 1, 2, 3), (16, 128)):
         block_r = max(1, min(32, 512 // block_d))
         common = {"out_ptr": ptr[wdtype], "state1_ptr": "*fp32", "state2_ptr": "*fp32",

@@ -9,7 +9,6 @@ Backward: lookups are sorted by (table, id) so that every distinct row is owned 
 program, which sums its contributions in input order (deterministic, no atomics) and writes the
 row's gradient once.
 """
-import weakref
 from typing import Optional
 
 import torch
@@ -23,48 +22,48 @@ from ..ops.layout import META_OUT_COL, META_ROW_BASE, META_WIDTH
 @triton.jit
 def _pooled_forward_kernel(
     flat_ptr, values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, out_ptr,
-    item_feature_ptr, item_bag_ptr, batch_size, total_dim,
-    META_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, TILE: tl.constexpr,
+    batch_size, total_dim,
+    META_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program per work item: a feature and a run of its bags. The TILE lanes are laid out
-    as (bag, column) with as many columns as the feature's dim rounded up to a power of two, so
-    a dim-8 table pools TILE/8 bags per program and a dim-128 table TILE/128: every table of the
-    group shares the launch without padding narrow rows to the widest one."""
-    item = tl.program_id(0)
-    f = tl.load(item_feature_ptr + item)
-    first_bag = tl.load(item_bag_ptr + item)
+    f = tl.program_id(0)
+    pid_b = tl.program_id(1)
     dim = tl.load(meta_ptr + f * META_W + 0)
     base = tl.load(meta_ptr + f * META_W + 1)
     col = tl.load(meta_ptr + f * META_W + 2)
     pooling = tl.load(meta_ptr + f * META_W + 3)
-    lanes_per_row = tl.load(meta_ptr + f * META_W + 7)
     key = tl.load(key_index_ptr + f).to(tl.int64)
 
-    lane = tl.arange(0, TILE)
-    b = first_bag + lane // lanes_per_row
-    d = lane % lanes_per_row
-    lane_live = (b < batch_size) & (d < dim)
+    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_mask = b < batch_size
     bag = key * batch_size + b
-    start = tl.load(offsets_ptr + bag, mask=lane_live, other=0).to(tl.int64)
-    end = tl.load(offsets_ptr + bag + 1, mask=lane_live, other=0).to(tl.int64)
+    start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64)
     length = end - start
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < dim
 
-    acc = tl.zeros([TILE], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     max_length = tl.max(length, axis=0)
     # A while loop rather than range(): the interpreter cannot take a reduced value as a range
     # bound under numpy >= 2.3, and the compiled code is the same.
     i = 0
     while i < max_length:
-        live = lane_live & (i < length)
+        live = i < length
         idx = tl.load(values_ptr + start + i, mask=live, other=0).to(tl.int64)
-        row = tl.load(flat_ptr + base + idx * dim + d, mask=live, other=0.0).to(tl.float32)
+        row = tl.load(
+            flat_ptr + base + idx[:, None] * dim + d[None, :],
+            mask=live[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
         if HAS_WEIGHTS:
-            row = row * tl.load(weights_ptr + start + i, mask=live, other=0.0).to(tl.float32)
+            w = tl.load(weights_ptr + start + i, mask=live, other=0.0).to(tl.float32)
+            row = row * w[:, None]
         acc += row
         i += 1
     inv_len = 1.0 / tl.maximum(length, 1).to(tl.float32)
-    acc = tl.where(pooling == 1, acc * inv_len, acc)
-    tl.store(out_ptr + b * total_dim + col + d, acc, mask=lane_live)
+    scale = tl.where(pooling == 1, inv_len, tl.full([BLOCK_B], 1.0, tl.float32))
+    acc = acc * scale[:, None]
+    tl.store(out_ptr + b[:, None] * total_dim + col + d[None, :], acc, mask=b_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -192,30 +191,8 @@ def _split_row_kernel(
                 BLOCK_D, OPT)
 
 
-def _block_d(max_dim: int) -> int:
-    return max(16, triton.next_power_of_2(int(max_dim)))
-
-
-# Per feature-metadata tensor (weakly held: the cache dies with the module's buffer).
-_work_items_cache: "weakref.WeakKeyDictionary[torch.Tensor, dict]" = weakref.WeakKeyDictionary()
-
-
-def _work_items(feature_meta: torch.Tensor, batch_size: int, tile: int):
-    """(feature, first bag) of every program of the forward, for this batch size (cached: the
-    layout is static and the batch size rarely changes)."""
-    per_meta = _work_items_cache.setdefault(feature_meta, {})
-    items = per_meta.get((batch_size, tile))
-    if items is None:
-        lanes = feature_meta[:, 7].cpu()
-        bags_per_item = (tile // lanes).clamp_min(1)
-        counts = (batch_size + bags_per_item - 1) // bags_per_item
-        feature = torch.repeat_interleave(torch.arange(lanes.numel()), counts)
-        first = torch.arange(feature.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        items = (feature.to(feature_meta.device), (first * bags_per_item[feature]).to(feature_meta.device))
-        if len(per_meta) > 16:
-            per_meta.clear()
-        per_meta[(batch_size, tile)] = items
-    return items
+def _block_d(feature_meta_cpu_max_dim: int) -> int:
+    return max(16, triton.next_power_of_2(int(feature_meta_cpu_max_dim)))
 
 
 def forward(
@@ -228,26 +205,29 @@ def forward(
     batch_size: int,
     total_dim: int,
     max_dim: int,
-    tile: Optional[int] = None,
+    block_b: Optional[int] = None,
     num_warps: Optional[int] = None,
 ) -> torch.Tensor:
     out = torch.empty(batch_size, total_dim, dtype=torch.float32, device=flat.device)
-    if feature_meta.shape[0] == 0 or batch_size == 0:
+    num_features = feature_meta.shape[0]
+    if num_features == 0 or batch_size == 0:
         return out.zero_()
-    tile = tile or FORWARD_LAUNCH.get("tile") or max(1024, triton.next_power_of_2(int(max_dim)))
-    item_feature, item_bag = _work_items(feature_meta, batch_size, tile)
+    block_d = _block_d(max_dim)
+    if block_b is None:
+        # From the H100 sweep (docs/perf-notes.md, v1): ~8K-element tiles for wide rows with 2
+        # warps, up to 128 bags for narrow ones with 4.
+        block_b = max(8, min(128, 8192 // block_d))
+    if num_warps is None:
+        num_warps = 2 if block_d >= 128 else 4
+    grid = (num_features, triton.cdiv(batch_size, block_b))
     weights = per_sample_weights if per_sample_weights is not None else flat
-    _pooled_forward_kernel[(item_feature.numel(),)](
-        flat, values, offsets, weights, feature_meta, key_index, out, item_feature, item_bag,
+    _pooled_forward_kernel[grid](
+        flat, values, offsets, weights, feature_meta, key_index, out,
         batch_size, total_dim,
-        META_W=META_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, TILE=tile,
-        num_warps=num_warps or FORWARD_LAUNCH.get("num_warps") or 4,
+        META_W=META_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d,
+        num_warps=num_warps,
     )
     return out
-
-
-# Launch-shape overrides for experiments (tools/profile_gpu.py); empty means the defaults.
-FORWARD_LAUNCH: dict = {}
 
 
 # A row's lookups are summed by one lane in pieces of at most PIECE lookups: lanes of a program

@@ -18,8 +18,7 @@ META_POOLING = 3  # 0 = sum, 1 = mean
 META_NUM_EMBEDDINGS = 4  # rows of the table (ids must lie in [0, num_embeddings))
 META_ROW_BASE = 5  # row offset of the table when all the group's rows are numbered in order
 META_TABLE = 6  # index of the table within its group
-META_PADDED_DIM = 7  # dim rounded up to a power of two: the forward kernel's lanes per row
-META_WIDTH = 8
+META_WIDTH = 7
 
 POOLING_SUM = 0
 POOLING_MEAN = 1
@@ -78,5 +77,4 @@ def feature_meta_tensor(
         meta[i, META_NUM_EMBEDDINGS] = t.num_embeddings
         meta[i, META_ROW_BASE] = t.row_base
         meta[i, META_TABLE] = f.table
-        meta[i, META_PADDED_DIM] = 1 << max(0, (t.embedding_dim - 1).bit_length())
     return meta
