@@ -329,3 +329,20 @@ def test_hot_rows_fused_update_matches_torch_backend(optimizer):
     tol = 1e-4 if optimizer == "adam" else 1e-5
     for key, value in results["torch"].items():
         torch.testing.assert_close(results["triton"][key], value, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_two_dtype_groups_share_one_step(optimizer):
+    # fp32 and fp16 tables live in two groups (two launches, two backward nodes); one training
+    # step must count once and both groups must update.
+    from torchrec.modules.embedding_configs import DataType
+    tables = _tables((4, 8, 12))
+    tables[1].data_type = DataType.FP16
+    m = recom_rec.EmbeddingBagCollection(tables, device=DEVICE)
+    m.enable_fused_optimizer(optimizer, lr=0.1)
+    before = {n: b.weight.detach().clone() for n, b in m.embedding_bags.items()}
+    for step, kjt in enumerate(_batches(tables, 2)):
+        _loss(m(kjt).values(), step).backward()
+    assert int(m.fused_optimizer_step) == 2
+    for n, b in m.embedding_bags.items():
+        assert not torch.equal(b.weight, before[n]), n

@@ -410,6 +410,11 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             self._sync_optimizer_in_backward()
         grad = torch.is_grad_enabled()
         fused = self._fused_spec
+        if fused is not None and grad and self.training:
+            # One optimizer step per training forward (as fbgemm counts iterations); the
+            # backward's Adam bias correction reads it.
+            with torch.no_grad():
+                self._fused_step.add_(1)
         values = _fused_lookup(
             features,
             [self._flat(g) for g in self._groups],

@@ -127,7 +127,7 @@ def _(grad_output, flat, values, offsets, feature_meta, key_index, batch_size):
 
 
 @torch.library.custom_op(
-    "recom_rec::fused_embedding_update", mutates_args=("flat", "state1", "state2", "step")
+    "recom_rec::fused_embedding_update", mutates_args=("flat", "state1", "state2")
 )
 def fused_embedding_update(
     grad_output: Tensor,
@@ -149,8 +149,8 @@ def fused_embedding_update(
     num_lookups: int,
 ) -> None:
     """The backward with the optimizer fused in: updates the touched rows of ``flat`` and their
-    optimizer state in place (duplicate ids summed first), and counts the step."""
-    step.add_(1)
+    optimizer state in place (duplicate ids summed first). ``step`` (Adam's bias correction) is
+    counted by the module's forward, as fbgemm counts its iterations."""
     keys = key_index
     impl = _triton() if resolve_backend(backend, flat.device) == "triton" else torch_backend
     states = [t for t in (state1, state2) if t is not None]
@@ -173,8 +173,10 @@ def _setup_context(ctx, inputs, output):
     ctx.num_lookups = num_lookups
     ctx.optimizer = optimizer
     ctx.state1_is_row = state1_is_row
-    ctx.save_for_backward(flat, values, offsets, per_sample_weights, feature_meta, key_index, hyper, step,
-                          state1, state2)
+    ctx.save_for_backward(flat, values, offsets, per_sample_weights, feature_meta, key_index, state1, state2)
+    # Read, not saved: the step counter and the hyper-parameters change in place between steps
+    # (an lr scheduler, the next forward), and several groups share them.
+    ctx.hyper, ctx.step = hyper, step
     ctx.table_shapes = [tuple(w.shape) for w in weights]
     ctx.batch_size = batch_size
     ctx.max_dim = max_dim
@@ -189,7 +191,8 @@ def _wants_grad(flag) -> bool:
 
 
 def _backward(ctx, grad_output):
-    flat, values, offsets, per_sample_weights, feature_meta, key_index, hyper, step, state1, state2 = ctx.saved_tensors
+    flat, values, offsets, per_sample_weights, feature_meta, key_index, state1, state2 = ctx.saved_tensors
+    hyper, step = ctx.hyper, ctx.step
     grad_weights = None
     if ctx.optimizer >= 0 and ctx.table_shapes and _wants_grad(ctx.needs_input_grad[0]):
         # The optimizer runs here; the tables get no .grad (as with fbgemm's fused TBE).
