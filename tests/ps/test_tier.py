@@ -1,0 +1,197 @@
+"""The parameter-server tier: cached PS tables train exactly like in-memory tables."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import recom_rec
+from recom_rec import ps
+from recom_rec.ps import PSConfig, StoreUnavailable
+
+BIG, SMALL, DIM = 1000, 20, 8
+
+
+def configs():
+    return [
+        EmbeddingBagConfig(name="big", embedding_dim=DIM, num_embeddings=BIG, feature_names=["f_big"]),
+        EmbeddingBagConfig(name="small", embedding_dim=DIM, num_embeddings=SMALL, feature_names=["f_small"]),
+    ]
+
+
+def batches(n, batch_size=16, seed=0, big=BIG):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lb = torch.randint(0, 4, (batch_size,), generator=g)
+        ls = torch.randint(0, 3, (batch_size,), generator=g)
+        vb = torch.randint(0, big, (int(lb.sum()),), generator=g)
+        vs = torch.randint(0, SMALL, (int(ls.sum()),), generator=g)
+        out.append(KeyedJaggedTensor(keys=["f_big", "f_small"], values=torch.cat([vb, vs]),
+                                     lengths=torch.cat([lb, ls])))
+    return out
+
+
+def ps_model(url, cache_rows=40, eviction="lru", optimizer="sgd", **kw):
+    torch.manual_seed(0)
+    m = recom_rec.EmbeddingBagCollection(configs(), ps={"big": PSConfig(url, cache_rows, eviction)}, **kw)
+    if optimizer:
+        m.enable_fused_optimizer(optimizer, **opt_kwargs(optimizer))
+    return m
+
+
+def opt_kwargs(optimizer):
+    return {"lr": 0.1} if optimizer != "adagrad" else {"lr": 0.1, "initial_accumulator_value": 0.1}
+
+
+def reference_model(small_weight, optimizer="sgd"):
+    """The same tables all in memory, big initialised by the PS init rule."""
+    m = recom_rec.EmbeddingBagCollection(configs())
+    with torch.no_grad():
+        m.embedding_bags["big"].weight.copy_(ps.init_rows(configs()[0], torch.arange(BIG), seed=0))
+        m.embedding_bags["small"].weight.copy_(small_weight)
+    if optimizer:
+        m.enable_fused_optimizer(optimizer, **opt_kwargs(optimizer))
+    return m
+
+
+def step(model, kjt):
+    out = model(kjt).values()
+    target = torch.linspace(-1, 1, out.numel()).view_as(out)
+    loss = ((out - target) ** 2).sum()
+    loss.backward()
+    return out.detach().clone()
+
+
+def train(model, data, prefetch=None):
+    it = data if prefetch is None else ps.wrap(data, model, prefetch=prefetch)
+    return [step(model, kjt) for kjt in it]
+
+
+def assert_same_tables(ps_m, ref):
+    assert torch.equal(ps.export_table(ps_m, "big"), ref.embedding_bags["big"].weight.detach())
+    assert torch.equal(ps_m.embedding_bags["small"].weight.detach(), ref.embedding_bags["small"].weight.detach())
+
+
+def redis_url(server, **query):
+    return server.url(prefix=f"t{uuid.uuid4().hex[:8]}", **query)
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_cached_training_matches_in_memory(store, redis_server):
+    url = "memory://" if store == "memory" else redis_url(redis_server)
+    data = batches(12)
+    m = ps_model(url, cache_rows=40)  # ~30 distinct ids per batch: evictions every step
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
+    outs = train(m, data)
+    ref_outs = train(ref, data)
+    for a, b in zip(outs, ref_outs):
+        assert torch.equal(a, b)
+    assert ps.flush(m) > 0
+    assert_same_tables(m, ref)
+
+
+@pytest.mark.parametrize("optimizer,eviction", [("rowwise_adagrad", "lru"), ("adagrad", "lfu"), ("adam", "lru")])
+def test_optimizer_state_travels_with_rows(optimizer, eviction):
+    data = batches(8, seed=1, big=120)  # ids repeat across batches, so state read back matters
+    m = ps_model("memory://", cache_rows=40, eviction=eviction, optimizer=optimizer)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone(), optimizer)
+    for a, b in zip(train(m, data), train(ref, data)):
+        assert torch.equal(a, b)
+    assert_same_tables(m, ref)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_wrap_gives_identical_results(prefetch):
+    data = batches(10, seed=2, big=150)
+    plain = ps_model("memory://", cache_rows=64)
+    wrapped = ps_model("memory://", cache_rows=64)
+    for a, b in zip(train(plain, data), train(wrapped, data, prefetch=prefetch)):
+        assert torch.equal(a, b)
+    assert torch.equal(ps.export_table(plain, "big"), ps.export_table(wrapped, "big"))
+
+
+def test_restart_from_store_continues_exactly(redis_server):
+    url = redis_url(redis_server)
+    data = batches(10, seed=3)
+    first = ps_model(url)
+    small = first.embedding_bags["small"].weight.detach().clone()
+    train(first, data[:6])
+    ps.flush(first)
+    saved = first.state_dict()  # the ordinary tables; PS tables live in the store
+    assert not any(k.startswith("embedding_bags.big.") for k in saved)
+    del first
+    second = ps_model(url)
+    second.load_state_dict(saved)
+    train(second, data[6:])
+    ref = reference_model(small)
+    train(ref, data)
+    assert_same_tables(second, ref)
+
+
+def test_redis_killed_mid_run_loses_no_dirty_row(start_redis):
+    server = start_redis(appendonly=True)
+    url = redis_url(server, retry_timeout=0.3)
+    data = batches(8, seed=4)
+    m = ps_model(url)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
+    train(m, data[:3])
+    train(ref, data[:3])
+    cache = m._ps.tables["big"].cache
+    dirty_before = {int(cache.id_of[s]) for s in cache.dirty.nonzero().flatten()}
+    server.stop()
+    with pytest.raises(StoreUnavailable) as info:
+        train(m, data[3:4])  # its misses need evictions, whose pushes fail
+    assert "retry" in str(info.value) or "unreachable" in str(info.value)
+    dirty_after = {int(cache.id_of[s]) for s in cache.dirty.nonzero().flatten()}
+    assert dirty_before <= dirty_after  # nothing dirty was dropped
+    with pytest.raises(StoreUnavailable):
+        ps.flush(m)
+    server.start()  # same port, AOF replays the acknowledged rows
+    assert ps.flush(m) >= len(dirty_before)
+    train(m, data[3:])
+    train(ref, data[3:])
+    assert_same_tables(m, ref)
+
+
+def test_unreachable_store_at_start_names_url_without_password():
+    from tests.redis_server import free_port
+
+    url = f"redis://user:hunter2@127.0.0.1:{free_port()}/0"
+    with pytest.raises(StoreUnavailable) as info:
+        ps_model(url)
+    assert "hunter2" not in str(info.value) and "127.0.0.1" in str(info.value)
+
+
+def test_load_state_dict_writes_full_table_to_store():
+    m = ps_model("memory://", cache_rows=40)
+    full = torch.randn(BIG, DIM)
+    sd = {"embedding_bags.big.weight": full, "embedding_bags.small.weight": torch.randn(SMALL, DIM)}
+    m.load_state_dict(sd)
+    assert torch.equal(ps.export_table(m, "big"), full)
+    kjt = batches(1, seed=5)[0]
+    ref = reference_model(sd["embedding_bags.small.weight"])
+    with torch.no_grad():
+        ref.embedding_bags["big"].weight.copy_(full)
+        assert torch.equal(m(kjt).values(), ref(kjt).values())
+
+
+def test_eviction_policies_and_errors():
+    m = ps_model("memory://", cache_rows=4, optimizer=None)
+    kjt = KeyedJaggedTensor(keys=["f_big", "f_small"], values=torch.arange(5), lengths=torch.tensor([5, 0]))
+    with pytest.raises(RuntimeError, match="cache_rows=4"):
+        m(kjt)
+    bad = KeyedJaggedTensor(keys=["f_big", "f_small"], values=torch.tensor([-1]), lengths=torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="ids >= 0"):
+        m(bad)
+    # ids beyond int32 and beyond num_embeddings are fine for a PS table
+    huge = KeyedJaggedTensor(keys=["f_big", "f_small"], values=torch.tensor([2**40, 7]), lengths=torch.tensor([1, 1]))
+    with torch.no_grad():
+        out = m(huge).values()
+    expected = ps.init_rows(configs()[0], torch.tensor([2**40]))
+    assert torch.equal(out[0, :DIM], expected[0])
+    with pytest.raises(ValueError, match="eviction"):
+        PSConfig("memory://", 4, "fifo")
