@@ -30,6 +30,7 @@ class SlotCache:
         self.last_used = torch.zeros(cache_rows, dtype=torch.int64)
         self.uses = torch.zeros(cache_rows, dtype=torch.int64)
         self.clock = 0
+        self.stats = {"hits": 0, "misses": 0, "evictions": 0, "pushed": 0}
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         get = self.slot_of.get
@@ -58,6 +59,7 @@ class SlotCache:
         return idx[order]
 
     def drop(self, slots: torch.Tensor) -> None:
+        self.stats["evictions"] += slots.numel()
         for i in self.id_of[slots].tolist():
             del self.slot_of[i]
         self.id_of[slots] = FREE

@@ -105,6 +105,7 @@ class PSTier:
         self._prepared: Dict[int, Tuple[KeyedJaggedTensor, KeyedJaggedTensor, Handle]] = {}
         self._sync_handle: Optional[Handle] = None
         self._load_prefix: Optional[str] = None
+        self.prefetched = 0  # batches whose rows wrap() staged ahead of the forward
         module._register_state_dict_hook(_drop_ps_keys_hook)
         module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
         module.register_load_state_dict_post_hook(_load_post_hook)
@@ -138,14 +139,16 @@ class PSTier:
         w = bag.weight
         at = slots.to(w.device)
         rows = rows.to(w.device)
+        # Through .data: wrap()'s thread writes rows (never the running batch's) while that
+        # batch's autograd graph holds the flat buffer; .data keeps its version counter as is.
         with torch.no_grad():
-            w.index_copy_(0, at, rows[:, :dim].to(w.dtype))
+            w.data.index_copy_(0, at, rows[:, :dim].to(w.dtype))
             col = dim
             for name, kind in self._states():
                 s = bag._buffers[f"optimizer_{name}"]
                 n = 1 if kind == "row" else dim
                 part = rows[:, col:col + n]
-                s.index_copy_(0, at, (part.flatten() if kind == "row" else part).to(s.dtype))
+                s.data.index_copy_(0, at, (part.flatten() if kind == "row" else part).to(s.dtype))
                 col += n
 
     def initial_rows(self, t: _Table, ids: torch.Tensor) -> torch.Tensor:
@@ -164,6 +167,7 @@ class PSTier:
         entry = self._prepared.pop(id(kjt), None)
         if entry is not None and entry[0] is kjt:
             remapped, handle = entry[1], entry[2]  # staged by wrap(); wrap() releases it
+            self.prefetched += 1
         else:
             self.release(self._sync_handle)  # the previous batch is done
             self._sync_handle = None
@@ -239,6 +243,8 @@ class PSTier:
                     self._evict(t, victims)
                     free = c.free_slots()
                 break
+            c.stats["hits"] += uniq.numel() - n_miss
+            c.stats["misses"] += n_miss
             if n_miss:
                 new_ids, new_slots = uniq[miss], free[:n_miss]
                 rows, found = t.store.get(t.name, new_ids, self.width(t), torch.float32)
@@ -257,6 +263,7 @@ class PSTier:
         dirty = victims[c.dirty[victims]]
         if dirty.numel():
             t.store.put(t.name, c.id_of[dirty], self._read_rows(t, dirty))
+            c.stats["pushed"] += dirty.numel()
         c.drop(victims)
 
     def release(self, handle: Optional[Handle]) -> None:

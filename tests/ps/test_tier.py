@@ -90,6 +90,8 @@ def test_cached_training_matches_in_memory(store, redis_server):
     ref_outs = train(ref, data)
     for a, b in zip(outs, ref_outs):
         assert torch.equal(a, b)
+    stats = m._ps.tables["big"].cache.stats
+    assert stats["evictions"] >= len(data) * 10 and stats["pushed"] > 0 and stats["hits"] > 0
     assert ps.flush(m) > 0
     assert_same_tables(m, ref)
 
@@ -111,6 +113,7 @@ def test_wrap_gives_identical_results(prefetch):
     wrapped = ps_model("memory://", cache_rows=64)
     for a, b in zip(train(plain, data), train(wrapped, data, prefetch=prefetch)):
         assert torch.equal(a, b)
+    assert wrapped._ps.prefetched == len(data) and plain._ps.prefetched == 0
     assert torch.equal(ps.export_table(plain, "big"), ps.export_table(wrapped, "big"))
 
 
