@@ -127,10 +127,25 @@ def test_wrap_gives_identical_results(prefetch):
     data = batches(10, seed=2, big=150)
     plain = ps_model("memory://", cache_rows=64)
     wrapped = ps_model("memory://", cache_rows=64)
-    for a, b in zip(train(plain, data), train(wrapped, data, prefetch=prefetch)):
+    # a parent model and (kjt, label) batches, as a training loop would have them
+    parent = torch.nn.Sequential(torch.nn.ModuleDict({"ebc": wrapped}))
+    wrapped_outs = [step(wrapped, kjt) for kjt, _ in ps.wrap([(k, 0) for k in data], parent, prefetch=prefetch)]
+    for a, b in zip(train(plain, data), wrapped_outs):
         assert torch.equal(a, b)
     assert wrapped._ps.prefetched == len(data) and plain._ps.prefetched == 0
+    assert not wrapped._ps.tables["big"].cache.pins.any()  # every batch released
     assert torch.equal(ps.export_table(plain, "big"), ps.export_table(wrapped, "big"))
+
+
+def test_wrap_stopped_early_releases_everything():
+    data = batches(6, seed=7, big=150)
+    m = ps_model("memory://", cache_rows=64)
+    for i, kjt in enumerate(ps.wrap(data, m, prefetch=2)):
+        step(m, kjt)
+        if i == 2:
+            break
+    assert not m._ps.tables["big"].cache.pins.any() and not m._ps._prepared
+    train(m, data[3:])  # and training goes on without wrap
 
 
 def test_restart_from_store_continues_exactly(redis_server):
