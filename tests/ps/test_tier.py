@@ -39,9 +39,10 @@ def batches(n, batch_size=16, seed=0, big=BIG):
     return out
 
 
-def ps_model(url, cache_rows=40, eviction="lru", optimizer="sgd", dtype=DataType.FP32, **kw):
+def ps_model(url, cache_rows=40, eviction="lru", optimizer="sgd", dtype=DataType.FP32, device=None, **kw):
     torch.manual_seed(0)
-    m = recom_rec.EmbeddingBagCollection(configs(dtype), ps={"big": PSConfig(url, cache_rows, eviction)}, **kw)
+    m = recom_rec.EmbeddingBagCollection(configs(dtype), ps={"big": PSConfig(url, cache_rows, eviction)},
+                                         device=device, **kw)
     if optimizer:
         m.enable_fused_optimizer(optimizer, **opt_kwargs(optimizer))
     return m
@@ -51,9 +52,9 @@ def opt_kwargs(optimizer):
     return {"lr": 0.1} if optimizer != "adagrad" else {"lr": 0.1, "initial_accumulator_value": 0.1}
 
 
-def reference_model(small_weight, optimizer="sgd", dtype=DataType.FP32):
+def reference_model(small_weight, optimizer="sgd", dtype=DataType.FP32, device=None):
     """The same tables all in memory, big initialised by the PS init rule."""
-    m = recom_rec.EmbeddingBagCollection(configs(dtype))
+    m = recom_rec.EmbeddingBagCollection(configs(dtype), device=device)
     with torch.no_grad():
         m.embedding_bags["big"].weight.copy_(ps.init_rows(configs(dtype)[0], torch.arange(BIG), seed=0))
         m.embedding_bags["small"].weight.copy_(small_weight)
@@ -76,7 +77,7 @@ def train(model, data, prefetch=None):
 
 
 def assert_same_tables(ps_m, ref):
-    assert torch.equal(ps.export_table(ps_m, "big"), ref.embedding_bags["big"].weight.detach())
+    assert torch.equal(ps.export_table(ps_m, "big"), ref.embedding_bags["big"].weight.detach().cpu())
     assert torch.equal(ps_m.embedding_bags["small"].weight.detach(), ref.embedding_bags["small"].weight.detach())
 
 
@@ -97,6 +98,19 @@ def test_cached_training_matches_in_memory(store, redis_server):
     stats = m._ps.tables["big"].cache.stats
     assert stats["evictions"] >= len(data) * 10 and stats["pushed"] > 0 and stats["hits"] > 0
     assert ps.flush(m) > 0
+    assert_same_tables(m, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("prefetch", [None, 1])
+def test_cuda_cached_training_matches_in_memory(optimizer, prefetch):
+    data = [kjt.to(torch.device("cuda")) for kjt in batches(10, seed=8, big=200)]
+    m = ps_model("memory://", cache_rows=48, optimizer=optimizer, device="cuda")
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone(), optimizer, device="cuda")
+    for a, b in zip(train(m, data, prefetch=prefetch), train(ref, data)):
+        assert torch.equal(a, b)
+    assert m._ps.tables["big"].cache.stats["pushed"] > 0
     assert_same_tables(m, ref)
 
 
@@ -229,3 +243,19 @@ def test_eviction_policies_and_errors():
     assert torch.equal(out[0, :DIM], expected[0])
     with pytest.raises(ValueError, match="eviction"):
         PSConfig("memory://", 4, "fifo")
+
+
+@pytest.mark.parametrize("eviction,expected", [("lru", [1, 2]), ("lfu", [2, 3])])
+def test_eviction_policy_picks_victims(eviction, expected):
+    from recom_rec.ps.cache import CacheFull, SlotCache
+
+    c = SlotCache("t", 4, eviction)
+    c.insert(torch.tensor([10, 11, 12, 13]), torch.arange(4))
+    for slots in ([0, 1, 2, 3], [1], [1], [2, 3], [0]):
+        c.touch(torch.tensor(slots))
+    # uses: 0:2 1:3 2:2 3:2; last used: 0:5 1:3 2:4 3:4 (ties evict the lower slot)
+    victims = c.choose_victims(2, exclude=torch.tensor([0]))
+    assert sorted(victims.tolist()) == sorted(expected)
+    c.pins[torch.tensor([1, 2, 3])] = 1
+    with pytest.raises(CacheFull, match="cache_rows=4"):
+        c.choose_victims(1, exclude=torch.tensor([0]))
