@@ -259,3 +259,17 @@ def test_eviction_policy_picks_victims(eviction, expected):
     c.pins[torch.tensor([1, 2, 3])] = 1
     with pytest.raises(CacheFull, match="cache_rows=4"):
         c.choose_victims(1, exclude=torch.tensor([0]))
+
+
+def test_dense_gradients_with_plain_sgd_match_in_memory():
+    data = batches(6, seed=9, big=150)
+    m = ps_model("memory://", cache_rows=40, optimizer=None)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone(), optimizer=None)
+    opts = [torch.optim.SGD(x.parameters(), lr=0.1) for x in (m, ref)]
+    for kjt in data:
+        for x, opt in zip((m, ref), opts):
+            opt.zero_grad()
+            step(x, kjt)
+            opt.step()
+    assert m._ps.tables["big"].cache.stats["pushed"] > 0
+    assert_same_tables(m, ref)
