@@ -193,6 +193,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             check costs a device-to-host sync per batch on CUDA; switch it off for speed with
             ``validate_inputs=False`` or later with ``module.validate_inputs = False`` (bad ids
             then read out of bounds).
+        ps: ``{table name: recom_rec.ps.PSConfig}`` - parameter-server-backed tables: their rows live
+            in a store and a cache of ``cache_rows`` slots in the flat buffer (see ``recom_rec.ps``).
 
     Layout: tables of one dtype share a flat 1-D buffer; ``embedding_bags[name].weight`` is a leaf
     ``nn.Parameter`` viewing its slice, so ``state_dict`` keys and shapes are torchrec's and any
@@ -209,6 +211,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         *,
         backend: str = "auto",
         validate_inputs: bool = True,
+        ps: Optional[Dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         torch._C._log_api_usage_once(f"recom_rec.modules.{self.__class__.__name__}")
@@ -236,12 +239,20 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             name for names in get_embedding_names_by_table(tables) for name in names
         ]
         self._feature_names: List[List[str]] = [t.feature_names for t in tables]
-        self._groups = self._plan_groups(tables)
+        self._ps = None  # recom_rec.ps tier, when some tables are parameter-server backed
+        layout_tables = tables
+        if ps:
+            from ..ps.tier import cache_configs  # PS tables hold cache_rows rows in the buffer
+            layout_tables = cache_configs(tables, ps)
+        self._groups = self._plan_groups(layout_tables)
         self._build_storage(device)
         self._fused_spec: Optional[FusedOptimizerSpec] = None
         self._fused_optimizer: Optional[FusedEmbeddingOptimizer] = None
         self._seen_in_backward = None
         self.reset_parameters()
+        if ps:
+            from ..ps.tier import PSTier
+            self._ps = PSTier(self, ps)
 
     # ----------------------------------------------------------------------------- layout
     def _plan_groups(self, tables: List[EmbeddingBagConfig]) -> List[_Group]:
@@ -408,6 +419,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             self._repack_flat_buffers()
         if not (torch.compiler.is_compiling() or _fx_tracing()):
             self._sync_optimizer_in_backward()
+        if getattr(self, "_ps", None) is not None:
+            features = self._ps.prepare(features)  # PS tables' ids -> cache slots
         grad = torch.is_grad_enabled()
         fused = self._fused_spec
         if fused is not None and grad and self.training:

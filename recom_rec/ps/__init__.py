@@ -1,4 +1,11 @@
-"""Parameter-server tier. So far: the key-value row stores it pulls rows from and pushes to."""
+"""Parameter-server tier: row stores, the per-table row cache inside the fused module, and
+``wrap``/``flush``/``export_table``."""
+from .config import PSConfig
 from .stores import RowStore, StoreError, StoreUnavailable, open_store, redact_url, register_store
+from .tier import export_table, flush, init_rows
+from .wrap import wrap
 
-__all__ = ["RowStore", "StoreError", "StoreUnavailable", "open_store", "redact_url", "register_store"]
+__all__ = [
+    "PSConfig", "RowStore", "StoreError", "StoreUnavailable", "export_table", "flush", "init_rows",
+    "open_store", "redact_url", "register_store", "wrap",
+]

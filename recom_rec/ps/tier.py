@@ -1,0 +1,444 @@
+"""The parameter-server tier of one fused module: per-batch prepare (find ids, pull misses,
+evict), id -> slot remap, flush, export, and state_dict integration.
+
+Rows are moved to and from the store as float32 rows ``[embedding | optimizer state...]``
+(fp16/bf16 weights round-trip exactly through float32), so a row evicted and pulled back is
+bit-identical to the row that never left the cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import zlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from .cache import CacheFull, SlotCache
+from .config import PSConfig
+from .stores import RowStore, open_store
+
+Handle = Dict[str, torch.Tensor]  # table -> slots pinned by one batch
+
+_MASK63 = (1 << 63) - 1
+
+
+def cache_configs(tables, ps: Dict[str, PSConfig]):
+    """Copies of ``tables`` where each PS-backed table has ``num_embeddings = cache_rows`` (its
+    size inside the fused buffer); the other configs are returned as they are."""
+    names = {t.name for t in tables}
+    unknown = sorted(set(ps) - names)
+    if unknown:
+        raise ValueError(f"ps names unknown table(s) {unknown}; tables are {sorted(names)}")
+    for name, cfg in ps.items():
+        if not isinstance(cfg, PSConfig):
+            raise TypeError(f"ps[{name!r}] must be a recom_rec.ps.PSConfig, got {type(cfg).__name__}")
+    return [dataclasses.replace(t, num_embeddings=int(ps[t.name].cache_rows)) if t.name in ps else t
+            for t in tables]
+
+
+def _row_seed(table: str, seed: int, row: int) -> int:
+    """splitmix64 of (table, seed, id): the seed of one row's initial value."""
+    x = (zlib.crc32(table.encode()) * 0x9E3779B97F4A7C15 + seed * 0xBF58476D1CE4E5B9 + row) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (x ^ (x >> 31)) & _MASK63
+
+
+_GLOBAL_RNG_LOCK = threading.Lock()
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_M1, _M2, _GOLDEN = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB), _signed(0x9E3779B97F4A7C15)
+
+
+def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ _lsr(x, 30)) * _M1  # int64 multiplication wraps, as uint64 would
+    x = (x ^ _lsr(x, 27)) * _M2
+    return x ^ _lsr(x, 31)
+
+
+def _uniform_bounds(init_fn) -> Optional[Tuple[float, float]]:
+    """(a, b) when ``init_fn`` is ``partial(torch.nn.init.uniform_, a=..., b=...)`` (torchrec's
+    default), else None."""
+    if isinstance(init_fn, functools.partial) and init_fn.func is torch.nn.init.uniform_ and not init_fn.args:
+        kw = init_fn.keywords or {}
+        if set(kw) <= {"a", "b"}:
+            return float(kw.get("a", 0.0)), float(kw.get("b", 1.0))
+    return None
+
+
+def init_rows(config, ids: torch.Tensor, seed: int = 0, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Initial rows ``[len(ids), dim]`` of ``config``'s table, a pure function of
+    ``(table name, id, seed)``: they do not depend on cache size, eviction order or which batch
+    first used the row.
+
+    torchrec's default ``init_fn`` (uniform in ``[a, b]``) is computed vectorised from a
+    splitmix64 hash of (table, seed, id, column) (about 0.1 us per element); any other
+    ``init_fn`` is applied to a ``[1, dim]`` tensor per row under a generator seeded from
+    ``(table, id, seed)`` (tens of microseconds per row)."""
+    dtype = dtype or {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}[config.data_type.name]
+    ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
+    init_fn = config.init_fn
+    bounds = _uniform_bounds(init_fn)
+    if bounds is not None:
+        a, b = bounds
+        base = _signed(_row_seed(config.name, int(seed), 0))
+        cols = torch.arange(config.embedding_dim, dtype=torch.int64) * _GOLDEN
+        h = _splitmix(_splitmix(ids * _M2 + base).unsqueeze(1) + cols)
+        u = _lsr(h, 11).to(torch.float64) * (1.0 / (1 << 53))  # [0, 1), 53 random bits
+        return (a + (b - a) * u).to(dtype)
+    out = torch.empty(ids.numel(), config.embedding_dim, dtype=dtype)
+    gen = torch.Generator()
+    takes_generator = True
+    for k, row in enumerate(ids.tolist()):
+        s = _row_seed(config.name, int(seed), row)
+        if takes_generator:
+            gen.manual_seed(s)
+            try:
+                init_fn(out[k:k + 1], generator=gen)
+                continue
+            except TypeError:
+                takes_generator = False
+        # init_fn without a generator argument: seed the global RNG (restored afterwards)
+        with _GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(s)
+            init_fn(out[k:k + 1])
+    return out
+
+
+class _Table:
+    def __init__(self, config, ps: PSConfig, store: RowStore) -> None:
+        self.name = config.name
+        self.config = config  # as declared (num_embeddings = the real table size)
+        self.ps = ps
+        self.store = store
+        self.features = set(config.feature_names)
+        self.cache = SlotCache(config.name, int(ps.cache_rows), ps.eviction)
+
+
+class PSTier:
+    """Attached to a ``recom_rec.EmbeddingBagCollection`` built with ``ps={...}`` as ``module._ps``."""
+
+    def __init__(self, module, ps: Dict[str, PSConfig]) -> None:
+        self._module_ref = module  # plain attribute: nn.Module does not register it
+        self.lock = threading.Condition(threading.RLock())
+        stores: Dict[str, RowStore] = {}
+        self.tables: Dict[str, _Table] = {}
+        for config in module.embedding_bag_configs():
+            if config.name in ps:
+                cfg = ps[config.name]
+                if cfg.url not in stores:
+                    stores[cfg.url] = open_store(cfg.url)  # raises StoreUnavailable (password redacted)
+                self.tables[config.name] = _Table(config, cfg, stores[cfg.url])
+        self.stores = list(stores.values())
+        self._prepared: Dict[int, Tuple[KeyedJaggedTensor, KeyedJaggedTensor, Handle]] = {}
+        self._sync_handle: Optional[Handle] = None
+        self._load_prefix: Optional[str] = None
+        self.prefetched = 0  # batches whose rows wrap() staged ahead of the forward
+        module._register_state_dict_hook(_drop_ps_keys_hook)
+        module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
+        module.register_load_state_dict_post_hook(_load_post_hook)
+
+    # ------------------------------------------------------------------ row layout
+    @property
+    def module(self):
+        return self._module_ref
+
+    def _states(self) -> List[Tuple[str, str]]:
+        spec = self.module._fused_spec
+        return spec.state_names() if spec is not None else []
+
+    def width(self, t: _Table) -> int:
+        dim = t.config.embedding_dim
+        return dim + sum(1 if kind == "row" else dim for _, kind in self._states())
+
+    def _read_rows(self, t: _Table, slots: torch.Tensor) -> torch.Tensor:
+        bag = self.module.embedding_bags[t.name]
+        w = bag.weight.detach()
+        at = slots.to(w.device)
+        parts = [w.index_select(0, at).float()]
+        for name, _ in self._states():
+            s = bag._buffers[f"optimizer_{name}"]
+            parts.append(s.index_select(0, at).float().reshape(slots.numel(), -1))
+        return torch.cat(parts, dim=1).cpu()
+
+    def _write_rows(self, t: _Table, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        bag = self.module.embedding_bags[t.name]
+        dim = t.config.embedding_dim
+        w = bag.weight
+        at = slots.to(w.device)
+        rows = rows.to(w.device)
+        # Through .data: wrap()'s thread writes rows (never the running batch's) while that
+        # batch's autograd graph holds the flat buffer; .data keeps its version counter as is.
+        with torch.no_grad():
+            w.data.index_copy_(0, at, rows[:, :dim].to(w.dtype))
+            col = dim
+            for name, kind in self._states():
+                s = bag._buffers[f"optimizer_{name}"]
+                n = 1 if kind == "row" else dim
+                part = rows[:, col:col + n]
+                s.data.index_copy_(0, at, (part.flatten() if kind == "row" else part).to(s.dtype))
+                col += n
+
+    def initial_rows(self, t: _Table, ids: torch.Tensor) -> torch.Tensor:
+        weights = init_rows(t.config, ids, t.ps.seed).float()
+        parts = [weights]
+        spec = self.module._fused_spec
+        for name, kind in self._states():
+            n = 1 if kind == "row" else t.config.embedding_dim
+            value = spec.initial_accumulator_value if name == "sum" else 0.0
+            parts.append(torch.full((ids.numel(), n), value, dtype=torch.float32))
+        return torch.cat(parts, dim=1)
+
+    # ------------------------------------------------------------------ per batch
+    def prepare(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The module's forward hook: the KJT with PS tables' ids replaced by cache slots."""
+        entry = self._prepared.pop(id(kjt), None)
+        if entry is not None and entry[0] is kjt:
+            remapped, handle = entry[1], entry[2]  # staged by wrap(); wrap() releases it
+            self.prefetched += 1
+        else:
+            self.release(self._sync_handle)  # the previous batch is done
+            self._sync_handle = None
+            remapped, handle = self.stage(kjt)
+            self._sync_handle = handle
+        if torch.is_grad_enabled():
+            with self.lock:  # training: the batch's rows will change
+                for name, slots in handle.items():
+                    self.tables[name].cache.dirty[slots] = True
+        return remapped
+
+    def uses(self, kjt: KeyedJaggedTensor) -> bool:
+        return any(k in t.features for k in kjt.keys() for t in self.tables.values())
+
+    def stage(self, kjt: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, Handle]:
+        """Pin the batch's rows in the cache (pulling and evicting as needed) and remap its ids."""
+        keys = kjt.keys()
+        values = kjt.values()
+        opk = kjt.offset_per_key()
+        new_values = None
+        handle: Handle = {}
+        try:
+            for t in self.tables.values():
+                segs = [(opk[i], opk[i + 1]) for i, k in enumerate(keys) if k in t.features]
+                if not segs:
+                    continue
+                ids = torch.cat([values[a:b] for a, b in segs]).to("cpu", torch.int64)
+                if ids.numel() == 0:
+                    continue
+                if bool((ids < 0).any()):
+                    raise ValueError(f"table {t.name!r}: PS-backed tables take ids >= 0, got {int(ids.min())}")
+                uniq, inverse = torch.unique(ids, return_inverse=True)
+                slots = self._assign(t, uniq)
+                handle[t.name] = slots
+                mapped = slots[inverse].to(device=values.device, dtype=values.dtype)
+                if new_values is None:
+                    new_values = values.clone()
+                pos = 0
+                for a, b in segs:
+                    new_values[a:b] = mapped[pos:pos + b - a]
+                    pos += b - a
+        except BaseException:
+            self.release(handle)
+            raise
+        if new_values is None:
+            return kjt, handle
+        remapped = KeyedJaggedTensor(
+            keys=keys, values=new_values, weights=kjt.weights_or_none(), lengths=kjt.lengths(),
+            offsets=kjt.offsets(), stride=kjt.stride(),
+        )
+        return remapped, handle
+
+    def _assign(self, t: _Table, uniq: torch.Tensor) -> torch.Tensor:
+        c = t.cache
+        with self.lock:
+            while True:
+                slots = c.lookup(uniq)
+                miss = slots < 0
+                n_miss = int(miss.sum())
+                if uniq.numel() > c.cache_rows:
+                    raise CacheFull(f"table {t.name!r}: a batch uses {uniq.numel()} distinct ids, more than "
+                                    f"cache_rows={c.cache_rows}")
+                free = c.free_slots()
+                need = n_miss - free.numel()
+                if need > 0:
+                    try:
+                        victims = c.choose_victims(need, slots[~miss])
+                    except CacheFull:
+                        if bool((c.pins > 0).any()):
+                            self.lock.wait()  # another batch in flight holds slots: wait for it
+                            continue
+                        raise
+                    self._evict(t, victims)
+                    free = c.free_slots()
+                break
+            c.stats["hits"] += uniq.numel() - n_miss
+            c.stats["misses"] += n_miss
+            if n_miss:
+                new_ids, new_slots = uniq[miss], free[:n_miss]
+                rows, found = t.store.get(t.name, new_ids, self.width(t), torch.float32)
+                if not bool(found.all()):
+                    rows[~found] = self.initial_rows(t, new_ids[~found])
+                self._write_rows(t, new_slots, rows)
+                c.insert(new_ids, new_slots)
+                slots[miss] = new_slots
+            c.touch(slots)
+            c.pins[slots] += 1
+            return slots
+
+    def _evict(self, t: _Table, victims: torch.Tensor) -> None:
+        """Push the dirty victims (the store acknowledges), then free the slots."""
+        c = t.cache
+        dirty = victims[c.dirty[victims]]
+        if dirty.numel():
+            t.store.put(t.name, c.id_of[dirty], self._read_rows(t, dirty))
+            c.stats["pushed"] += dirty.numel()
+        c.drop(victims)
+
+    def release(self, handle: Optional[Handle]) -> None:
+        if not handle:
+            return
+        with self.lock:
+            for name, slots in handle.items():
+                self.tables[name].cache.pins[slots] -= 1
+            self.lock.notify_all()
+
+    def register_prepared(self, kjt, remapped, handle) -> None:
+        self._prepared[id(kjt)] = (kjt, remapped, handle)
+
+    def unregister_prepared(self, kjt) -> None:
+        entry = self._prepared.get(id(kjt))
+        if entry is not None and entry[0] is kjt:
+            del self._prepared[id(kjt)]
+
+    # ------------------------------------------------------------------ flush / load / export
+    def flush(self, tables=None) -> int:
+        """Push every dirty cached row (with optimizer state); returns how many were written."""
+        written = 0
+        with self.lock:
+            for t in self.tables.values():
+                if tables is not None and t.name not in tables:
+                    continue
+                c = t.cache
+                dirty = c.dirty.nonzero().flatten()
+                if dirty.numel():
+                    t.store.put(t.name, c.id_of[dirty], self._read_rows(t, dirty))
+                    c.dirty[dirty] = False  # only after the store acknowledged
+                    written += dirty.numel()
+        return written
+
+    def load_table(self, name: str, weight: torch.Tensor, chunk: int = 65536) -> None:
+        """Write ``weight`` (rows = ids 0..n-1) into the store, with fresh optimizer state, and
+        drop the table's cached rows (their dirty ones are pushed first)."""
+        t = self.tables[name]
+        weight = weight.detach().cpu()
+        if weight.dim() != 2 or weight.shape[1] != t.config.embedding_dim:
+            raise ValueError(f"table {name!r}: expected a [n, {t.config.embedding_dim}] weight, got {tuple(weight.shape)}")
+        with self.lock:
+            c = t.cache
+            if bool((c.pins > 0).any()):
+                raise RuntimeError(f"table {name!r}: cannot load while batches are in flight")
+            _, occupied = c.occupied()
+            if occupied.numel():
+                self._evict(t, occupied)
+            n = weight.shape[0]
+            for a in range(0, n, chunk):
+                ids = torch.arange(a, min(a + chunk, n), dtype=torch.int64)
+                rows = self.initial_rows_without_weights(t, ids)
+                rows[:, :t.config.embedding_dim] = weight[a:a + ids.numel()].float()
+                t.store.put(name, ids, rows)
+
+    def initial_rows_without_weights(self, t: _Table, ids: torch.Tensor) -> torch.Tensor:
+        rows = torch.zeros(ids.numel(), self.width(t), dtype=torch.float32)
+        col = t.config.embedding_dim
+        spec = self.module._fused_spec
+        for name, kind in self._states():
+            n = 1 if kind == "row" else t.config.embedding_dim
+            rows[:, col:col + n] = spec.initial_accumulator_value if name == "sum" else 0.0
+            col += n
+        return rows
+
+    def export_table(self, name: str, max_rows: int = 1 << 24) -> torch.Tensor:
+        """The table's full weight ``[num_embeddings, dim]`` (after a flush): stored rows from the
+        store, never-seen rows by the init rule."""
+        t = self.tables[name]
+        n = t.config.num_embeddings
+        if n > max_rows:
+            raise ValueError(f"table {name!r} has {n} rows, more than max_rows={max_rows}")
+        self.flush([name])
+        dim = t.config.embedding_dim
+        stored = t.store.scan_ids(name)
+        stored = stored[stored < n]
+        rows, _ = t.store.get(name, stored, self.width(t), torch.float32)
+        weight = torch.empty(n, dim, dtype=self.module.embedding_bags[name].weight.dtype)
+        seen = torch.zeros(n, dtype=torch.bool)
+        seen[stored] = True
+        missing = (~seen).nonzero().flatten()
+        if missing.numel():
+            weight[missing] = init_rows(t.config, missing, t.ps.seed, weight.dtype)
+        weight[stored] = rows[:, :dim].to(weight.dtype)
+        return weight
+
+
+# ---------------------------------------------------------------------- state_dict hooks
+
+
+def _ps_key(key: str, prefix: str, tables) -> bool:
+    rest = key[len(prefix):] if key.startswith(prefix) else None
+    return rest is not None and any(rest.startswith(f"embedding_bags.{t}.") for t in tables)
+
+
+def _drop_ps_keys_hook(module, state_dict, prefix, local_metadata):
+    """PS-backed tables live in their store (see ``recom_rec.ps.flush``), not in the state_dict."""
+    for key in [k for k in state_dict if _ps_key(k, prefix, module._ps.tables)]:
+        del state_dict[key]
+    return state_dict
+
+
+def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    tier = module._ps
+    tier._load_prefix = prefix
+    for name in tier.tables:
+        key = f"{prefix}embedding_bags.{name}.weight"
+        if key in state_dict:
+            tier.load_table(name, state_dict[key])
+    for key in [k for k in state_dict if _ps_key(k, prefix, tier.tables)]:
+        del state_dict[key]  # load_state_dict passes its own copy of the user's dict
+
+
+def _load_post_hook(module, incompatible_keys):
+    tier = module._ps
+    prefix = tier._load_prefix or ""
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys
+                                         if not _ps_key(k, prefix, tier.tables)]
+
+
+# ---------------------------------------------------------------------- public helpers
+
+
+def tiers_of(model) -> List[PSTier]:
+    return [m._ps for m in model.modules() if getattr(m, "_ps", None) is not None]
+
+
+def flush(model) -> int:
+    """Write every dirty cached row of every PS-backed table in ``model`` to its store."""
+    return sum(t.flush() for t in tiers_of(model))
+
+
+def export_table(model, table: str, max_rows: int = 1 << 24) -> torch.Tensor:
+    """Read PS-backed ``table`` back as a full ``[num_embeddings, dim]`` weight (flushes first)."""
+    for tier in tiers_of(model):
+        if table in tier.tables:
+            return tier.export_table(table, max_rows)
+    raise KeyError(f"no PS-backed table {table!r} in the model")

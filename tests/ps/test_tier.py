@@ -1,0 +1,275 @@
+"""The parameter-server tier: cached PS tables train exactly like in-memory tables."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import recom_rec
+from recom_rec import ps
+from recom_rec.ps import PSConfig, StoreUnavailable
+
+BIG, SMALL, DIM = 1000, 20, 8
+
+
+def configs(dtype=DataType.FP32):
+    return [
+        EmbeddingBagConfig(name="big", embedding_dim=DIM, num_embeddings=BIG, feature_names=["f_big"],
+                           data_type=dtype),
+        # one dtype for both: a module with two dtype groups and a fused optimizer fails its
+        # backward on this branch's base (the groups share the in-place step counter)
+        EmbeddingBagConfig(name="small", embedding_dim=DIM, num_embeddings=SMALL, feature_names=["f_small"],
+                           data_type=dtype),
+    ]
+
+
+def batches(n, batch_size=16, seed=0, big=BIG):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lb = torch.randint(0, 4, (batch_size,), generator=g)
+        ls = torch.randint(0, 3, (batch_size,), generator=g)
+        vb = torch.randint(0, big, (int(lb.sum()),), generator=g)
+        vs = torch.randint(0, SMALL, (int(ls.sum()),), generator=g)
+        out.append(KeyedJaggedTensor(keys=["f_big", "f_small"], values=torch.cat([vb, vs]),
+                                     lengths=torch.cat([lb, ls])))
+    return out
+
+
+def ps_model(url, cache_rows=40, eviction="lru", optimizer="sgd", dtype=DataType.FP32, device=None, **kw):
+    torch.manual_seed(0)
+    m = recom_rec.EmbeddingBagCollection(configs(dtype), ps={"big": PSConfig(url, cache_rows, eviction)},
+                                         device=device, **kw)
+    if optimizer:
+        m.enable_fused_optimizer(optimizer, **opt_kwargs(optimizer))
+    return m
+
+
+def opt_kwargs(optimizer):
+    return {"lr": 0.1} if optimizer != "adagrad" else {"lr": 0.1, "initial_accumulator_value": 0.1}
+
+
+def reference_model(small_weight, optimizer="sgd", dtype=DataType.FP32, device=None):
+    """The same tables all in memory, big initialised by the PS init rule."""
+    m = recom_rec.EmbeddingBagCollection(configs(dtype), device=device)
+    with torch.no_grad():
+        m.embedding_bags["big"].weight.copy_(ps.init_rows(configs(dtype)[0], torch.arange(BIG), seed=0))
+        m.embedding_bags["small"].weight.copy_(small_weight)
+    if optimizer:
+        m.enable_fused_optimizer(optimizer, **opt_kwargs(optimizer))
+    return m
+
+
+def step(model, kjt):
+    out = model(kjt).values()
+    target = torch.linspace(-1, 1, out.numel()).view_as(out)
+    loss = ((out - target) ** 2).sum()
+    loss.backward()
+    return out.detach().clone()
+
+
+def train(model, data, prefetch=None):
+    it = data if prefetch is None else ps.wrap(data, model, prefetch=prefetch)
+    return [step(model, kjt) for kjt in it]
+
+
+def assert_same_tables(ps_m, ref):
+    assert torch.equal(ps.export_table(ps_m, "big"), ref.embedding_bags["big"].weight.detach().cpu())
+    assert torch.equal(ps_m.embedding_bags["small"].weight.detach(), ref.embedding_bags["small"].weight.detach())
+
+
+def redis_url(server, **query):
+    return server.url(prefix=f"t{uuid.uuid4().hex[:8]}", **query)
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_cached_training_matches_in_memory(store, redis_server):
+    url = "memory://" if store == "memory" else redis_url(redis_server)
+    data = batches(12)
+    m = ps_model(url, cache_rows=40)  # ~30 distinct ids per batch: evictions every step
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
+    outs = train(m, data)
+    ref_outs = train(ref, data)
+    for a, b in zip(outs, ref_outs):
+        assert torch.equal(a, b)
+    stats = m._ps.tables["big"].cache.stats
+    assert stats["evictions"] >= len(data) * 10 and stats["pushed"] > 0 and stats["hits"] > 0
+    assert ps.flush(m) > 0
+    assert_same_tables(m, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("prefetch", [None, 1])
+def test_cuda_cached_training_matches_in_memory(optimizer, prefetch):
+    data = [kjt.to(torch.device("cuda")) for kjt in batches(10, seed=8, big=200)]
+    m = ps_model("memory://", cache_rows=48, optimizer=optimizer, device="cuda")
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone(), optimizer, device="cuda")
+    for a, b in zip(train(m, data, prefetch=prefetch), train(ref, data)):
+        assert torch.equal(a, b)
+    assert m._ps.tables["big"].cache.stats["pushed"] > 0
+    assert_same_tables(m, ref)
+
+
+@pytest.mark.parametrize("optimizer,eviction", [("rowwise_adagrad", "lru"), ("adagrad", "lfu"), ("adam", "lru")])
+def test_optimizer_state_travels_with_rows(optimizer, eviction):
+    data = batches(8, seed=1, big=120)  # ids repeat across batches, so state read back matters
+    m = ps_model("memory://", cache_rows=40, eviction=eviction, optimizer=optimizer)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone(), optimizer)
+    for a, b in zip(train(m, data), train(ref, data)):
+        assert torch.equal(a, b)
+    assert_same_tables(m, ref)
+
+
+@pytest.mark.parametrize("dtype", [DataType.FP16, DataType.BF16])
+def test_half_precision_tables_round_trip_exactly(dtype):
+    data = batches(6, seed=6, big=120)
+    m = ps_model("memory://", cache_rows=40, optimizer="rowwise_adagrad", dtype=dtype)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone(), "rowwise_adagrad", dtype)
+    assert m.embedding_bags["big"].weight.dtype == ps.export_table(m, "big").dtype != torch.float32
+    for a, b in zip(train(m, data), train(ref, data)):
+        assert torch.equal(a, b)
+    assert m._ps.tables["big"].cache.stats["pushed"] > 0
+    assert_same_tables(m, ref)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_wrap_gives_identical_results(prefetch):
+    data = batches(10, seed=2, big=150)
+    plain = ps_model("memory://", cache_rows=64)
+    wrapped = ps_model("memory://", cache_rows=64)
+    # a parent model and (kjt, label) batches, as a training loop would have them
+    parent = torch.nn.Sequential(torch.nn.ModuleDict({"ebc": wrapped}))
+    wrapped_outs = [step(wrapped, kjt) for kjt, _ in ps.wrap([(k, 0) for k in data], parent, prefetch=prefetch)]
+    for a, b in zip(train(plain, data), wrapped_outs):
+        assert torch.equal(a, b)
+    assert wrapped._ps.prefetched == len(data) and plain._ps.prefetched == 0
+    assert not wrapped._ps.tables["big"].cache.pins.any()  # every batch released
+    assert torch.equal(ps.export_table(plain, "big"), ps.export_table(wrapped, "big"))
+
+
+def test_wrap_stopped_early_releases_everything():
+    data = batches(6, seed=7, big=150)
+    m = ps_model("memory://", cache_rows=64)
+    for i, kjt in enumerate(ps.wrap(data, m, prefetch=2)):
+        step(m, kjt)
+        if i == 2:
+            break
+    assert not m._ps.tables["big"].cache.pins.any() and not m._ps._prepared
+    train(m, data[3:])  # and training goes on without wrap
+
+
+def test_restart_from_store_continues_exactly(redis_server):
+    url = redis_url(redis_server)
+    data = batches(10, seed=3)
+    first = ps_model(url)
+    small = first.embedding_bags["small"].weight.detach().clone()
+    train(first, data[:6])
+    ps.flush(first)
+    saved = first.state_dict()  # the ordinary tables; PS tables live in the store
+    assert not any(k.startswith("embedding_bags.big.") for k in saved)
+    del first
+    second = ps_model(url)
+    second.load_state_dict(saved)
+    train(second, data[6:])
+    ref = reference_model(small)
+    train(ref, data)
+    assert_same_tables(second, ref)
+
+
+def test_redis_killed_mid_run_loses_no_dirty_row(start_redis):
+    server = start_redis(appendonly=True)
+    url = redis_url(server, retry_timeout=0.3)
+    data = batches(8, seed=4)
+    m = ps_model(url)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
+    train(m, data[:3])
+    train(ref, data[:3])
+    cache = m._ps.tables["big"].cache
+    dirty_before = {int(cache.id_of[s]) for s in cache.dirty.nonzero().flatten()}
+    server.stop()
+    with pytest.raises(StoreUnavailable) as info:
+        train(m, data[3:4])  # its misses need evictions, whose pushes fail
+    assert "retry" in str(info.value) or "unreachable" in str(info.value)
+    dirty_after = {int(cache.id_of[s]) for s in cache.dirty.nonzero().flatten()}
+    assert dirty_before <= dirty_after  # nothing dirty was dropped
+    with pytest.raises(StoreUnavailable):
+        ps.flush(m)
+    server.start()  # same port, AOF replays the acknowledged rows
+    assert ps.flush(m) >= len(dirty_before)
+    train(m, data[3:])
+    train(ref, data[3:])
+    assert_same_tables(m, ref)
+
+
+def test_unreachable_store_at_start_names_url_without_password():
+    from tests.redis_server import free_port
+
+    url = f"redis://user:hunter2@127.0.0.1:{free_port()}/0"
+    with pytest.raises(StoreUnavailable) as info:
+        ps_model(url)
+    assert "hunter2" not in str(info.value) and "127.0.0.1" in str(info.value)
+
+
+def test_load_state_dict_writes_full_table_to_store():
+    m = ps_model("memory://", cache_rows=40)
+    full = torch.randn(BIG, DIM)
+    sd = {"embedding_bags.big.weight": full, "embedding_bags.small.weight": torch.randn(SMALL, DIM)}
+    m.load_state_dict(sd)
+    assert torch.equal(ps.export_table(m, "big"), full)
+    kjt = batches(1, seed=5)[0]
+    ref = reference_model(sd["embedding_bags.small.weight"])
+    with torch.no_grad():
+        ref.embedding_bags["big"].weight.copy_(full)
+        assert torch.equal(m(kjt).values(), ref(kjt).values())
+
+
+def test_eviction_policies_and_errors():
+    m = ps_model("memory://", cache_rows=4, optimizer=None)
+    kjt = KeyedJaggedTensor(keys=["f_big", "f_small"], values=torch.arange(5), lengths=torch.tensor([5, 0]))
+    with pytest.raises(RuntimeError, match="cache_rows=4"):
+        m(kjt)
+    bad = KeyedJaggedTensor(keys=["f_big", "f_small"], values=torch.tensor([-1]), lengths=torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="ids >= 0"):
+        m(bad)
+    # ids beyond int32 and beyond num_embeddings are fine for a PS table
+    huge = KeyedJaggedTensor(keys=["f_big", "f_small"], values=torch.tensor([2**40, 7]), lengths=torch.tensor([1, 1]))
+    with torch.no_grad():
+        out = m(huge).values()
+    expected = ps.init_rows(configs()[0], torch.tensor([2**40]))
+    assert torch.equal(out[0, :DIM], expected[0])
+    with pytest.raises(ValueError, match="eviction"):
+        PSConfig("memory://", 4, "fifo")
+
+
+@pytest.mark.parametrize("eviction,expected", [("lru", [1, 2]), ("lfu", [2, 3])])
+def test_eviction_policy_picks_victims(eviction, expected):
+    from recom_rec.ps.cache import CacheFull, SlotCache
+
+    c = SlotCache("t", 4, eviction)
+    c.insert(torch.tensor([10, 11, 12, 13]), torch.arange(4))
+    for slots in ([0, 1, 2, 3], [1], [1], [2, 3], [0]):
+        c.touch(torch.tensor(slots))
+    # uses: 0:2 1:3 2:2 3:2; last used: 0:5 1:3 2:4 3:4 (ties evict the lower slot)
+    victims = c.choose_victims(2, exclude=torch.tensor([0]))
+    assert sorted(victims.tolist()) == sorted(expected)
+    c.pins[torch.tensor([1, 2, 3])] = 1
+    with pytest.raises(CacheFull, match="cache_rows=4"):
+        c.choose_victims(1, exclude=torch.tensor([0]))
+
+
+def test_dense_gradients_with_plain_sgd_match_in_memory():
+    data = batches(6, seed=9, big=150)
+    m = ps_model("memory://", cache_rows=40, optimizer=None)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone(), optimizer=None)
+    opts = [torch.optim.SGD(x.parameters(), lr=0.1) for x in (m, ref)]
+    for kjt in data:
+        for x, opt in zip((m, ref), opts):
+            opt.zero_grad()
+            step(x, kjt)
+            opt.step()
+    assert m._ps.tables["big"].cache.stats["pushed"] > 0
+    assert_same_tables(m, ref)
