@@ -101,13 +101,15 @@ def test_cached_training_matches_in_memory(store, redis_server):
     assert_same_tables(m, ref)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 @pytest.mark.parametrize("prefetch", [None, 1])
-def test_cuda_cached_training_matches_in_memory(optimizer, prefetch):
-    data = [kjt.to(torch.device("cuda")) for kjt in batches(10, seed=8, big=200)]
-    m = ps_model("memory://", cache_rows=48, optimizer=optimizer, device="cuda")
-    ref = reference_model(m.embedding_bags["small"].weight.detach().clone(), optimizer, device="cuda")
+def test_cached_training_on_the_test_device_matches_in_memory(optimizer, prefetch):
+    # RECOM_TEST_DEVICE=cuda (the GPU run) puts the cache on the GPU and runs the Triton kernels.
+    from ebc_cases import DEVICE
+
+    data = [kjt.to(DEVICE) for kjt in batches(10, seed=8, big=200)]
+    m = ps_model("memory://", cache_rows=48, optimizer=optimizer, device=DEVICE)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone(), optimizer, device=DEVICE)
     for a, b in zip(train(m, data, prefetch=prefetch), train(ref, data)):
         assert torch.equal(a, b)
     assert m._ps.tables["big"].cache.stats["pushed"] > 0
