@@ -20,7 +20,10 @@ from .workloads import WORKLOADS, get_workload
 # no such mode and applies its fused SGD). sgd / rowwise_adagrad: a whole training step of the
 # embeddings - fused into the backward for recom_rec and fbgemm, dense gradients + torch.optim
 # (torchrec's RowWiseAdagrad) for torchrec's module.
-PHASES = ("forward", "backward", "sgd", "rowwise_adagrad")
+# forward-graph: the forward captured once in a CUDA graph and replayed (small-batch inference
+# latency without launch overhead; needs a forward with no host syncs: validation off).
+PHASES = ("forward", "forward-graph", "backward", "sgd", "rowwise_adagrad")
+FORWARD_PHASES = ("forward", "forward-graph", "backward")
 
 
 def parse_args(argv=None):
@@ -29,7 +32,8 @@ def parse_args(argv=None):
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS),
                    choices=list(WORKLOADS))
     p.add_argument("--peers", nargs="+", default=["recom_rec", "torchrec", "fbgemm"], choices=list(PEERS))
-    p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES,
+    p.add_argument("--batch-size", type=int, default=None, help="override every workload's batch size")
+    p.add_argument("--phases", nargs="+", default=[p for p in PHASES if p != "forward-graph"], choices=PHASES,
                    help="forward: inference under no_grad; backward: forward+backward to dense gradients "
                    "(fbgemm applies its fused SGD); sgd, rowwise_adagrad: forward+backward+optimizer "
                    "(fused for recom_rec and fbgemm)")
@@ -40,6 +44,22 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default="bench-results", help="file stem for the .json and .png outputs")
     return p.parse_args(argv)
+
+
+def _graph_replay(peer, kjt, device):
+    """Captures the peer's forward on ``kjt`` in a CUDA graph; returns its replay."""
+    if device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(3):  # warm up outside the graph (Triton compiles, caches fill)
+            peer.forward(kjt)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        peer.forward(kjt)
+    return graph.replay
 
 
 def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
@@ -57,12 +77,19 @@ def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
             def step():
                 with torch.no_grad():
                     peer.forward(kjt)
+        elif phase == "forward-graph":
+            try:
+                step = _graph_replay(peer, kjt, device)
+            except Exception as e:  # noqa: BLE001 - a peer whose forward cannot be captured
+                row["error"] = f"capture failed: {str(e)[:160]}"
+                rows.append(row)
+                continue
         else:
             def step():
                 peer.train_step(kjt, grad)
         try:
             row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
-            if phase == "forward":
+            if phase in ("forward", "forward-graph"):
                 row["gbs"] = w.lookup_bytes() / (row["ms"] * 1e-3) / 1e9
                 row["ceiling_share"] = row["gbs"] / ceiling
         except (RuntimeError, torch.OutOfMemoryError) as e:
@@ -83,11 +110,13 @@ def run(args):
     peers = [p for p in args.peers if p != "fbgemm" or fbgemm_available(device)]
     for wname in tqdm(args.workloads, desc="workloads", file=sys.stderr):
         w = get_workload(wname, small)
+        if args.batch_size:
+            w.batch_size = args.batch_size
         kjt = w.make_input(device)
         for pname in peers:
             # forward and backward share a peer without optimizer; each optimizer phase builds its own.
-            plan = [("none", [p for p in args.phases if p in ("forward", "backward")])]
-            plan += [(p, [p]) for p in args.phases if p not in ("forward", "backward")]
+            plan = [("none", [p for p in args.phases if p in FORWARD_PHASES])]
+            plan += [(p, [p]) for p in args.phases if p not in FORWARD_PHASES]
             for optimizer, phases in plan:
                 if phases:
                     results.extend(_run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling))
