@@ -72,6 +72,9 @@ def main(argv=None):
           f"{len(held_out)} held out; {len(tables)} tables ({', '.join(t.feature_names[0] for t in tables)}), "
           f"weighted genres, dim {args.embedding_dim}, {args.steps} steps on {device}")
 
+    if train is not None and len(train) * args.batch_size < 10_000:
+        print(f"note: {len(train) * args.batch_size} training rows are too few to measure model quality "
+              "(the model overfits them); this run shows the pipeline - give a full dataset with --data")
     train_curve, eval_curve = [], [(0, evaluate(model, held_out, predict, loss_fn))]
     start = time.perf_counter()
     bar = tqdm(cycle(train, args.steps), total=args.steps, desc="train")

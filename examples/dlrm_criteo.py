@@ -72,7 +72,7 @@ def train_step(model, opt, batch):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", nargs="*", default=None, help="Criteo file(s): TSV, .gz or CSV with header; none = synthetic")
-    p.add_argument("--steps", type=int, default=2000, help="training steps (epochs over small files)")
+    p.add_argument("--steps", type=int, default=1500, help="training steps (epochs over small files)")
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--eval-batches", type=int, default=10, help="held-out batches (the last ones read)")
     p.add_argument("--eval-every", type=int, default=200)
@@ -113,6 +113,9 @@ def main(argv=None):
           f"{args.batch_size}, {len(held_out)} held out; "
           f"26 tables (rows capped at {args.max_rows}), dim {args.embedding_dim}, {args.steps} steps on {device}")
 
+    if train is not None and len(train) * args.batch_size < 10_000:
+        print(f"note: {len(train) * args.batch_size} training rows are too few to measure model quality "
+              "(the model overfits them); this run shows the pipeline - give a full dataset with --data")
     train_curve, eval_curve = [], [(0, evaluate(model, held_out, predict, loss_fn))]
     start = time.perf_counter()
     bar = tqdm(total=args.steps, desc="train")
