@@ -388,6 +388,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
+        # apply_optimizer_in_backward is otherwise picked up at the first forward: a checkpoint
+        # loaded before it must find the fused optimizer's state buffers (tables load after us).
+        self._sync_optimizer_in_backward()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         # Checkpoints without fused-optimizer state (torchrec's own) load strictly too.
