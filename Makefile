@@ -34,6 +34,9 @@ test: $(STAMP) redis
 
 demo: $(STAMP)
 	$(VPY) examples/dlrm_demo.py
+	@echo
+	@echo "Again, with our module's large tables in the parameter-server tier (in-process store):"
+	$(VPY) examples/dlrm_demo.py --ps memory://demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

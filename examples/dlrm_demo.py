@@ -5,6 +5,12 @@ Both runs start from the same weights, see the same batches and train with Adagr
 module with dense gradients and torch.optim.Adagrad, ours with Adagrad fused into the backward
 (torchrec's apply_optimizer_in_backward) - the same update, since Adagrad leaves rows without
 gradient untouched. So the losses must agree; the difference is speed.
+
+With ``--ps URL`` (``make demo`` uses ``memory://demo``) our module keeps its large tables in the
+parameter-server tier: their rows live in the store at URL and only ``--ps-cache-rows`` of them
+at a time in the module's buffer. The starting weights are written into the store through
+load_state_dict, so the losses must still agree with torchrec's; the report adds the cache's hit
+rate and the rows pulled and pushed.
 """
 import argparse
 import copy
@@ -60,6 +66,11 @@ def main(argv=None):
     p.add_argument("--max-rows", type=int, default=20_000, help="cap on each table's rows (fits a laptop)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ps", default=None, metavar="URL",
+                   help="put tables of at least --ps-min-rows rows in the parameter-server tier at URL "
+                   "(e.g. memory://demo or redis://127.0.0.1:6379/0)")
+    p.add_argument("--ps-min-rows", type=int, default=10_000)
+    p.add_argument("--ps-cache-rows", type=int, default=4096, help="cached rows per PS-backed table")
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -72,20 +83,39 @@ def main(argv=None):
                     dense_arch_layer_sizes=[64, args.embedding_dim], over_arch_layer_sizes=[64, 1])
 
     stock = dlrm(torchrec.EmbeddingBagCollection(copy.deepcopy(tables)))
-    ebc = recom_rec.EmbeddingBagCollection(copy.deepcopy(tables))
+    ps = None
+    if args.ps:
+        from recom_rec.ps import PSConfig
+
+        ps = {t.name: PSConfig(url=args.ps, cache_rows=args.ps_cache_rows)
+              for t in tables if t.num_embeddings >= args.ps_min_rows}
+    ebc = recom_rec.EmbeddingBagCollection(copy.deepcopy(tables), ps=ps)
     fused = dlrm(ebc)
-    fused.load_state_dict(stock.state_dict())  # same start, so the curves must match
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": args.lr})
+    # Same start, so the curves must match (PS-backed tables: the weights go into the store,
+    # with the fused optimizer's state beside them - hence the optimizer is asked for first).
+    fused.load_state_dict(stock.state_dict())
 
     print(f"DLRM, 26 Criteo-shaped tables (rows capped at {args.max_rows}), dim {args.embedding_dim}, "
           f"batch {args.batch_size}, {args.steps} steps, Adagrad lr {args.lr}")
+    if ps:
+        print(f"recom_rec: {len(ps)} tables of >= {args.ps_min_rows} rows on {args.ps}, "
+              f"{args.ps_cache_rows} rows cached each")
     results = {name: train(model, batches, args.lr, name)
                for name, model in (("torchrec EBC", stock), ("recom_rec EBC", fused))}
     print(f"{'module':<16}{'loss':>10}{'AUC':>10}{'steps/s':>10}")
     for name, r in results.items():
         print(f"{name:<16}{r['loss']:>10.4f}{r['auc']:>10.4f}{r['steps_per_s']:>10.1f}")
+    if ps:
+        from recom_rec import ps as ps_tier
+
+        stats = [t.cache.stats for tier in ps_tier.tiers_of(fused) for t in tier.tables.values()]
+        hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
+        pushed = sum(s["pushed"] for s in stats) + ps_tier.flush(fused)
+        print(f"parameter-server tier: cache hit rate {hits / max(1, hits + misses):.1%}, "
+              f"{misses} rows pulled, {pushed} rows pushed (flushed at the end)")
     a, b = results["torchrec EBC"], results["recom_rec EBC"]
     print(f"speed-up {b['steps_per_s'] / a['steps_per_s']:.2f}x; |loss difference| {abs(a['loss'] - b['loss']):.2e}")
     return results

@@ -31,8 +31,11 @@ def _png(path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
 
 
-def test_dlrm_demo_same_losses_both_modules():
-    out = _run("dlrm_demo.py", "--steps", "20", "--batch-size", "64", "--max-rows", "300")
+@pytest.mark.parametrize("ps", [[], ["--ps", "memory://demo-test", "--ps-min-rows", "200", "--ps-cache-rows", "64"]])
+def test_dlrm_demo_same_losses_both_modules(ps):
+    out = _run("dlrm_demo.py", "--steps", "20", "--batch-size", "64", "--max-rows", "300", *ps)
+    if ps:
+        assert "parameter-server tier: cache hit rate" in out, out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("torchrec", "recom_rec"))}
     stock, fused = rows["torchrec"], rows["recom_rec"]
     # columns: name, "EBC", loss, AUC, steps/s
