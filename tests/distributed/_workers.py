@@ -1,0 +1,212 @@
+"""Worker processes for the multi-process (gloo, CPU) sharding tests.
+
+Each worker builds the same model under one seed, shards it with DistributedModelParallel,
+trains a few fused-SGD steps on its slice of a global batch and checks, against an unsharded
+reference trained on the whole batch, the forward outputs (per key) and the weights."""
+import os
+import random
+import socket
+import traceback
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection as TorchrecEBC
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as TorchrecSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+import recom_rec
+from recom_rec.distributed import EmbeddingBagCollectionSharder
+
+LR = 0.1
+STEPS = 3
+BATCH = 3  # per rank
+FEATURES = ["f0", "f1", "f2", "f3", "f4"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ours_tables() -> List[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name="t0", num_embeddings=20, embedding_dim=4, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t1", num_embeddings=17, embedding_dim=6, feature_names=["f1", "f2"],
+                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(name="t2", num_embeddings=13, embedding_dim=12, feature_names=["f3"]),
+    ]
+
+
+def torchrec_tables() -> List[EmbeddingBagConfig]:
+    return [EmbeddingBagConfig(name="tr", num_embeddings=11, embedding_dim=4, feature_names=["f4"])]
+
+
+ROWS = {"f0": 20, "f1": 17, "f2": 17, "f3": 13, "f4": 11}
+
+
+class Model(nn.Module):
+    """Our module next to torchrec's, as in a real model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = recom_rec.EmbeddingBagCollection(ours_tables())
+        self.tebc = TorchrecEBC(torchrec_tables(), device=torch.device("cpu"))
+
+    def forward(self, kjt: KeyedJaggedTensor):
+        return self.ebc(kjt), self.tebc(kjt)
+
+
+def batch(step: int, world: int) -> List[Dict[str, List[int]]]:
+    """The global batch of a step: per sample, per feature, a bag of ids (some empty)."""
+    rng = random.Random(1000 + step)
+    return [{f: [rng.randrange(ROWS[f]) for _ in range(rng.randrange(0, 4))] for f in FEATURES}
+            for _ in range(world * BATCH)]
+
+
+def to_kjt(samples: List[Dict[str, List[int]]]) -> KeyedJaggedTensor:
+    values, lengths = [], []
+    for f in FEATURES:
+        for s in samples:
+            values.extend(s[f])
+            lengths.append(len(s[f]))
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=FEATURES, values=torch.tensor(values, dtype=torch.int64),
+        lengths=torch.tensor(lengths, dtype=torch.int64))
+
+
+def column_weights(dim: int) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.5, dim)
+
+
+def loss_of(kts) -> torch.Tensor:
+    return sum((kt.values() * column_weights(kt.values().shape[1])).sum() for kt in kts)
+
+
+PLANS = {
+    "table_wise": lambda w: {"t0": table_wise(rank=0, compute_kernel="fused"),
+                             "t1": table_wise(rank=1, compute_kernel="fused"),
+                             "t2": table_wise(rank=w - 1, compute_kernel="fused")},
+    "column_wise": lambda w: {"t0": column_wise(ranks=[0, 1], compute_kernel="fused"),
+                              "t1": column_wise(ranks=list(range(w)), compute_kernel="fused"),
+                              "t2": column_wise(ranks=[w - 1, 0], compute_kernel="fused")},
+    "data_parallel": lambda w: {"t0": data_parallel(), "t1": data_parallel(), "t2": data_parallel()},
+    "mixed": lambda w: {"t0": table_wise(rank=w - 1, compute_kernel="fused"),
+                        "t1": column_wise(ranks=[1, 0], compute_kernel="fused"),
+                        "t2": data_parallel()},
+    "row_wise": lambda w: {"t0": row_wise(compute_kernel="fused"), "t1": row_wise(compute_kernel="fused"),
+                           "t2": row_wise(compute_kernel="fused")},
+    "table_row_wise": lambda w: {"t0": table_row_wise(host_index=0), "t1": table_row_wise(host_index=0),
+                                 "t2": table_wise(rank=0, compute_kernel="fused")},
+}
+
+
+def gather_full(value, shape) -> torch.Tensor:
+    """A state_dict entry (ShardedTensor or plain tensor) as the full table on every rank."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        full = torch.zeros(shape)
+        for shard in value.local_shards():
+            r, c = shard.metadata.shard_offsets
+            rows, cols = shard.metadata.shard_sizes
+            full[r:r + rows, c:c + cols] = shard.tensor
+        dist.all_reduce(full)
+        return full
+    return value.detach().clone()
+
+
+def _wait(x):
+    from torchrec.distributed.types import LazyAwaitable
+
+    return x.wait() if isinstance(x, LazyAwaitable) else x
+
+
+def run_case(rank: int, world: int, port: int, case: str, optimizer_via: str) -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = Model()
+        torch.manual_seed(0)
+        ref = Model()
+        for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+            assert torch.equal(a, b)
+        ref.ebc.enable_fused_optimizer("sgd", lr=LR)
+        ref_opt = torch.optim.SGD(ref.tebc.parameters(), lr=LR)
+
+        fused_params = None
+        if optimizer_via == "apply_optimizer_in_backward":
+            apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": LR})
+        else:
+            fused_params = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+        ours = EmbeddingBagCollectionSharder(fused_params=fused_params)
+        theirs = TorchrecSharder(fused_params=fused_params)
+        env = ShardingEnv.from_process_group(dist.group.WORLD)
+        plan = ShardingPlan({
+            "ebc": construct_module_sharding_plan(model.ebc, PLANS[case](world), sharder=ours,
+                                                  local_size=world, world_size=world, device_type="cpu"),
+            "tebc": construct_module_sharding_plan(
+                model.tebc, {"tr": table_wise(rank=world - 1, compute_kernel="fused")}, sharder=theirs,
+                local_size=world, world_size=world, device_type="cpu"),
+        })
+        dmp = DistributedModelParallel(model, env=env, plan=plan, sharders=[ours, theirs],
+                                       device=torch.device("cpu"))
+        # torchrec's own sharded module (tebc) starts from its own init on the CPU: align it.
+        with torch.no_grad():
+            ref.tebc.embedding_bags["tr"].weight.copy_(
+                gather_full(dmp.state_dict()["tebc.embedding_bags.tr.weight"], (11, 4)))
+        dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+        dense_opt = KeyedOptimizerWrapper(dense, lambda ps: torch.optim.SGD(ps, lr=LR)) if dense else None
+
+        for step in range(STEPS):
+            samples = batch(step, world)
+            mine = samples[rank * BATCH:(rank + 1) * BATCH]
+            out_ebc, out_t = (_wait(o) for o in dmp(to_kjt(mine)))
+            ref_ebc, ref_t = ref(to_kjt(samples))
+            for key in ref_ebc.keys():
+                got = out_ebc[key]
+                want = ref_ebc[key][rank * BATCH:(rank + 1) * BATCH]
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{case} step {step} key {key}: {m}")
+            torch.testing.assert_close(out_t["f4"], ref_t["f4"][rank * BATCH:(rank + 1) * BATCH])
+            # torchrec divides model-parallel gradients by the world size (and DDP averages):
+            # the sharded model trains on the mean of the ranks' losses.
+            loss_of([out_ebc, out_t]).backward()
+            (loss_of([ref_ebc, ref_t]) / world).backward()
+            if dense_opt is not None:
+                dense_opt.step()
+                dense_opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+
+        state = dmp.state_dict()
+        for config in ours_tables():
+            key = f"ebc.embedding_bags.{config.name}.weight"
+            full = gather_full(state[key], (config.num_embeddings, config.embedding_dim))
+            want = ref.ebc.embedding_bags[config.name].weight.detach()
+            torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{case}: weights of {config.name} after {STEPS} steps: {m}")
+        full = gather_full(state["tebc.embedding_bags.tr.weight"], (11, 4))
+        torch.testing.assert_close(full, ref.tebc.embedding_bags["tr"].weight.detach(), rtol=1e-5, atol=1e-6)
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
