@@ -7,7 +7,7 @@ import os
 import random
 import socket
 import traceback
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ import recom_rec
 from recom_rec.distributed import EmbeddingBagCollectionSharder
 
 LR = 0.1
-STEPS = 3
+STEPS = int(os.environ.get("RECOM_DIST_STEPS", "3"))
 BATCH = 3  # per rank
 FEATURES = ["f0", "f1", "f2", "f3", "f4"]
 
@@ -91,12 +91,14 @@ def to_kjt(samples: List[Dict[str, List[int]]]) -> KeyedJaggedTensor:
         lengths=torch.tensor(lengths, dtype=torch.int64))
 
 
-def column_weights(dim: int) -> torch.Tensor:
-    return torch.linspace(-1.0, 1.5, dim)
-
-
 def loss_of(kts) -> torch.Tensor:
-    return sum((kt.values() * column_weights(kt.values().shape[1])).sum() for kt in kts)
+    """A loss that depends on keys, not on column order (a sharded module's KeyedTensor may
+    order its keys differently: torchrec groups them by sharding)."""
+    total = 0
+    for kt in kts:
+        for key, value in kt.to_dict().items():
+            total = total + (value * torch.linspace(-1.0, 1.5, value.shape[1]) * (1 + FEATURES.index(key) / 4)).sum()
+    return total
 
 
 PLANS = {
@@ -113,7 +115,7 @@ PLANS = {
     "row_wise": lambda w: {"t0": row_wise(compute_kernel="fused"), "t1": row_wise(compute_kernel="fused"),
                            "t2": row_wise(compute_kernel="fused")},
     "table_row_wise": lambda w: {"t0": table_row_wise(host_index=0), "t1": table_row_wise(host_index=0),
-                                 "t2": table_wise(rank=0, compute_kernel="fused")},
+                                 "t2": table_row_wise(host_index=0)},
 }
 
 
@@ -138,75 +140,82 @@ def _wait(x):
     return x.wait() if isinstance(x, LazyAwaitable) else x
 
 
-def run_case(rank: int, world: int, port: int, case: str, optimizer_via: str) -> None:
+def run_cases(rank: int, world: int, port: int, cases: List[Tuple[str, str]]) -> None:
+    """Entry point of a spawned worker: one gloo group, then each (plan, optimizer_via) case."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        torch.manual_seed(0)
-        model = Model()
-        torch.manual_seed(0)
-        ref = Model()
-        for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
-            assert torch.equal(a, b)
-        ref.ebc.enable_fused_optimizer("sgd", lr=LR)
-        ref_opt = torch.optim.SGD(ref.tebc.parameters(), lr=LR)
-
-        fused_params = None
-        if optimizer_via == "apply_optimizer_in_backward":
-            apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": LR})
-        else:
-            fused_params = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
-        ours = EmbeddingBagCollectionSharder(fused_params=fused_params)
-        theirs = TorchrecSharder(fused_params=fused_params)
-        env = ShardingEnv.from_process_group(dist.group.WORLD)
-        plan = ShardingPlan({
-            "ebc": construct_module_sharding_plan(model.ebc, PLANS[case](world), sharder=ours,
-                                                  local_size=world, world_size=world, device_type="cpu"),
-            "tebc": construct_module_sharding_plan(
-                model.tebc, {"tr": table_wise(rank=world - 1, compute_kernel="fused")}, sharder=theirs,
-                local_size=world, world_size=world, device_type="cpu"),
-        })
-        dmp = DistributedModelParallel(model, env=env, plan=plan, sharders=[ours, theirs],
-                                       device=torch.device("cpu"))
-        # torchrec's own sharded module (tebc) starts from its own init on the CPU: align it.
-        with torch.no_grad():
-            ref.tebc.embedding_bags["tr"].weight.copy_(
-                gather_full(dmp.state_dict()["tebc.embedding_bags.tr.weight"], (11, 4)))
-        dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-        dense_opt = KeyedOptimizerWrapper(dense, lambda ps: torch.optim.SGD(ps, lr=LR)) if dense else None
-
-        for step in range(STEPS):
-            samples = batch(step, world)
-            mine = samples[rank * BATCH:(rank + 1) * BATCH]
-            out_ebc, out_t = (_wait(o) for o in dmp(to_kjt(mine)))
-            ref_ebc, ref_t = ref(to_kjt(samples))
-            for key in ref_ebc.keys():
-                got = out_ebc[key]
-                want = ref_ebc[key][rank * BATCH:(rank + 1) * BATCH]
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{case} step {step} key {key}: {m}")
-            torch.testing.assert_close(out_t["f4"], ref_t["f4"][rank * BATCH:(rank + 1) * BATCH])
-            # torchrec divides model-parallel gradients by the world size (and DDP averages):
-            # the sharded model trains on the mean of the ranks' losses.
-            loss_of([out_ebc, out_t]).backward()
-            (loss_of([ref_ebc, ref_t]) / world).backward()
-            if dense_opt is not None:
-                dense_opt.step()
-                dense_opt.zero_grad()
-            ref_opt.step()
-            ref_opt.zero_grad()
-
-        state = dmp.state_dict()
-        for config in ours_tables():
-            key = f"ebc.embedding_bags.{config.name}.weight"
-            full = gather_full(state[key], (config.num_embeddings, config.embedding_dim))
-            want = ref.ebc.embedding_bags[config.name].weight.detach()
-            torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{case}: weights of {config.name} after {STEPS} steps: {m}")
-        full = gather_full(state["tebc.embedding_bags.tr.weight"], (11, 4))
-        torch.testing.assert_close(full, ref.tebc.embedding_bags["tr"].weight.detach(), rtol=1e-5, atol=1e-6)
+        for case, optimizer_via in cases:
+            check_parity(rank, world, case, optimizer_via)
     except Exception:
         traceback.print_exc()
         raise
     finally:
         dist.destroy_process_group()
+
+
+def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
+    """Sharded forward (per key) and weights after STEPS fused-SGD steps == unsharded."""
+    torch.manual_seed(0)
+    model = Model()
+    torch.manual_seed(0)
+    ref = Model()
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+        assert torch.equal(a, b)
+    ref.ebc.enable_fused_optimizer("sgd", lr=LR)
+    ref_opt = torch.optim.SGD(ref.tebc.parameters(), lr=LR)
+
+    fused_params = None
+    if optimizer_via == "apply_optimizer_in_backward":
+        apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": LR})
+    else:
+        fused_params = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+    ours = EmbeddingBagCollectionSharder(fused_params=fused_params)
+    theirs = TorchrecSharder(fused_params=fused_params)
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    plan = ShardingPlan({
+        "ebc": construct_module_sharding_plan(model.ebc, PLANS[case](world), sharder=ours,
+                                              local_size=world, world_size=world, device_type="cpu"),
+        "tebc": construct_module_sharding_plan(
+            model.tebc, {"tr": table_wise(rank=world - 1, compute_kernel="fused")}, sharder=theirs,
+            local_size=world, world_size=world, device_type="cpu"),
+    })
+    dmp = DistributedModelParallel(model, env=env, plan=plan, sharders=[ours, theirs],
+                                   device=torch.device("cpu"))
+    # torchrec's own sharded module (tebc) starts from its own init on the CPU: align it.
+    with torch.no_grad():
+        ref.tebc.embedding_bags["tr"].weight.copy_(
+            gather_full(dmp.state_dict()["tebc.embedding_bags.tr.weight"], (11, 4)))
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    dense_opt = KeyedOptimizerWrapper(dense, lambda ps: torch.optim.SGD(ps, lr=LR)) if dense else None
+
+    for step in range(STEPS):
+        samples = batch(step, world)
+        mine = samples[rank * BATCH:(rank + 1) * BATCH]
+        out_ebc, out_t = (_wait(o) for o in dmp(to_kjt(mine)))
+        ref_ebc, ref_t = ref(to_kjt(samples))
+        for key in ref_ebc.keys():
+            got = out_ebc[key]
+            want = ref_ebc[key][rank * BATCH:(rank + 1) * BATCH]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{case} step {step} key {key}: {m}")
+        torch.testing.assert_close(out_t["f4"], ref_t["f4"][rank * BATCH:(rank + 1) * BATCH])
+        # torchrec divides model-parallel gradients by the world size (and DDP averages):
+        # the sharded model trains on the mean of the ranks' losses.
+        loss_of([out_ebc, out_t]).backward()
+        (loss_of([ref_ebc, ref_t]) / world).backward()
+        if dense_opt is not None:
+            dense_opt.step()
+            dense_opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    state = dmp.state_dict()
+    for config in ours_tables():
+        key = f"ebc.embedding_bags.{config.name}.weight"
+        full = gather_full(state[key], (config.num_embeddings, config.embedding_dim))
+        want = ref.ebc.embedding_bags[config.name].weight.detach()
+        torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{case}: weights of {config.name} after {STEPS} steps: {m}")
+    full = gather_full(state["tebc.embedding_bags.tr.weight"], (11, 4))
+    torch.testing.assert_close(full, ref.tebc.embedding_bags["tr"].weight.detach(), rtol=1e-5, atol=1e-6)
