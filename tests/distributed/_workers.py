@@ -173,13 +173,27 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
     ours = EmbeddingBagCollectionSharder(fused_params=fused_params)
     theirs = TorchrecSharder(fused_params=fused_params)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    plan = ShardingPlan({
-        "ebc": construct_module_sharding_plan(model.ebc, PLANS[case](world), sharder=ours,
-                                              local_size=world, world_size=world, device_type="cpu"),
-        "tebc": construct_module_sharding_plan(
-            model.tebc, {"tr": table_wise(rank=world - 1, compute_kernel="fused")}, sharder=theirs,
-            local_size=world, world_size=world, device_type="cpu"),
-    })
+    if case == "planner":
+        # The planner plugin places the tables (constraints pin a variety of sharding types).
+        from torchrec.distributed.planner import ParameterConstraints
+        from recom_rec.distributed.planner import build_plan
+
+        constraints = {"t0": ParameterConstraints(sharding_types=["row_wise"]),
+                       "t1": ParameterConstraints(sharding_types=["column_wise"]),
+                       "t2": ParameterConstraints(sharding_types=["table_wise"]),
+                       "tr": ParameterConstraints(sharding_types=["table_wise"])}
+        plan = build_plan(model, [ours, theirs], world_size=world, batch_size=BATCH,
+                          constraints=constraints, print_plan=rank == 0)
+        for table, kind in [("t0", "row_wise"), ("t1", "column_wise"), ("t2", "table_wise")]:
+            assert plan.plan["ebc"][table].sharding_type == kind, plan
+    else:
+        plan = ShardingPlan({
+            "ebc": construct_module_sharding_plan(model.ebc, PLANS[case](world), sharder=ours,
+                                                  local_size=world, world_size=world, device_type="cpu"),
+            "tebc": construct_module_sharding_plan(
+                model.tebc, {"tr": table_wise(rank=world - 1, compute_kernel="fused")}, sharder=theirs,
+                local_size=world, world_size=world, device_type="cpu"),
+        })
     dmp = DistributedModelParallel(model, env=env, plan=plan, sharders=[ours, theirs],
                                    device=torch.device("cpu"))
     # torchrec's own sharded module (tebc) starts from its own init on the CPU: align it.

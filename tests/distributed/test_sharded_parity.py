@@ -18,6 +18,7 @@ def test_world_2_every_sharding_type():
         ("data_parallel", "fused_params"),
         ("row_wise", "fused_params"),
         ("table_row_wise", "apply_optimizer_in_backward"),
+        ("planner", "fused_params"),
     ])
 
 
