@@ -140,18 +140,81 @@ def _wait(x):
     return x.wait() if isinstance(x, LazyAwaitable) else x
 
 
-def run_cases(rank: int, world: int, port: int, cases: List[Tuple[str, str]]) -> None:
-    """Entry point of a spawned worker: one gloo group, then each (plan, optimizer_via) case."""
+def run_cases(rank: int, world: int, port: int, cases: List[Tuple[str, str]], tmpdir: str = "") -> None:
+    """Entry point of a spawned worker: one gloo group, then each (plan, optimizer_via) case
+    (optimizer_via "checkpoint" runs the checkpoint round trip of that plan instead)."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         for case, optimizer_via in cases:
-            check_parity(rank, world, case, optimizer_via)
+            if optimizer_via == "checkpoint":
+                check_checkpoint(rank, world, case, os.path.join(tmpdir, case))
+            else:
+                check_parity(rank, world, case, optimizer_via)
     except Exception:
         traceback.print_exc()
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _shard(model: "Model", case: str, world: int) -> DistributedModelParallel:
+    ours = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        model.ebc, PLANS[case](world), sharder=ours, local_size=world, world_size=world, device_type="cpu")})
+    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
+                                    sharders=[ours, TorchrecSharder()], device=torch.device("cpu"))
+
+
+def check_checkpoint(rank: int, world: int, case: str, path: str) -> None:
+    """state_dict in torchrec's conventions (ShardedTensor per model-parallel table, the full
+    tensor for data-parallel ones), saved with torch.distributed.checkpoint and loaded into a
+    differently initialised sharded model: same weights, same outputs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    torch.manual_seed(0)
+    full = Model()
+    dmp = _shard(full, case, world)
+    torch.manual_seed(0)
+    ref = Model()
+    state = dmp.state_dict()
+    for config in ours_tables():
+        value = state[f"ebc.embedding_bags.{config.name}.weight"]
+        shape = (config.num_embeddings, config.embedding_dim)
+        if isinstance(value, ShardedTensor):
+            assert tuple(value.size()) == shape, (config.name, value.size())
+        else:
+            assert tuple(value.shape) == shape, (config.name, value.shape)
+        # the sharded module starts from the unsharded module's weights
+        torch.testing.assert_close(gather_full(value, shape), ref.ebc.embedding_bags[config.name].weight.detach())
+    kinds = {name: type(state[f"ebc.embedding_bags.{name}.weight"]).__name__ for name in ("t0", "t1", "t2")}
+    # one training step so that the checkpoint differs from the initial weights
+    samples = batch(0, world)
+    out, _ = (_wait(o) for o in dmp(to_kjt(samples[rank * BATCH:(rank + 1) * BATCH])))
+    loss_of([out]).backward()
+    dcp.save(dmp.state_dict(), checkpoint_id=path)
+
+    torch.manual_seed(1)
+    other = _shard(Model(), case, world)
+    before = gather_full(other.state_dict()["ebc.embedding_bags.t0.weight"], (20, 4))
+    assert not torch.allclose(before, gather_full(dmp.state_dict()["ebc.embedding_bags.t0.weight"], (20, 4)))
+    restored = other.state_dict()
+    dcp.load(restored, checkpoint_id=path)
+    other.load_state_dict(restored)
+    for config in ours_tables():
+        key, shape = f"ebc.embedding_bags.{config.name}.weight", (config.num_embeddings, config.embedding_dim)
+        torch.testing.assert_close(gather_full(other.state_dict()[key], shape), gather_full(dmp.state_dict()[key], shape),
+                                   msg=lambda m: f"{case}: {key} after load: {m}")
+    samples = batch(1, world)
+    mine = to_kjt(samples[rank * BATCH:(rank + 1) * BATCH])
+    with torch.no_grad():
+        a, _ = (_wait(o) for o in dmp(mine))
+        b, _ = (_wait(o) for o in other(mine))
+    for key in a.keys():
+        torch.testing.assert_close(a[key], b[key])
+    if rank == 0:
+        print(f"checkpoint {case}: {kinds}", flush=True)
 
 
 def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:

@@ -7,8 +7,8 @@ import torch.multiprocessing as mp
 from tests.distributed._workers import free_port, run_cases
 
 
-def _spawn(world, cases):
-    mp.spawn(run_cases, args=(world, free_port(), cases), nprocs=world, join=True)
+def _spawn(world, cases, tmpdir=""):
+    mp.spawn(run_cases, args=(world, free_port(), cases, str(tmpdir)), nprocs=world, join=True)
 
 
 def test_world_2_every_sharding_type():
@@ -29,3 +29,9 @@ def test_world_3_mixed_plans():
         ("column_wise", "fused_params"),
         ("row_wise", "fused_params"),
     ])
+
+
+def test_checkpoint_round_trip_world_3(tmp_path):
+    """torch.distributed.checkpoint save of the sharded state_dict, load into a differently
+    initialised sharded model: same weights and outputs (the directory is shared by the ranks)."""
+    _spawn(3, [("mixed", "checkpoint"), ("row_wise", "checkpoint"), ("table_row_wise", "checkpoint")], tmp_path)
