@@ -236,7 +236,15 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
     ours = EmbeddingBagCollectionSharder(fused_params=fused_params)
     theirs = TorchrecSharder(fused_params=fused_params)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    if case == "planner":
+    sharders = [ours, theirs]
+    if case == "default_dmp":
+        # No plan: DistributedModelParallel plans with torchrec's own planner; our sharder
+        # first, then torchrec's defaults.
+        from torchrec.distributed.sharding_plan import get_default_sharders
+
+        plan = None
+        sharders = [ours, *get_default_sharders()]
+    elif case == "planner":
         # The planner plugin places the tables (constraints pin a variety of sharding types).
         from torchrec.distributed.planner import ParameterConstraints
         from recom_rec.distributed.planner import build_plan
@@ -257,8 +265,9 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
                 model.tebc, {"tr": table_wise(rank=world - 1, compute_kernel="fused")}, sharder=theirs,
                 local_size=world, world_size=world, device_type="cpu"),
         })
-    dmp = DistributedModelParallel(model, env=env, plan=plan, sharders=[ours, theirs],
+    dmp = DistributedModelParallel(model, env=env, plan=plan, sharders=sharders,
                                    device=torch.device("cpu"))
+    assert type(dmp.module.ebc).__name__ == "ShardedFusedEmbeddingBagCollection", type(dmp.module.ebc)
     # torchrec's own sharded module (tebc) starts from its own init on the CPU: align it.
     with torch.no_grad():
         ref.tebc.embedding_bags["tr"].weight.copy_(

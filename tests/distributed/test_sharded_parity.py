@@ -19,6 +19,7 @@ def test_world_2_every_sharding_type():
         ("row_wise", "fused_params"),
         ("table_row_wise", "apply_optimizer_in_backward"),
         ("planner", "fused_params"),
+        ("default_dmp", "apply_optimizer_in_backward"),
     ])
 
 
