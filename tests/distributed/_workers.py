@@ -34,6 +34,12 @@ import recom_rec
 from recom_rec.distributed import EmbeddingBagCollectionSharder
 
 LR = 0.1
+EMB_OPT = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
+           "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "adam": EmbOptimType.ADAM}
+OPT_KWARGS = {"sgd": {}, "adagrad": {"eps": 1e-8}, "rowwise_adagrad": {"eps": 1e-8},
+              "adam": {"eps": 1e-8, "betas": (0.8, 0.95)}}
+FUSED_EXTRA = {"sgd": {}, "adagrad": {"eps": 1e-8}, "rowwise_adagrad": {"eps": 1e-8},
+               "adam": {"eps": 1e-8, "beta1": 0.8, "beta2": 0.95}}
 STEPS = int(os.environ.get("RECOM_DIST_STEPS", "3"))
 BATCH = 3  # per rank
 FEATURES = ["f0", "f1", "f2", "f3", "f4"]
@@ -225,16 +231,24 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
     ref = Model()
     for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
         assert torch.equal(a, b)
-    ref.ebc.enable_fused_optimizer("sgd", lr=LR)
+    # "fused_params:adam" etc.: another fused optimizer (then torchrec's module, whose fused
+    # kernels are fbgemm's, is left out of the loss and of the comparison).
+    optimizer_via, _, opt = optimizer_via.partition(":")
+    opt = opt or "sgd"
+    ref.ebc.enable_fused_optimizer(opt, lr=LR, **OPT_KWARGS[opt])
     ref_opt = torch.optim.SGD(ref.tebc.parameters(), lr=LR)
+    with_torchrec = opt == "sgd"
 
     fused_params = None
     if optimizer_via == "apply_optimizer_in_backward":
+        assert opt == "sgd"
         apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": LR})
     else:
-        fused_params = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+        fused_params = {"optimizer": EMB_OPT[opt], "learning_rate": LR, **FUSED_EXTRA[opt]}
     ours = EmbeddingBagCollectionSharder(fused_params=fused_params)
-    theirs = TorchrecSharder(fused_params=fused_params)
+    # fbgemm's CPU kernels lack some optimizers: torchrec's module keeps SGD when it is not compared
+    theirs = TorchrecSharder(fused_params=fused_params if with_torchrec else
+                             {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     sharders = [ours, theirs]
     if case == "default_dmp":
@@ -273,7 +287,14 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
         ref.tebc.embedding_bags["tr"].weight.copy_(
             gather_full(dmp.state_dict()["tebc.embedding_bags.tr.weight"], (11, 4)))
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    dense_opt = KeyedOptimizerWrapper(dense, lambda ps: torch.optim.SGD(ps, lr=LR)) if dense else None
+    # Data-parallel tables get dense gradients (as in torchrec): a dense optimizer of the same
+    # kind trains them (Adagrad with zero-gradient rows is a no-op there, so it matches the
+    # fused one; dense Adam does not, so Adam cases have no data-parallel tables).
+    dense_cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[opt] if opt in ("sgd", "adagrad") else None
+    dense_opt = KeyedOptimizerWrapper(dense, lambda ps: dense_cls(ps, lr=LR, **OPT_KWARGS[opt])) \
+        if dense and dense_cls else None
+    if dense and dense_cls is None:
+        assert all("tebc" in name for name in dense), f"{opt}: no dense equivalent for {sorted(dense)}"
 
     for step in range(STEPS):
         samples = batch(step, world)
@@ -288,8 +309,8 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
         torch.testing.assert_close(out_t["f4"], ref_t["f4"][rank * BATCH:(rank + 1) * BATCH])
         # torchrec divides model-parallel gradients by the world size (and DDP averages):
         # the sharded model trains on the mean of the ranks' losses.
-        loss_of([out_ebc, out_t]).backward()
-        (loss_of([ref_ebc, ref_t]) / world).backward()
+        loss_of([out_ebc, out_t] if with_torchrec else [out_ebc]).backward()
+        (loss_of([ref_ebc, ref_t] if with_torchrec else [ref_ebc]) / world).backward()
         if dense_opt is not None:
             dense_opt.step()
             dense_opt.zero_grad()
@@ -304,4 +325,5 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
         torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{case}: weights of {config.name} after {STEPS} steps: {m}")
     full = gather_full(state["tebc.embedding_bags.tr.weight"], (11, 4))
-    torch.testing.assert_close(full, ref.tebc.embedding_bags["tr"].weight.detach(), rtol=1e-5, atol=1e-6)
+    if with_torchrec:
+        torch.testing.assert_close(full, ref.tebc.embedding_bags["tr"].weight.detach(), rtol=1e-5, atol=1e-6)

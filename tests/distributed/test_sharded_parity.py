@@ -20,6 +20,8 @@ def test_world_2_every_sharding_type():
         ("table_row_wise", "apply_optimizer_in_backward"),
         ("planner", "fused_params"),
         ("default_dmp", "apply_optimizer_in_backward"),
+        ("column_wise", "fused_params:adam"),
+        ("row_wise", "fused_params:rowwise_adagrad"),
     ])
 
 
@@ -29,6 +31,7 @@ def test_world_3_mixed_plans():
         ("table_wise", "apply_optimizer_in_backward"),
         ("column_wise", "fused_params"),
         ("row_wise", "fused_params"),
+        ("mixed", "fused_params:adagrad"),
     ])
 
 
