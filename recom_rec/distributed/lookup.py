@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
 from torchrec.distributed.embedding_kernel import get_state_dict
 from torchrec.distributed.embedding_types import (
     BaseEmbeddingLookup,
@@ -222,13 +223,41 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
     def named_parameters_by_table(self) -> Iterator[Tuple[str, nn.Parameter]]:
         """(table name, the local shard's Parameter); the sharded module registers these as
         ``embedding_bags.<table>.weight``, so dense optimizers update the very tensors the
-        fused kernel reads."""
-        seen = set()
+        fused kernel reads. Several column shards of one table on this rank are yielded as one
+        ``TableBatchedEmbeddingSlice`` over their (adjacent) storage, as torchrec does."""
+        shards: "OrderedDict[str, List[int]]" = OrderedDict()
         for i, t in enumerate(self._tables):
-            if t.name in seen:  # column shards beyond the first on this rank
-                continue
-            seen.add(t.name)
-            yield t.name, self.local_weight(i)
+            shards.setdefault(t.name, []).append(i)
+        for name, members in shards.items():
+            if len(members) == 1:
+                yield name, self.local_weight(members[0])
+            else:
+                yield name, self._spanning_slice(name, members)
+
+    def _spanning_slice(self, name: str, members: List[int]) -> TableBatchedEmbeddingSlice:
+        buckets = {self._table_slot[i][0] for i in members}
+        module = self._local_modules[self._table_slot[members[0]][0]]
+        located = []
+        for i in members:
+            local = self._table_slot[i][1]
+            for group in module._groups:
+                for slot in group.slots:
+                    if slot.name == local:
+                        located.append((group, slot))
+        groups = {id(g) for g, _ in located}
+        contiguous = all(b.elem_base == a.elem_base + a.numel for (_, a), (_, b) in zip(located, located[1:]))
+        if len(buckets) != 1 or len(groups) != 1 or not contiguous:
+            raise ValueError(f"recom_rec: the column shards of table {name!r} on this rank are not adjacent in "
+                             "one buffer; give them the same compute kernel and optimizer")
+        if self._tables[members[0]].compute_kernel == EmbeddingComputeKernel.DENSE:
+            raise ValueError(f"recom_rec: table {name!r} has several column shards on one rank with the dense "
+                             "kernel (dense optimizers would not see their gradients); use the fused kernel "
+                             "or one shard per rank")
+        first, last = located[0][1], located[-1][1]
+        return TableBatchedEmbeddingSlice(
+            data=module._flat(located[0][0]), start_offset=first.elem_base, end_offset=last.elem_base + last.numel,
+            num_embeddings=-1, embedding_dim=first.embedding_dim,
+        )
 
     def copy_from_unsharded(self, weights: Dict[str, torch.Tensor]) -> None:
         """Fills the local shards from the full tables (``weights[name]`` is ``[rows, dim]``)."""

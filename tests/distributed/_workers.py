@@ -114,6 +114,10 @@ PLANS = {
     "column_wise": lambda w: {"t0": column_wise(ranks=[0, 1], compute_kernel="fused"),
                               "t1": column_wise(ranks=list(range(w)), compute_kernel="fused"),
                               "t2": column_wise(ranks=[w - 1, 0], compute_kernel="fused")},
+    # two column shards of t2 on rank 0 (the planner makes such plans for wide tables)
+    "column_wise_multi": lambda w: {"t0": table_wise(rank=1, compute_kernel="fused"),
+                                    "t1": column_wise(ranks=[1, 0], compute_kernel="fused"),
+                                    "t2": column_wise(ranks=[0, 1, 0], compute_kernel="fused")},
     "data_parallel": lambda w: {"t0": data_parallel(), "t1": data_parallel(), "t2": data_parallel()},
     "mixed": lambda w: {"t0": table_wise(rank=w - 1, compute_kernel="fused"),
                         "t1": column_wise(ranks=[1, 0], compute_kernel="fused"),
@@ -219,6 +223,13 @@ def check_checkpoint(rank: int, world: int, case: str, path: str) -> None:
         b, _ = (_wait(o) for o in other(mine))
     for key in a.keys():
         torch.testing.assert_close(a[key], b[key])
+    # an unsharded checkpoint (full tensors, e.g. from the single-process model) loads too
+    other.load_state_dict(ref.state_dict())
+    for config in ours_tables():
+        key, shape = f"ebc.embedding_bags.{config.name}.weight", (config.num_embeddings, config.embedding_dim)
+        torch.testing.assert_close(gather_full(other.state_dict()[key], shape),
+                                   ref.ebc.embedding_bags[config.name].weight.detach(),
+                                   msg=lambda m: f"{case}: {key} from an unsharded checkpoint: {m}")
     if rank == 0:
         print(f"checkpoint {case}: {kinds}", flush=True)
 

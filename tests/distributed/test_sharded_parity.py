@@ -22,6 +22,7 @@ def test_world_2_every_sharding_type():
         ("default_dmp", "apply_optimizer_in_backward"),
         ("column_wise", "fused_params:adam"),
         ("row_wise", "fused_params:rowwise_adagrad"),
+        ("column_wise_multi", "fused_params"),
     ])
 
 
@@ -38,4 +39,5 @@ def test_world_3_mixed_plans():
 def test_checkpoint_round_trip_world_3(tmp_path):
     """torch.distributed.checkpoint save of the sharded state_dict, load into a differently
     initialised sharded model: same weights and outputs (the directory is shared by the ranks)."""
-    _spawn(3, [("mixed", "checkpoint"), ("row_wise", "checkpoint"), ("table_row_wise", "checkpoint")], tmp_path)
+    _spawn(3, [("mixed", "checkpoint"), ("row_wise", "checkpoint"), ("table_row_wise", "checkpoint"),
+                ("column_wise_multi", "checkpoint")], tmp_path)
