@@ -17,6 +17,7 @@ from torchrec.distributed.embeddingbag import (
 )
 from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
 
 from ..modules.embedding_modules import EmbeddingBagCollection
@@ -43,6 +44,15 @@ class ShardedFusedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         module_fqn: Optional[str] = None,
         backend: Optional[str] = None,
     ) -> None:
+        if module.is_weighted():
+            row_wise = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+            bad = [c.name for c in module.embedding_bag_configs()
+                   if c.pooling == PoolingType.MEAN and table_name_to_parameter_sharding[c.name].sharding_type in row_wise]
+            if bad:
+                raise ValueError(
+                    f"recom_rec: weighted MEAN tables {bad} cannot be sharded row-wise: torchrec's row-wise "
+                    "mean pooling divides weighted bags by their sum of weights, our kernel (fbgemm's "
+                    "rule) by their length; shard them table-wise or column-wise")
         # Read by _create_lookups, which the parent's __init__ calls.
         object.__setattr__(self, "_recom_backend", backend or getattr(module, "backend", "auto"))
         super().__init__(

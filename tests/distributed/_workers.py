@@ -70,9 +70,9 @@ ROWS = {"f0": 20, "f1": 17, "f2": 17, "f3": 13, "f4": 11}
 class Model(nn.Module):
     """Our module next to torchrec's, as in a real model."""
 
-    def __init__(self) -> None:
+    def __init__(self, weighted: bool = False) -> None:
         super().__init__()
-        self.ebc = recom_rec.EmbeddingBagCollection(ours_tables())
+        self.ebc = recom_rec.EmbeddingBagCollection(ours_tables(), is_weighted=weighted)
         self.tebc = TorchrecEBC(torchrec_tables(), device=torch.device("cpu"))
 
     def forward(self, kjt: KeyedJaggedTensor):
@@ -86,15 +86,16 @@ def batch(step: int, world: int) -> List[Dict[str, List[int]]]:
             for _ in range(world * BATCH)]
 
 
-def to_kjt(samples: List[Dict[str, List[int]]]) -> KeyedJaggedTensor:
+def to_kjt(samples: List[Dict[str, List[int]]], weighted: bool = False) -> KeyedJaggedTensor:
     values, lengths = [], []
     for f in FEATURES:
         for s in samples:
             values.extend(s[f])
             lengths.append(len(s[f]))
+    ids = torch.tensor(values, dtype=torch.int64)
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=FEATURES, values=torch.tensor(values, dtype=torch.int64),
-        lengths=torch.tensor(lengths, dtype=torch.int64))
+        keys=FEATURES, values=ids, lengths=torch.tensor(lengths, dtype=torch.int64),
+        weights=(0.5 + 0.25 * (ids % 3)).float() if weighted else None)
 
 
 def loss_of(kts) -> torch.Tensor:
@@ -235,11 +236,14 @@ def check_checkpoint(rank: int, world: int, case: str, path: str) -> None:
 
 
 def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
-    """Sharded forward (per key) and weights after STEPS fused-SGD steps == unsharded."""
+    """Sharded forward (per key) and weights after STEPS fused-SGD steps == unsharded.
+    ``weighted_<plan>``: the module is weighted and the batches carry per-id weights."""
+    weighted = case.startswith("weighted_")
+    case = case[len("weighted_"):] if weighted else case
     torch.manual_seed(0)
-    model = Model()
+    model = Model(weighted)
     torch.manual_seed(0)
-    ref = Model()
+    ref = Model(weighted)
     for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
         assert torch.equal(a, b)
     # "fused_params:adam" etc.: another fused optimizer (then torchrec's module, whose fused
@@ -248,7 +252,8 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
     opt = opt or "sgd"
     ref.ebc.enable_fused_optimizer(opt, lr=LR, **OPT_KWARGS[opt])
     ref_opt = torch.optim.SGD(ref.tebc.parameters(), lr=LR)
-    with_torchrec = opt == "sgd"
+    # torchrec's sharded module (unweighted) pools a weighted KJT with its weights: not compared then
+    with_torchrec = opt == "sgd" and not weighted
 
     fused_params = None
     if optimizer_via == "apply_optimizer_in_backward":
@@ -310,14 +315,15 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
     for step in range(STEPS):
         samples = batch(step, world)
         mine = samples[rank * BATCH:(rank + 1) * BATCH]
-        out_ebc, out_t = (_wait(o) for o in dmp(to_kjt(mine)))
-        ref_ebc, ref_t = ref(to_kjt(samples))
+        out_ebc, out_t = (_wait(o) for o in dmp(to_kjt(mine, weighted)))
+        ref_ebc, ref_t = ref(to_kjt(samples, weighted))
         for key in ref_ebc.keys():
             got = out_ebc[key]
             want = ref_ebc[key][rank * BATCH:(rank + 1) * BATCH]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{case} step {step} key {key}: {m}")
-        torch.testing.assert_close(out_t["f4"], ref_t["f4"][rank * BATCH:(rank + 1) * BATCH])
+        if with_torchrec:
+            torch.testing.assert_close(out_t["f4"], ref_t["f4"][rank * BATCH:(rank + 1) * BATCH])
         # torchrec divides model-parallel gradients by the world size (and DDP averages):
         # the sharded model trains on the mean of the ranks' losses.
         loss_of([out_ebc, out_t] if with_torchrec else [out_ebc]).backward()

@@ -33,6 +33,7 @@ def test_world_3_mixed_plans():
         ("column_wise", "fused_params"),
         ("row_wise", "fused_params"),
         ("mixed", "fused_params:adagrad"),
+        ("weighted_mixed", "fused_params"),
     ])
 
 
