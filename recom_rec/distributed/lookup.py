@@ -147,7 +147,8 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
                     num_embeddings=t.local_rows, embedding_dim=t.local_cols, name=name,
                     feature_names=table_features[i], data_type=t.data_type,
                     pooling=PoolingType.SUM if sum_pooling else t.pooling,
-                    weight_init_min=t.weight_init_min, weight_init_max=t.weight_init_max,
+                    # the global table's init range (as torchrec's TBEs), not the shard's
+                    weight_init_min=t.get_weight_init_min(), weight_init_max=t.get_weight_init_max(),
                 ))
                 for j in range(len(t.feature_names)):
                     col_sources.extend(range(out_start[i] + j * t.local_cols,

@@ -70,10 +70,10 @@ ROWS = {"f0": 20, "f1": 17, "f2": 17, "f3": 13, "f4": 11}
 class Model(nn.Module):
     """Our module next to torchrec's, as in a real model."""
 
-    def __init__(self, weighted: bool = False) -> None:
+    def __init__(self, weighted: bool = False, device: str = "cpu") -> None:
         super().__init__()
-        self.ebc = recom_rec.EmbeddingBagCollection(ours_tables(), is_weighted=weighted)
-        self.tebc = TorchrecEBC(torchrec_tables(), device=torch.device("cpu"))
+        self.ebc = recom_rec.EmbeddingBagCollection(ours_tables(), is_weighted=weighted, device=device)
+        self.tebc = TorchrecEBC(torchrec_tables(), device=torch.device(device))
 
     def forward(self, kjt: KeyedJaggedTensor):
         return self.ebc(kjt), self.tebc(kjt)
@@ -240,12 +240,18 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
     ``weighted_<plan>``: the module is weighted and the batches carry per-id weights."""
     weighted = case.startswith("weighted_")
     case = case[len("weighted_"):] if weighted else case
+    # ``meta_<plan>``: the model is built on the meta device (no memory), sharded, then loaded
+    # from an unsharded checkpoint
+    meta = case.startswith("meta_")
+    case = case[len("meta_"):] if meta else case
     torch.manual_seed(0)
-    model = Model(weighted)
+    model = Model(weighted, device="meta" if meta else "cpu")
     torch.manual_seed(0)
     ref = Model(weighted)
-    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
-        assert torch.equal(a, b)
+    ref_checkpoint = {k: v.clone() for k, v in ref.state_dict().items()}
+    if not meta:
+        for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+            assert torch.equal(a, b)
     # "fused_params:adam" etc.: another fused optimizer (then torchrec's module, whose fused
     # kernels are fbgemm's, is left out of the loss and of the comparison).
     optimizer_via, _, opt = optimizer_via.partition(":")
@@ -298,6 +304,8 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
     dmp = DistributedModelParallel(model, env=env, plan=plan, sharders=sharders,
                                    device=torch.device("cpu"))
     assert type(dmp.module.ebc).__name__ == "ShardedFusedEmbeddingBagCollection", type(dmp.module.ebc)
+    if meta:
+        dmp.load_state_dict(ref_checkpoint)
     # torchrec's own sharded module (tebc) starts from its own init on the CPU: align it.
     with torch.no_grad():
         ref.tebc.embedding_bags["tr"].weight.copy_(

@@ -23,6 +23,7 @@ def test_world_2_every_sharding_type():
         ("column_wise", "fused_params:adam"),
         ("row_wise", "fused_params:rowwise_adagrad"),
         ("column_wise_multi", "fused_params"),
+        ("meta_mixed", "fused_params"),
     ])
 
 
