@@ -320,7 +320,18 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
     if dense and dense_cls is None:
         assert all("tebc" in name for name in dense), f"{opt}: no dense equivalent for {sorted(dense)}"
 
+    fused_keys = set(dmp.fused_optimizer.params)
+    for config in ours_tables():
+        sharding = dmp.plan.plan["ebc"][config.name]
+        if sharding.sharding_type != "data_parallel" and rank in (sharding.ranks or []):
+            assert f"ebc.embedding_bags.{config.name}.weight" in fused_keys, (config.name, sorted(fused_keys))
     for step in range(STEPS):
+        if step == STEPS - 1:
+            # an lr schedule: torchrec's param_groups of the combined fused optimizer reach our kernel
+            for optimizer in [dmp.fused_optimizer, ref.ebc.fused_optimizer, ref_opt] + ([dense_opt] if dense_opt else []):
+                for group in optimizer.param_groups:
+                    group["lr"] = LR / 2
+            dmp.fused_optimizer.step()  # torchrec's fused TBEs pick the new lr up on step()
         samples = batch(step, world)
         mine = samples[rank * BATCH:(rank + 1) * BATCH]
         out_ebc, out_t = (_wait(o) for o in dmp(to_kjt(mine, weighted)))
