@@ -34,6 +34,7 @@ def test_world_3_mixed_plans():
         ("column_wise", "fused_params"),
         ("row_wise", "fused_params"),
         ("mixed", "fused_params:adagrad"),
+        ("two_kernels", "fused_params"),
         ("weighted_mixed", "fused_params"),
     ])
 
