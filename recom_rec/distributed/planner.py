@@ -95,7 +95,7 @@ class FusedEmbeddingStorageEstimator(ShardEstimator):
                     rows = option.tensor.shape[0]
                 else:
                     numel = rows * cols
-                torchrec_tensor = math.ceil(total * element * numel / total) if total else 0
+                torchrec_tensor = numel * element
                 torchrec_part = torchrec_tensor + math.ceil(torchrec_tensor * torchrec_multiplier)
                 per_row, per_elem = _STATE_FLOATS.get(ours, (0, 0)) if ours else (0, 0)
                 our_part = numel * element + 4 * (per_row * rows + per_elem * numel)
@@ -119,6 +119,7 @@ class FusedEmbeddingPerfEstimator(ShardEstimator):
         dense = [o for o in sharding_options if _is_ours(o)
                  and o.compute_kernel == EmbeddingComputeKernel.DENSE.value
                  and o.sharding_type != ShardingType.DATA_PARALLEL.value]
+        dense_ids = {id(o) for o in dense}
         for option in dense:  # cost our dense kernel's lookup as the fused one, then add the dense gradient
             option.compute_kernel = EmbeddingComputeKernel.FUSED.value
         try:
@@ -138,7 +139,7 @@ class FusedEmbeddingPerfEstimator(ShardEstimator):
                 if shard.perf is None:
                     continue
                 rows, cols = shard.size
-                if option in dense or option.sharding_type == ShardingType.DATA_PARALLEL.value:
+                if id(option) in dense_ids or option.sharding_type == ShardingType.DATA_PARALLEL.value:
                     # dense [rows, cols] gradient written, then read and applied by the optimizer
                     shard.perf.bwd_compute += 3 * rows * cols * element / bw
                 elif ours:
