@@ -1,0 +1,295 @@
+"""The per-rank lookup of a sharded ``recom_rec.EmbeddingBagCollection``.
+
+torchrec's ``ShardedEmbeddingBagCollection`` runs, per sharding type, an input distribution
+(KJT all-to-all), a *lookup* over the rank's local shards, and an output distribution (pooled
+all-to-all / reduce-scatter). ``FusedPooledEmbeddingsLookup`` replaces torchrec's
+``GroupedPooledEmbeddingsLookup``: it builds one local ``recom_rec.EmbeddingBagCollection`` whose
+"tables" are the rank's shards (table-wise: whole tables; column-wise: column slices; row-wise:
+row blocks, whose ids torchrec's bucketization already made local), so every local shard of a
+rank is pooled by one fused launch (one per weight dtype), with the optimizer fused into the
+backward when the plan's compute kernel is ``FUSED``.
+"""
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
+from torchrec.distributed.embedding_kernel import get_state_dict
+from torchrec.distributed.embedding_types import (
+    BaseEmbeddingLookup,
+    EmbeddingComputeKernel,
+    GroupedEmbeddingConfig,
+    ShardedEmbeddingTable,
+)
+from torchrec.distributed.types import ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ..modules.embedding_modules import EmbeddingBagCollection
+from ..optim.keyed import FusedEmbeddingOptimizer
+
+# fbgemm's EmbOptimType names -> our fused optimizers (recom_rec.optim.spec).
+_EMB_OPT_TO_OURS = {
+    "EXACT_SGD": "sgd",
+    "SGD": "sgd",
+    "EXACT_ADAGRAD": "adagrad",
+    "EXACT_ROWWISE_ADAGRAD": "rowwise_adagrad",
+    "ROWWISE_ADAGRAD": "rowwise_adagrad",
+    "ADAM": "adam",
+}
+
+
+def optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """torchrec ``fused_params`` (``{"optimizer": EmbOptimType.X, "learning_rate": ...}`` from a
+    sharder, or ``{"optimizer": ..., "lr": ...}`` from ``apply_optimizer_in_backward``) -> the name
+    and keyword arguments of ``EmbeddingBagCollection.enable_fused_optimizer``; None without an
+    optimizer."""
+    if not fused_params or fused_params.get("optimizer") is None:
+        return None
+    opt = fused_params["optimizer"]
+    key = getattr(opt, "name", str(opt)).upper().split(".")[-1]
+    if key not in _EMB_OPT_TO_OURS:
+        raise ValueError(
+            f"recom_rec's sharded EmbeddingBagCollection cannot fuse optimizer {opt}; supported: "
+            f"{', '.join(sorted(_EMB_OPT_TO_OURS))} (EmbOptimType names)"
+        )
+    name = _EMB_OPT_TO_OURS[key]
+    kw: Dict[str, Any] = {}
+    lr = fused_params.get("learning_rate", fused_params.get("lr"))
+    if lr is not None:
+        kw["lr"] = float(lr)
+    if name != "sgd" and fused_params.get("eps") is not None:
+        kw["eps"] = float(fused_params["eps"])
+    if fused_params.get("weight_decay"):
+        kw["weight_decay"] = float(fused_params["weight_decay"])
+    if name == "adam":
+        if "betas" in fused_params:
+            kw["betas"] = tuple(float(b) for b in fused_params["betas"])
+        elif "beta1" in fused_params or "beta2" in fused_params:
+            kw["betas"] = (float(fused_params.get("beta1", 0.9)), float(fused_params.get("beta2", 0.999)))
+    if name in ("adagrad", "rowwise_adagrad") and fused_params.get("initial_accumulator_value"):
+        kw["initial_accumulator_value"] = float(fused_params["initial_accumulator_value"])
+    return name, kw
+
+
+def _fused_key(fp: Optional[Dict[str, Any]]) -> str:
+    o = optimizer_from_fused_params(fp)
+    return "" if o is None else f"{o[0]}:{sorted(o[1].items())}"
+
+
+class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.Tensor]):
+    """A drop-in for torchrec's ``GroupedPooledEmbeddingsLookup`` backed by
+    ``recom_rec.EmbeddingBagCollection``.
+
+    Input: the rank's KJT after the input distribution, keys = the grouped configs' features in
+    order. Output: ``[batch, sum of local shard dims]`` in torchrec's column order.
+    """
+
+    def __init__(
+        self,
+        grouped_configs: List[GroupedEmbeddingConfig],
+        device: Optional[torch.device],
+        pg: Optional[dist.ProcessGroup],
+        sharding_type: Optional[str] = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.grouped_configs = grouped_configs
+        self._pg = pg
+        self._sharding_type = sharding_type
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self._device = device
+        self._tables: List[ShardedEmbeddingTable] = [t for g in grouped_configs for t in g.embedding_tables]
+        kernels = [g.compute_kernel for g in grouped_configs for _ in g.embedding_tables]
+        fused = [g.fused_params for g in grouped_configs for _ in g.embedding_tables]
+        weighted = {g.is_weighted for g in grouped_configs}
+        if len(weighted) > 1:
+            raise ValueError("mixed weighted and unweighted tables in one lookup")
+        self._is_weighted = bool(weighted and weighted.pop())
+        sum_pooling = sharding_type in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+
+        # Positional, unique feature names: several column shards of one table on a rank read
+        # the same feature twice, which torchrec's KJT carries as two keys of the same name.
+        self._local_keys: List[str] = []
+        table_features: List[List[str]] = []
+        for t in self._tables:
+            names = []
+            for _ in t.feature_names:
+                names.append(f"f{len(self._local_keys)}")
+                self._local_keys.append(names[-1])
+            table_features.append(names)
+
+        # Tables sharing (compute kernel, optimizer) go into one local module (one launch per
+        # weight dtype); a lookup normally has exactly one.
+        buckets: "OrderedDict[Tuple[str, str], List[int]]" = OrderedDict()
+        for i, t in enumerate(self._tables):
+            fused_key = _fused_key(fused[i]) if kernels[i] == EmbeddingComputeKernel.FUSED else ""
+            buckets.setdefault((str(kernels[i]), fused_key), []).append(i)
+        self._local_modules = nn.ModuleList()
+        self._table_slot: List[Tuple[int, str]] = [(-1, "")] * len(self._tables)
+        col_sources: List[int] = []
+        out_start, col = [], 0
+        for t in self._tables:
+            out_start.append(col)
+            col += t.local_cols * len(t.feature_names)
+        self._fused_optimizers = nn.ModuleList()
+        for b, ((kernel, _), members) in enumerate(buckets.items()):
+            configs = []
+            for i in members:
+                t = self._tables[i]
+                name = f"t{i}"
+                self._table_slot[i] = (b, name)
+                configs.append(EmbeddingBagConfig(
+                    num_embeddings=t.local_rows, embedding_dim=t.local_cols, name=name,
+                    feature_names=table_features[i], data_type=t.data_type,
+                    pooling=PoolingType.SUM if sum_pooling else t.pooling,
+                    # the global table's init range (as torchrec's TBEs), not the shard's
+                    weight_init_min=t.get_weight_init_min(), weight_init_max=t.get_weight_init_max(),
+                ))
+                for j in range(len(t.feature_names)):
+                    col_sources.extend(range(out_start[i] + j * t.local_cols,
+                                             out_start[i] + (j + 1) * t.local_cols))
+            module = EmbeddingBagCollection(configs, is_weighted=self._is_weighted, device=device,
+                                            backend=backend, validate_inputs=False)
+            opt = optimizer_from_fused_params(fused[members[0]]) if kernel == str(EmbeddingComputeKernel.FUSED) else None
+            if opt is not None:
+                inner = module.enable_fused_optimizer(opt[0], **opt[1])
+                # Keyed as torchrec's fused TBEs key theirs ("<table>.weight"; the sharded
+                # module prefixes "embedding_bags.").
+                params, state = {}, {}
+                for i in members:
+                    p = module.embedding_bags[f"t{i}"].weight
+                    key = f"{self._tables[i].name}.weight"
+                    if key in params:  # a second column shard of the same table on this rank
+                        key = f"{key}.shard{i}"
+                    params[key] = p
+                    state[p] = inner.state[p]
+                self._fused_optimizers.append(_FusedOptimizerHolder(
+                    FusedEmbeddingOptimizer(inner.spec, params, state, module._fused_hyper)))
+            if kernel == str(EmbeddingComputeKernel.FUSED):
+                for i in members:
+                    p = module.embedding_bags[f"t{i}"].weight
+                    # torchrec's convention: tables updated in the backward are left out of
+                    # dense optimizers (in_backward_optimizer_filter).
+                    p._in_backward_optimizers = [EmptyFusedOptimizer()]
+            self._local_modules.append(module)
+        total = len(col_sources)
+        perm = None
+        if len(buckets) > 1:
+            perm = torch.empty(total, dtype=torch.int64)
+            perm[torch.tensor(col_sources, dtype=torch.int64)] = torch.arange(total)
+            perm = perm.to(device)
+        self.register_buffer("_output_columns", perm, persistent=False)
+        self.register_buffer("_dummy_embs_tensor", torch.empty([0], dtype=torch.float32, device=device,
+                                                                 requires_grad=True), persistent=False)
+
+    # ------------------------------------------------------------------ torchrec lookup API
+    def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        if len(self._local_modules) == 0:
+            return self._dummy_embs_tensor.view(sparse_features.stride(), 0)
+        keys = sparse_features.keys()
+        if len(keys) != len(self._local_keys):
+            raise ValueError(f"lookup expected {len(self._local_keys)} features, got keys {keys}")
+        kjt = KeyedJaggedTensor(
+            keys=self._local_keys,
+            values=sparse_features.values(),
+            weights=sparse_features.weights_or_none() if self._is_weighted else None,
+            lengths=sparse_features.lengths_or_none(),
+            offsets=sparse_features.offsets_or_none(),
+            stride=sparse_features.stride(),
+        )
+        outs = [m(kjt).values() for m in self._local_modules]
+        if len(outs) == 1:
+            return outs[0]
+        return torch.cat(outs, dim=1).index_select(1, self._output_columns)
+
+    def local_weight(self, i: int) -> nn.Parameter:
+        b, name = self._table_slot[i]
+        return self._local_modules[b].embedding_bags[name].weight
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
+        """torchrec's lookup convention: ``<table>.weight`` -> a ShardedTensor of this rank's
+        shards (a plain tensor for data-parallel tables)."""
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()  # type: ignore[attr-defined]
+        params = [self.local_weight(i) if keep_vars else self.local_weight(i).detach()
+                  for i in range(len(self._tables))]
+        return get_state_dict(self._tables, params, self._pg, destination, prefix)
+
+    def named_parameters_by_table(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """(table name, the local shard's Parameter); the sharded module registers these as
+        ``embedding_bags.<table>.weight``, so dense optimizers update the very tensors the
+        fused kernel reads. Several column shards of one table on this rank are yielded as one
+        ``TableBatchedEmbeddingSlice`` over their (adjacent) storage, as torchrec does."""
+        shards: "OrderedDict[str, List[int]]" = OrderedDict()
+        for i, t in enumerate(self._tables):
+            shards.setdefault(t.name, []).append(i)
+        for name, members in shards.items():
+            if len(members) == 1:
+                yield name, self.local_weight(members[0])
+            else:
+                yield name, self._spanning_slice(name, members)
+
+    def _spanning_slice(self, name: str, members: List[int]) -> TableBatchedEmbeddingSlice:
+        buckets = {self._table_slot[i][0] for i in members}
+        module = self._local_modules[self._table_slot[members[0]][0]]
+        located = []
+        for i in members:
+            local = self._table_slot[i][1]
+            for group in module._groups:
+                for slot in group.slots:
+                    if slot.name == local:
+                        located.append((group, slot))
+        groups = {id(g) for g, _ in located}
+        contiguous = all(b.elem_base == a.elem_base + a.numel for (_, a), (_, b) in zip(located, located[1:]))
+        if len(buckets) != 1 or len(groups) != 1 or not contiguous:
+            raise ValueError(f"recom_rec: the column shards of table {name!r} on this rank are not adjacent in "
+                             "one buffer; give them the same compute kernel and optimizer")
+        if self._tables[members[0]].compute_kernel == EmbeddingComputeKernel.DENSE:
+            raise ValueError(f"recom_rec: table {name!r} has several column shards on one rank with the dense "
+                             "kernel (dense optimizers would not see their gradients); use the fused kernel "
+                             "or one shard per rank")
+        first, last = located[0][1], located[-1][1]
+        return TableBatchedEmbeddingSlice(
+            data=module._flat(located[0][0]), start_offset=first.elem_base, end_offset=last.elem_base + last.numel,
+            num_embeddings=-1, embedding_dim=first.embedding_dim,
+        )
+
+    def copy_from_unsharded(self, weights: Dict[str, torch.Tensor]) -> None:
+        """Fills the local shards from the full tables (``weights[name]`` is ``[rows, dim]``)."""
+        with torch.no_grad():
+            for i, t in enumerate(self._tables):
+                full = weights[t.name]
+                if t.local_metadata is not None:
+                    r0, c0 = t.local_metadata.shard_offsets[:2]
+                else:
+                    r0, c0 = 0, 0
+                self.local_weight(i).copy_(full[r0:r0 + t.local_rows, c0:c0 + t.local_cols])
+
+    def flush(self) -> None:
+        pass
+
+    def purge(self) -> None:
+        pass
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        return CombinedOptimizer([("", h.fused_optimizer) for h in self._fused_optimizers])
+
+
+class _FusedOptimizerHolder(nn.Module, FusedOptimizerModule):
+    """Carries one local module's fused optimizer where torchrec's sharded module looks for
+    fused optimizers (``FusedOptimizerModule`` submodules of each lookup)."""
+
+    def __init__(self, optimizer: KeyedOptimizer) -> None:
+        super().__init__()
+        self._optimizer = optimizer
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        return self._optimizer

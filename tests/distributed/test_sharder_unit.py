@@ -1,0 +1,53 @@
+"""Single-process checks of the sharder's contract (no process group needed)."""
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec import EmbeddingBagConfig, PoolingType
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+
+import recom_rec
+from recom_rec.distributed import (
+    EmbeddingBagCollectionSharder,
+    ShardedFusedEmbeddingBagCollection,
+    optimizer_from_fused_params,
+)
+
+
+def test_sharder_contract():
+    sharder = EmbeddingBagCollectionSharder()
+    assert sharder.module_type is recom_rec.EmbeddingBagCollection
+    assert sharder.sharded_module_type is ShardedFusedEmbeddingBagCollection
+    assert {"data_parallel", "table_wise", "column_wise", "row_wise", "table_row_wise"} <= set(
+        sharder.sharding_types("cpu"))
+    assert sharder.compute_kernels("data_parallel", "cpu") == ["dense"]
+    assert sharder.compute_kernels("row_wise", "cpu") == ["fused", "dense"]
+
+
+@pytest.mark.parametrize("fused, expected", [
+    ({"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.5}, ("sgd", {"lr": 0.5})),
+    ({"optimizer": EmbOptimType.EXACT_SGD, "lr": 0.25}, ("sgd", {"lr": 0.25})),  # apply_optimizer_in_backward
+    ({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-6},
+     ("rowwise_adagrad", {"lr": 0.1, "eps": 1e-6})),
+    ({"optimizer": EmbOptimType.ADAM, "learning_rate": 0.1, "beta1": 0.8, "beta2": 0.9, "weight_decay": 0.01},
+     ("adam", {"lr": 0.1, "weight_decay": 0.01, "betas": (0.8, 0.9)})),
+    ({"output_dtype": "fp32"}, None),
+    (None, None),
+])
+def test_fused_params_map_to_our_optimizers(fused, expected):
+    assert optimizer_from_fused_params(fused) == expected
+
+
+def test_unsupported_fused_optimizer_is_named():
+    with pytest.raises(ValueError, match="(?i)lamb"):
+        optimizer_from_fused_params({"optimizer": EmbOptimType.LAMB, "learning_rate": 0.1})
+
+
+def test_weighted_mean_tables_are_not_sharded_row_wise():
+    ebc = recom_rec.EmbeddingBagCollection([
+        EmbeddingBagConfig(name="m", num_embeddings=10, embedding_dim=4, feature_names=["f"],
+                           pooling=PoolingType.MEAN)], is_weighted=True)
+    sharder = EmbeddingBagCollectionSharder()
+    plan = construct_module_sharding_plan(ebc, {"m": row_wise()}, sharder=sharder, local_size=2, world_size=2,
+                                          device_type="cpu")
+    with pytest.raises(ValueError, match="weighted MEAN"):
+        sharder.shard(ebc, plan, env=None, device=torch.device("cpu"))
