@@ -65,7 +65,7 @@ def reference_model(small_weight, optimizer="sgd", dtype=DataType.FP32, device=N
 
 def step(model, kjt):
     out = model(kjt).values()
-    target = torch.linspace(-1, 1, out.numel()).view_as(out)
+    target = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
     loss = ((out - target) ** 2).sum()
     loss.backward()
     return out.detach().clone()
