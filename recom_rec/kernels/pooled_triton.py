@@ -135,13 +135,23 @@ def _apply_rows(
 
 
 @triton.jit
+def _row_meta(meta_ptr, feature, lane, META_W: tl.constexpr):
+    """Dim, element base and row base of each lane's table (loaded once per kernel: loading
+    them again inside _apply_rows trips Triton 3.6's layout pass)."""
+    dim = tl.load(meta_ptr + feature * META_W + 0, mask=lane, other=1)
+    base = tl.load(meta_ptr + feature * META_W + 1, mask=lane, other=0)
+    row_base = tl.load(meta_ptr + feature * META_W + 5, mask=lane, other=0)
+    return dim, base, row_base
+
+
+@triton.jit
 def _piece_kernel(
     src_ptr, scale_ptr, grad_out_ptr, meta_ptr,
     piece_start_ptr, piece_len_ptr, piece_key_ptr, piece_feature_ptr, piece_slot_ptr, num_pieces_ptr,
     partial_ptr, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
     META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, OPT: tl.constexpr,
 ):
-    """One lane per piece (at most CAP lookups of one row). A piece that is a whole row finishes
+    """One lane per piece (at most PIECE lookups of one row). A piece that is a whole row finishes
     the row here; a piece of a longer row leaves its sum in its partial slot. The grid is sized
     for the most pieces possible; the actual count is read on the device (no host sync)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -151,9 +161,7 @@ def _piece_kernel(
     key = tl.load(piece_key_ptr + r, mask=lane, other=0)
     feature = tl.load(piece_feature_ptr + r, mask=lane, other=0)
     slot = tl.load(piece_slot_ptr + r, mask=lane, other=-1)
-    dim = tl.load(meta_ptr + feature * META_W + 0, mask=lane, other=1)
-    base = tl.load(meta_ptr + feature * META_W + 1, mask=lane, other=0)
-    row_base = tl.load(meta_ptr + feature * META_W + 5, mask=lane, other=0)
+    dim, base, row_base = _row_meta(meta_ptr, feature, lane, META_W)
     g = _sum_pieces(src_ptr, scale_ptr, grad_out_ptr, start, length, dim, lane, BLOCK_R, BLOCK_D)
     d = tl.arange(0, BLOCK_D)
     is_part = lane & (slot >= 0)
@@ -184,9 +192,7 @@ def _split_row_kernel(
         live = lane & (i < count)
         g += tl.load(partial_ptr + (first + i)[:, None] * BLOCK_D + d[None, :], mask=live[:, None], other=0.0)
         i += 1
-    dim = tl.load(meta_ptr + feature * META_W + 0, mask=lane, other=1)
-    base = tl.load(meta_ptr + feature * META_W + 1, mask=lane, other=0)
-    row_base = tl.load(meta_ptr + feature * META_W + 5, mask=lane, other=0)
+    dim, base, row_base = _row_meta(meta_ptr, feature, lane, META_W)
     _apply_rows(g, key, dim, base, row_base, lane, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
                 BLOCK_D, OPT)
 
