@@ -15,6 +15,13 @@ and from the restored model gives the same loss again.
     python examples/dlrm_criteo.py                                # synthetic, ~1 min on a 2-core CPU
     python examples/dlrm_criteo.py --data ../shared/data/criteo_sample.csv --batch-size 32
     python examples/dlrm_criteo.py --data day_0.gz --max-rows 1000000 --device cuda --steps 5000
+    python examples/dlrm_criteo.py --ps memory://criteo       # large tables in the parameter-server tier
+    python examples/dlrm_criteo.py --ps redis://127.0.0.1:6379/0?prefix=dlrm --max-rows 10000000
+
+With --ps URL, tables of at least --ps-min-rows rows live in the store at URL with --ps-cache-rows
+of their rows cached in the module; the checkpoint flushes them to the store, and the restored
+model reads them back from the same store (so the URL must name a shared store: memory://NAME,
+not a private memory://).
 """
 import argparse
 import copy
@@ -30,15 +37,16 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from tqdm import tqdm
 
 import recom_rec
+import recom_rec.ps
 from recom_rec.data import criteo_batches, criteo_hash_sizes, synthetic_criteo_batches
 
 from _common import cycle, evaluate, pick_device, plot_curves, take_split, write_json
 
 
-def build_model(hash_sizes, dim, device, fused_optimizer, lr):
+def build_model(hash_sizes, dim, device, fused_optimizer, lr, ps=None):
     tables = [EmbeddingBagConfig(name=f"t_C{i + 1}", embedding_dim=dim, num_embeddings=n, feature_names=[f"C{i + 1}"])
               for i, n in enumerate(hash_sizes)]
-    ebc = recom_rec.EmbeddingBagCollection(tables, device=device)
+    ebc = recom_rec.EmbeddingBagCollection(tables, device=device, ps=ps)
     model = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
                  dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[64, 32, 1]).to(device)
     if fused_optimizer == "apply_optimizer_in_backward":  # torchrec's way; recom_rec fuses it
@@ -87,6 +95,10 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--out", type=Path, default=Path("out/dlrm_criteo"), help="directory for the plot, metrics and checkpoint")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ps", default=None, metavar="URL",
+                   help="parameter-server store for the large tables, e.g. memory://criteo or redis://host:6379/0")
+    p.add_argument("--ps-min-rows", type=int, default=10_000, help="tables with at least this many rows go to --ps")
+    p.add_argument("--ps-cache-rows", type=int, default=4096, help="rows of each PS-backed table cached in the module")
     args = p.parse_args(argv)
     device = pick_device(args.device)
     torch.manual_seed(args.seed)
@@ -107,11 +119,23 @@ def main(argv=None):
         train = [b.to(device) for b in train]
         train_batches = cycle(train, args.steps + 1)
 
-    model, ebc = build_model(hash_sizes, args.embedding_dim, device, args.fused_optimizer, args.lr)
+    ps = None
+    if args.ps:
+        if args.ps.rstrip("/") == "memory:":
+            raise SystemExit("--ps memory:// is private to one module: name it (memory://NAME) so the "
+                             "restored model can read the checkpointed rows")
+        from recom_rec.ps import PSConfig
+
+        ps = {f"t_C{i + 1}": PSConfig(url=args.ps, cache_rows=args.ps_cache_rows)
+              for i, n in enumerate(hash_sizes) if n >= args.ps_min_rows}
+    model, ebc = build_model(hash_sizes, args.embedding_dim, device, args.fused_optimizer, args.lr, ps)
     opt = dense_optimizer(model, args.dense_lr)
     print(f"DLRM on {source}: {'a stream of' if train is None else len(train)} training batches of "
           f"{args.batch_size}, {len(held_out)} held out; "
           f"26 tables (rows capped at {args.max_rows}), dim {args.embedding_dim}, {args.steps} steps on {device}")
+    if ps:
+        print(f"parameter-server tier: {len(ps)} tables of >= {args.ps_min_rows} rows on {args.ps}, "
+              f"{args.ps_cache_rows} rows cached each")
 
     if train is not None and len(train) * args.batch_size < 10_000:
         print(f"note: {len(train) * args.batch_size} training rows are too few to measure model quality "
@@ -138,9 +162,11 @@ def main(argv=None):
     # Checkpoint: the module's state_dict holds weights and the fused optimizer's state.
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt_path = args.out / "checkpoint.pt"
+    if ps:  # PS-backed rows are checkpointed in their store, not in the state_dict
+        print(f"flushed {recom_rec.ps.flush(model)} dirty rows to {args.ps}")
     torch.save({"model": model.state_dict(), "dense_optimizer": opt.state_dict(), "step": args.steps}, ckpt_path)
     torch.manual_seed(args.seed + 1)  # a fresh model with different random weights
-    restored, _ = build_model(hash_sizes, args.embedding_dim, device, args.fused_optimizer, args.lr)
+    restored, _ = build_model(hash_sizes, args.embedding_dim, device, args.fused_optimizer, args.lr, ps)
     restored_opt = dense_optimizer(restored, args.dense_lr)
     ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
     restored.load_state_dict(ckpt["model"])  # strict: every key, optimizer state included
@@ -149,13 +175,18 @@ def main(argv=None):
     loss_restored = evaluate(restored, held_out, predict, loss_fn)["loss"]
     print(f"checkpoint {ckpt_path}: held-out loss original {loss_orig:.6f}, restored {loss_restored:.6f}, "
           f"{'identical' if loss_orig == loss_restored else 'DIFFERENT'}")
-    # One more step from both: equal only if the optimizer states were restored too.
     extra = next(train_batches)
-    step_orig, step_restored = train_step(model, opt, extra), train_step(restored, restored_opt, extra)
-    after_orig = evaluate(model, held_out, predict, loss_fn)["loss"]
-    after_restored = evaluate(restored, held_out, predict, loss_fn)["loss"]
-    print(f"one more step: held-out loss original {after_orig:.6f}, restored {after_restored:.6f}, "
-          f"{'identical' if after_orig == after_restored else 'DIFFERENT'}")
+    if ps:
+        # Both models now share one store: training either would change the other's rows.
+        step_orig = step_restored = after_orig = after_restored = None
+        print("one more step: not compared with --ps (the original and the restored model share the store)")
+    else:
+        # One more step from both: equal only if the optimizer states were restored too.
+        step_orig, step_restored = train_step(model, opt, extra), train_step(restored, restored_opt, extra)
+        after_orig = evaluate(model, held_out, predict, loss_fn)["loss"]
+        after_restored = evaluate(restored, held_out, predict, loss_fn)["loss"]
+        print(f"one more step: held-out loss original {after_orig:.6f}, restored {after_restored:.6f}, "
+              f"{'identical' if after_orig == after_restored else 'DIFFERENT'}")
 
     plot = plot_curves(args.out / "dlrm_criteo.png", f"DLRM + recom_rec EBC on {source}", train_curve, eval_curve)
     metrics = {"source": source, "steps": args.steps, "steps_per_s": args.steps / elapsed, "final": final,

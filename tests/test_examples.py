@@ -117,3 +117,17 @@ def test_many_columns_inference_table(tmp_path):
         assert name in out
     assert "median ms" in out
     _png(tmp_path / "many_columns_inference.png")
+
+
+def test_dlrm_criteo_with_large_tables_on_the_parameter_server(tmp_path):
+    out = _run("dlrm_criteo.py", "--steps", "30", "--batch-size", "128", "--max-rows", "2000",
+               "--eval-every", "15", "--eval-batches", "3", "--ps", "memory://criteo-test",
+               "--ps-min-rows", "1000", "--ps-cache-rows", "256", "--out", str(tmp_path))
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert "parameter-server tier: 15 tables of >= 1000 rows on memory://criteo-test" in out, out
+    assert "flushed" in out and "dirty rows" in out
+    # The restored model reads the flushed rows back from the store: same held-out loss.
+    restore = metrics["restore"]
+    assert restore["eval_loss"][0] == restore["eval_loss"][1], out
+    first, last = metrics["eval_curve"][0][1], metrics["eval_curve"][-1][1]
+    assert last["loss"] < first["loss"], out
