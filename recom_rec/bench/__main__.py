@@ -30,7 +30,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m recom_rec.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS),
-                   choices=list(WORKLOADS))
+                   choices=list(WORKLOADS) + ["ps"],
+                   help="'ps' (not in the default set): a 1e8-row table in the parameter-server tier, see --ps-urls")
+    p.add_argument("--ps-urls", nargs="+", default=["memory://bench"],
+                   help="stores for the 'ps' workload, e.g. memory://bench redis://127.0.0.1:6379/0")
     p.add_argument("--peers", nargs="+", default=["recom_rec", "torchrec", "fbgemm"], choices=list(PEERS))
     p.add_argument("--batch-size", type=int, default=None, help="override every workload's batch size")
     p.add_argument("--phases", nargs="+", default=[p for p in PHASES if p != "forward-graph"], choices=PHASES,
@@ -108,7 +111,7 @@ def run(args):
     ceiling = copy_bandwidth_gbs(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
     results = []
     peers = [p for p in args.peers if p != "fbgemm" or fbgemm_available(device)]
-    for wname in tqdm(args.workloads, desc="workloads", file=sys.stderr):
+    for wname in tqdm([w for w in args.workloads if w != "ps"], desc="workloads", file=sys.stderr):
         w = get_workload(wname, small)
         if args.batch_size:
             w.batch_size = args.batch_size
@@ -123,7 +126,7 @@ def run(args):
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "copy_gbs": ceiling, "small": small, "backend": args.backend,
-        "workloads": {n: get_workload(n, small).description for n in args.workloads},
+        "workloads": {n: get_workload(n, small).description for n in args.workloads if n != "ps"},
     }
     return meta, results
 
@@ -131,7 +134,14 @@ def run(args):
 def main(argv=None):
     args = parse_args(argv)
     meta, results = run(args)
-    print(format_table(meta, results, args.peers))
+    if results:
+        print(format_table(meta, results, args.peers))
+    if "ps" in args.workloads:
+        from .ps_workload import format_ps, run_ps_workload
+
+        ps_results = run_ps_workload(torch.device(args.device), args.ps_urls, args.small or args.device == "cpu")
+        print(format_ps(ps_results))
+        results = results + ps_results
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)

@@ -1,0 +1,98 @@
+"""The ``ps`` benchmark workload: a training step on a table far larger than its cache.
+
+One table of 10^8 declared rows (dim 32) read with Zipf(1.05) ids, trained with fused SGD. The
+parameter-server run caches 5% of the ids the whole run touches (at least what one batch needs)
+in the module and keeps the rest in the store at each URL; the baseline holds the whole table in
+device memory. Reported: step time (wall clock, the PS work is host-side), cache hit rate, rows
+pulled and pushed per second.
+"""
+import time
+from typing import Dict, List
+
+import numpy as np
+import torch
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+import recom_rec
+from recom_rec import ps as ps_tier
+from recom_rec.data import truncated_zipf
+
+ROWS, DIM, BATCH, STEPS, WARMUP, ZIPF_A, CACHE_FRACTION = 10**8, 32, 4096, 40, 5, 1.05, 0.05
+
+
+def _batches(device, small: bool) -> List[KeyedJaggedTensor]:
+    rng = np.random.default_rng(7)
+    rows, batch = (10**6, 512) if small else (ROWS, BATCH)
+    out = []
+    for _ in range(WARMUP + STEPS):
+        ids = (truncated_zipf(rng, ZIPF_A, rows, batch) * 2654435761) % rows
+        out.append(KeyedJaggedTensor.from_lengths_sync(
+            keys=["f"], values=torch.from_numpy(ids).to(device), lengths=torch.ones(batch, dtype=torch.int64, device=device)))
+    return out
+
+
+def _model(device, rows, ps=None):
+    table = EmbeddingBagConfig(name="big", embedding_dim=DIM, num_embeddings=rows, feature_names=["f"])
+    m = recom_rec.EmbeddingBagCollection([table], device=device, validate_inputs=False, ps=ps)
+    m.enable_fused_optimizer("sgd", lr=0.01)
+    return m
+
+
+def _time_steps(model, batches, device) -> float:
+    def step(kjt):
+        model(kjt).values().sum().backward()
+    for kjt in batches[:WARMUP]:
+        step(kjt)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for kjt in batches[WARMUP:]:
+        step(kjt)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / STEPS * 1e3
+
+
+def run_ps_workload(device: torch.device, urls: List[str], small: bool) -> List[Dict]:
+    batches = _batches(device, small)
+    rows = 10**6 if small else ROWS
+    touched = torch.unique(torch.cat([b.values() for b in batches])).numel()
+    per_batch = max(torch.unique(b.values()).numel() for b in batches)
+    cache_rows = max(int(CACHE_FRACTION * touched), int(1.2 * per_batch))
+    results = []
+    baseline = _model(device, rows)
+    results.append({"workload": "ps", "peer": "in-device table", "phase": "sgd", "rows": rows,
+                    "batch": batches[0].stride(), "ms": _time_steps(baseline, batches, device)})
+    del baseline
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    for url in urls:
+        model = _model(device, rows, ps={"big": ps_tier.PSConfig(url=url, cache_rows=cache_rows)})
+        ms = _time_steps(model, batches, device)
+        stats = [t.cache.stats for tier in ps_tier.tiers_of(model) for t in tier.tables.values()][0]
+        seconds = ms * 1e-3 * (STEPS + WARMUP)
+        results.append({
+            "workload": "ps", "peer": f"ps {ps_tier.redact_url(url)}", "phase": "sgd", "ms": ms,
+            "hit_rate": stats["hits"] / max(1, stats["hits"] + stats["misses"]),
+            "pulled_per_s": stats["misses"] / seconds, "pushed_per_s": stats["pushed"] / seconds,
+            "cache_rows": cache_rows, "touched_ids": touched, "rows": rows,
+            "batch": batches[0].stride(),
+        })
+        del model
+    return results
+
+
+def format_ps(results: List[Dict]) -> str:
+    base = next(r["ms"] for r in results if r["peer"] == "in-device table")
+    lines = [f"ps workload: one table of {results[0]['rows']:.0e} rows x {DIM}, Zipf({ZIPF_A}) ids, "
+             f"batch {results[0]['batch']}, fused SGD; "
+             f"cache = 5% of the ids touched (at least 1.2x one batch's)",
+             f"{'peer':<34}{'step ms':>10}{'x in-device':>13}{'hit rate':>10}{'pulled/s':>12}{'pushed/s':>12}"]
+    for r in results:
+        extra = (f"{r['hit_rate']:>10.1%}{r['pulled_per_s']:>12.0f}{r['pushed_per_s']:>12.0f}"
+                 if "hit_rate" in r else "")
+        lines.append(f"{r['peer']:<34}{r['ms']:>10.2f}{base / r['ms']:>13.2f}{extra}")
+    cache = next((r for r in results if "cache_rows" in r), None)
+    if cache:
+        lines.append(f"cache rows {cache['cache_rows']} of {cache['touched_ids']} ids touched")
+    return "\n".join(lines)

@@ -1,0 +1,27 @@
+"""The benchmark's command line runs end to end on the CPU (small workloads) and writes its
+table, JSON and PNG. It times nothing that a test asserts on."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "recom_rec.bench", "--workloads", "many-1000", "ps", "--phases", "forward", "sgd",
+         "--iters", "2", "--warmup", "1", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = result.stdout
+    assert "many-1000" in text and "x torchrec" in text and "x fbgemm" in text, text
+    assert "ps memory://bench" in text and "hit rate" in text, text
+    data = json.loads(out.with_suffix(".json").read_text())
+    peers = {(r["workload"], r["peer"], r["phase"]) for r in data["results"] if "ms" in r}
+    assert ("many-1000", "recom_rec", "forward") in peers and ("many-1000", "fbgemm", "sgd") in peers
+    assert ("ps", "in-device table", "sgd") in peers
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
