@@ -38,7 +38,7 @@ def _model(device, rows, ps=None):
     return m
 
 
-def _time_steps(model, batches, device) -> float:
+def _time_steps(model, batches, device, prefetch: int = 0) -> float:
     def step(kjt):
         model(kjt).values().sum().backward()
     for kjt in batches[:WARMUP]:
@@ -46,7 +46,9 @@ def _time_steps(model, batches, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    for kjt in batches[WARMUP:]:
+    # With prefetch, a background thread stages the next batches' rows while this one trains.
+    timed = ps_tier.wrap(batches[WARMUP:], model, prefetch=prefetch) if prefetch else batches[WARMUP:]
+    for kjt in timed:
         step(kjt)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -66,18 +68,20 @@ def run_ps_workload(device: torch.device, urls: List[str], small: bool) -> List[
     del baseline
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    for url in urls:
+    for url, prefetch in [(u, p) for u in urls for p in (0, 1)]:
         model = _model(device, rows, ps={"big": ps_tier.PSConfig(url=url, cache_rows=cache_rows)})
-        ms = _time_steps(model, batches, device)
+        ms = _time_steps(model, batches, device, prefetch)
         stats = [t.cache.stats for tier in ps_tier.tiers_of(model) for t in tier.tables.values()][0]
         seconds = ms * 1e-3 * (STEPS + WARMUP)
         results.append({
-            "workload": "ps", "peer": f"ps {ps_tier.redact_url(url)}", "phase": "sgd", "ms": ms,
+            "workload": "ps", "peer": f"ps {ps_tier.redact_url(url)}" + (" prefetch" if prefetch else ""),
+            "phase": "sgd", "ms": ms,
             "hit_rate": stats["hits"] / max(1, stats["hits"] + stats["misses"]),
             "pulled_per_s": stats["misses"] / seconds, "pushed_per_s": stats["pushed"] / seconds,
             "cache_rows": cache_rows, "touched_ids": touched, "rows": rows,
             "batch": batches[0].stride(),
         })
+        ps_tier.flush(model)
         del model
     return results
 
@@ -87,11 +91,11 @@ def format_ps(results: List[Dict]) -> str:
     lines = [f"ps workload: one table of {results[0]['rows']:.0e} rows x {DIM}, Zipf({ZIPF_A}) ids, "
              f"batch {results[0]['batch']}, fused SGD; "
              f"cache = 5% of the ids touched (at least 1.2x one batch's)",
-             f"{'peer':<34}{'step ms':>10}{'x in-device':>13}{'hit rate':>10}{'pulled/s':>12}{'pushed/s':>12}"]
+             f"{'peer':<50}{'step ms':>10}{'x in-device':>13}{'hit rate':>10}{'pulled/s':>12}{'pushed/s':>12}"]
     for r in results:
         extra = (f"{r['hit_rate']:>10.1%}{r['pulled_per_s']:>12.0f}{r['pushed_per_s']:>12.0f}"
                  if "hit_rate" in r else "")
-        lines.append(f"{r['peer']:<34}{r['ms']:>10.2f}{base / r['ms']:>13.2f}{extra}")
+        lines.append(f"{r['peer']:<50}{r['ms']:>10.2f}{base / r['ms']:>13.2f}{extra}")
     cache = next((r for r in results if "cache_rows" in r), None)
     if cache:
         lines.append(f"cache rows {cache['cache_rows']} of {cache['touched_ids']} ids touched")

@@ -209,8 +209,7 @@ class PSTier:
             remapped, handle = entry[1], entry[2]  # staged by wrap(); wrap() releases it
             self.prefetched += 1
         else:
-            self.release(self._sync_handle)  # the previous batch is done
-            self._sync_handle = None
+            self.release_sync()  # the previous batch is done
             remapped, handle = self.stage(kjt)
             self._sync_handle = handle
         if torch.is_grad_enabled():
@@ -313,6 +312,12 @@ class PSTier:
             for name, slots in handle.items():
                 self.tables[name].cache.pins[slots] -= 1
             self.lock.notify_all()
+
+    def release_sync(self) -> None:
+        """Unpin the batch the last synchronous ``prepare`` staged (it is done once the next batch
+        comes, from ``prepare`` or from ``wrap``, which calls this before it starts staging)."""
+        self.release(self._sync_handle)
+        self._sync_handle = None
 
     def register_prepared(self, kjt, remapped, handle) -> None:
         self._prepared[id(kjt)] = (kjt, remapped, handle)

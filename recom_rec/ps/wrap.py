@@ -83,6 +83,10 @@ class _Wrapped:
             except BaseException as exc:  # handed to the training loop
                 put(exc)
 
+        # A batch trained before wrap() (no prefetch) keeps its rows pinned until the next
+        # prepare; the loop has moved on, so unpin it before staging ahead.
+        for tier in tiers:
+            tier.release_sync()
         thread = threading.Thread(target=worker, name="recom_rec.ps.wrap", daemon=True)
         thread.start()
         previous: list = []

@@ -275,3 +275,15 @@ def test_dense_gradients_with_plain_sgd_match_in_memory():
             opt.step()
     assert m._ps.tables["big"].cache.stats["pushed"] > 0
     assert_same_tables(m, ref)
+
+
+def test_wrap_after_unwrapped_batches_does_not_wait_on_their_pins():
+    # Warm-up batches trained without wrap() leave the last one pinned until the next prepare;
+    # wrap() must unpin it, or a cache with room for about two batches waits forever.
+    data = batches(6, seed=3, big=120)
+    per_batch = max(int(torch.unique(kjt["f_big"].values()).numel()) for kjt in data)
+    m = ps_model("memory://", cache_rows=int(per_batch * 1.9), optimizer="sgd")
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone(), "sgd")
+    outs = [step(m, kjt) for kjt in data[:2]] + [step(m, kjt) for kjt in ps.wrap(data[2:], m, prefetch=1)]
+    for a, b in zip(outs, train(ref, data)):
+        assert torch.equal(a, b)
