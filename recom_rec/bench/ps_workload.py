@@ -15,7 +15,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 import recom_rec
 from recom_rec import ps as ps_tier
-from recom_rec.data import truncated_zipf
+from .workloads import zipf_ids
 
 ROWS, DIM, BATCH, STEPS, WARMUP, ZIPF_A, CACHE_FRACTION = 10**8, 32, 4096, 40, 5, 1.05, 0.05
 
@@ -25,7 +25,7 @@ def _batches(device, small: bool) -> List[KeyedJaggedTensor]:
     rows, batch = (10**6, 512) if small else (ROWS, BATCH)
     out = []
     for _ in range(WARMUP + STEPS):
-        ids = (truncated_zipf(rng, ZIPF_A, rows, batch) * 2654435761) % rows
+        ids = zipf_ids(rng, ZIPF_A, rows, batch)
         out.append(KeyedJaggedTensor.from_lengths_sync(
             keys=["f"], values=torch.from_numpy(ids).to(device), lengths=torch.ones(batch, dtype=torch.int64, device=device)))
     return out

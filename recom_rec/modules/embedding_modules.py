@@ -105,6 +105,12 @@ def _two_states(states: List[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Opt
 
 
 @lru_cache(maxsize=256)
+def _names_for(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str, ...]) -> str:
+    # Built once per KJT key order, not per batch (it grows with the number of features).
+    return encode_names(list(keys), list(wanted), list(tables))
+
+
+@lru_cache(maxsize=256)
 def _reads_each_key_once(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str, ...]) -> bool:
     return sorted(_key_plan(keys, wanted, tables)) == list(range(len(keys)))
 
@@ -124,7 +130,7 @@ def _fused_lookup(
     metas: List[torch.Tensor],
     group_features: List[List[str]],
     group_tables: List[List[str]],
-    group_dims: List[List[int]],
+    group_widths: List[List[int]],
     is_weighted: bool,
     backend: str,
     validate: bool,
@@ -161,11 +167,17 @@ def _fused_lookup(
         else:
             key_index = _key_index_on(keys, wanted, tables, flats[g].device)
             reads_each_key_once = _reads_each_key_once(keys, wanted, tables)
-        names = encode_names(list(keys), group_features[g], group_tables[g]) if validate else ""
+        if not validate:
+            names = ""
+        elif torch.compiler.is_compiling():
+            names = encode_names(list(keys), list(wanted), list(tables))
+        else:
+            names = _names_for(keys, wanted, tables)
+        total_dim, max_dim = group_widths[g]
         outs.append(
             pooled_embedding_forward(
                 weights[g], flats[g], values, offsets, per_sample_weights, metas[g], key_index,
-                batch_size, sum(group_dims[g]), max(group_dims[g]), backend, validate, names,
+                batch_size, total_dim, max_dim, backend, validate, names,
                 optimizer, *_two_states(optimizer_states[g] if optimizer >= 0 else []), state1_is_row, hyper, step,
                 # Every key read by exactly one feature: the lookups are the values (no sync to count them).
                 values.numel() if reads_each_key_once else -1,
@@ -314,7 +326,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             self._output_columns = None
         self._group_features = [[f.feature for f in g.features] for g in self._groups]
         self._group_tables = [[g.slots[f.table].name for f in g.features] for g in self._groups]
-        self._group_dims = [[g.slots[f.table].embedding_dim for f in g.features] or [1] for g in self._groups]
+        self._group_widths = [[g.total_dim, g.max_dim] for g in self._groups]  # output columns, widest table
         # torchrec's nn.EmbeddingBag draws normal_ at construction before init_fn runs; draw the
         # same numbers so that, under one seed, our weights equal torchrec's bit for bit.
         if device.type != "meta":
@@ -440,7 +452,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             [getattr(self, g.meta_name) for g in self._groups],
             self._group_features,
             self._group_tables,
-            self._group_dims,
+            self._group_widths,
             self._is_weighted,
             self.backend,
             self.validate_inputs,
