@@ -47,13 +47,17 @@ for wname in sys.argv[2:] or ["many-1000", "dlrm-kaggle", "many-500"]:
     step = lambda: m(kjt).values().backward(grad)
     rep["fused_sgd_step_ms"] = time_ms(step, dev, iters=20)
     bsweep = {}
-    for br in (4, 8, 16, 32, 64) if os.environ.get("BSWEEP", "0") == "1" else ():
-        for nw in (1, 2, 4, 8):
-            pooled_triton.BACKWARD_LAUNCH.update(block_r=br, num_warps=nw)
-            try:
-                bsweep[f"br{br}_w{nw}"] = round(time_ms(step, dev, iters=10), 3)
-            except Exception as e:  # noqa: BLE001
-                bsweep[f"br{br}_w{nw}"] = str(e)[:60]
+    block_d = pooled_triton._block_d(max(w.dims))
+    for br in (1, 2, 4, 8, 16, 32) if os.environ.get("BSWEEP", "0") == "1" else ():
+        for unroll in (2, 4, 8):
+            for nw in (2, 4, 8):
+                if not 512 <= br * unroll * block_d <= 8192:
+                    continue
+                pooled_triton.BACKWARD_LAUNCH.update(block_r=br, unroll=unroll, num_warps=nw)
+                try:
+                    bsweep[f"br{br}_u{unroll}_w{nw}"] = round(time_ms(step, dev, iters=10), 3)
+                except Exception as e:  # noqa: BLE001
+                    bsweep[f"br{br}_u{unroll}_w{nw}"] = str(e)[:60]
     pooled_triton.BACKWARD_LAUNCH.clear()
     rep["backward_sweep_step_ms"] = bsweep
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -25,21 +25,34 @@ def _variants():
             "out_ptr": "*fp32", "batch_size": "i32", "total_dim": "i32",
         }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d}, \
             {"num_warps": 2 if block_d >= 128 else 4}
-    for wdtype, opt, block_d in itertools.product(("fp32", "fp16", "bf16"), (-1, 0, 1, 2, 3), (16, 128)):
-        block_r = max(1, min(32, 512 // block_d))
+    for key, has_w in itertools.product(("i32", "i64"), (False, True)):
+        yield k._expand_kernel, {
+            "values_ptr": ptr[key], "offsets_ptr": ptr[key], "weights_ptr": "*fp32", "meta_ptr": "*i64",
+            "key_index_ptr": "*i64", "feature_base_ptr": "*i64", "row_key_ptr": ptr[key], "src_ptr": "*i64",
+            "scale_ptr": "*fp32", "feature_ptr": "*i32", "batch_size": "i32", "total_dim": "i32",
+        }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": k.EXPAND_BLOCK}, {"num_warps": 4}
+    for key in ("i32", "i64"):
+        yield k._plan_kernel, {
+            "row_key_ptr": ptr[key], "n": "i32", "piece_ptr": "*i64", "split_row_ptr": "*i64", "counts_ptr": "*i32",
+        }, {"PIECE": k.PIECE, "BLOCK": k.PLAN_BLOCK}, {"num_warps": 4}
+    for wdtype, opt, block_d, key in itertools.product(("fp32", "fp16", "bf16"), (-1, 0, 1, 2, 3), (16, 128, 256),
+                                                       ("i32", "i64")):
+        unroll = 4
+        block_r = max(1, min(64, 2048 // (unroll * block_d)))
         common = {"out_ptr": ptr[wdtype], "state1_ptr": "*fp32", "state2_ptr": "*fp32",
                   "hyper_ptr": "*fp32", "step_ptr": "*i64"}
+        sorted_lookups = {"row_key_ptr": ptr[key], "order_ptr": "*i64"}
         yield k._piece_kernel, {
-            "src_ptr": "*i64", "scale_ptr": "*fp32", "grad_out_ptr": "*fp32", "meta_ptr": "*i64",
-            "piece_start_ptr": "*i64", "piece_len_ptr": "*i32", "piece_key_ptr": "*i64",
-            "piece_feature_ptr": "*i64", "piece_slot_ptr": "*i64", "num_pieces_ptr": "*i64",
+            **sorted_lookups, "src_ptr": "*i64", "scale_ptr": "*fp32", "feature_ptr": "*i32",
+            "grad_out_ptr": "*fp32", "meta_ptr": "*i64", "piece_ptr": "*i64", "counts_ptr": "*i32", "n": "i32",
             "partial_ptr": "*fp32", **common,
-        }, {"META_W": 8, "BLOCK_R": block_r, "BLOCK_D": block_d, "OPT": opt}, \
-            {"num_warps": 1 if block_d >= 64 else 4}
+        }, {"META_W": 8, "PIECE": k.PIECE, "BLOCK_R": block_r, "UNROLL": unroll, "BLOCK_D": block_d, "OPT": opt}, \
+            {"num_warps": 4}
         yield k._split_row_kernel, {
-            "partial_ptr": "*fp32", "first_slot_ptr": "*i64", "num_slots_ptr": "*i32", "key_ptr": "*i64",
-            "feature_ptr": "*i64", "num_rows_ptr": "*i64", "meta_ptr": "*i64", **common,
-        }, {"META_W": 8, "BLOCK_R": block_r, "BLOCK_D": block_d, "OPT": opt}, {"num_warps": 4}
+            **sorted_lookups, "feature_ptr": "*i32", "meta_ptr": "*i64", "split_row_ptr": "*i64",
+            "counts_ptr": "*i32", "n": "i32", "partial_ptr": "*fp32", **common,
+        }, {"META_W": 8, "PIECE": k.PIECE, "BLOCK_R": 1, "BLOCK_K": max(1, min(16, 2048 // block_d)),
+            "BLOCK_D": block_d, "OPT": opt}, {"num_warps": 4}
 
 
 def main(argv=None) -> int:

@@ -5,9 +5,12 @@ Forward: one program per (feature, block of bags). It reads the feature's row of
 accumulates rows in fp32; dims narrower than the block are masked, so tables of any dims share a
 launch. The output row of each feature is written once (no atomics, no zero-fill).
 
-Backward: lookups are sorted by (table, id) so that every distinct row is owned by exactly one
-program, which sums its contributions in input order (deterministic, no atomics) and writes the
-row's gradient once.
+Backward: an expand kernel lists every lookup (row key, gradient source, scale), torch sorts the
+row keys (stable), a plan kernel cuts each row's run of lookups into pieces of at most PIECE and
+appends them to a list, and a piece kernel sums each piece (lanes in lock-step) and finishes the
+rows of one piece; a split-row kernel adds the pieces of longer rows. The summation order of a
+row depends only on its own lookups (deterministic, no atomics on data), and nothing syncs with
+the host when the number of lookups is known.
 """
 from typing import Optional
 
@@ -15,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.jagged import expand_lookups, lookup_scale
-from ..ops.layout import META_OUT_COL, META_ROW_BASE, META_WIDTH
+from ..ops.layout import META_WIDTH
 
 
 @triton.jit
@@ -64,29 +66,6 @@ def _pooled_forward_kernel(
     scale = tl.where(pooling == 1, inv_len, tl.full([BLOCK_B], 1.0, tl.float32))
     acc = acc * scale[:, None]
     tl.store(out_ptr + b[:, None] * total_dim + col + d[None, :], acc, mask=b_mask[:, None] & d_mask[None, :])
-
-
-@triton.jit
-def _sum_pieces(
-    src_ptr, scale_ptr, grad_out_ptr, start, length, dim, lane_mask,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """For BLOCK_R pieces of the sorted lookups at once (lock-step, like the forward's bags): the
-    sum of each piece's scaled output-gradient rows, [BLOCK_R, BLOCK_D] in fp32. ``src`` (where
-    each lookup's gradient row starts in grad_output) and ``scale`` are in sorted order."""
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d[None, :] < dim[:, None]
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    max_len = tl.max(length, axis=0)
-    i = 0
-    while i < max_len:
-        live = lane_mask & (i < length)
-        src = tl.load(src_ptr + start + i, mask=live, other=0)
-        s = tl.load(scale_ptr + start + i, mask=live, other=0.0)
-        g = tl.load(grad_out_ptr + src[:, None] + d[None, :], mask=live[:, None] & d_mask, other=0.0)
-        acc += g.to(tl.float32) * s[:, None]
-        i += 1
-    return acc
 
 
 @triton.jit
@@ -145,57 +124,178 @@ def _row_meta(meta_ptr, feature, lane, META_W: tl.constexpr):
 
 
 @triton.jit
-def _piece_kernel(
-    src_ptr, scale_ptr, grad_out_ptr, meta_ptr,
-    piece_start_ptr, piece_len_ptr, piece_key_ptr, piece_feature_ptr, piece_slot_ptr, num_pieces_ptr,
-    partial_ptr, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
-    META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, OPT: tl.constexpr,
+def _expand_kernel(
+    values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, feature_base_ptr,
+    row_key_ptr, src_ptr, scale_ptr, feature_ptr, batch_size, total_dim,
+    META_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """One lane per piece (at most PIECE lookups of one row). A piece that is a whole row finishes
-    the row here; a piece of a longer row leaves its sum in its partial slot. The grid is sized
-    for the most pieces possible; the actual count is read on the device (no host sync)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    lane = r < tl.load(num_pieces_ptr)
-    start = tl.load(piece_start_ptr + r, mask=lane, other=0)
-    length = tl.load(piece_len_ptr + r, mask=lane, other=0)
-    key = tl.load(piece_key_ptr + r, mask=lane, other=0)
-    feature = tl.load(piece_feature_ptr + r, mask=lane, other=0)
-    slot = tl.load(piece_slot_ptr + r, mask=lane, other=-1)
-    dim, base, row_base = _row_meta(meta_ptr, feature, lane, META_W)
-    g = _sum_pieces(src_ptr, scale_ptr, grad_out_ptr, start, length, dim, lane, BLOCK_R, BLOCK_D)
+    """One entry per lookup, feature after feature (feature f's lookups from feature_base[f], in
+    input order): the row it reads (its table's row base + id), where its gradient row starts in
+    grad_output, its scale (sample weight x 1/L for mean pooling) and its feature."""
+    f = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    col = tl.load(meta_ptr + f * META_W + 2)
+    pooling = tl.load(meta_ptr + f * META_W + 3)
+    row_base = tl.load(meta_ptr + f * META_W + 5)
+    key = tl.load(key_index_ptr + f).to(tl.int64)
+    first = tl.load(offsets_ptr + key * batch_size).to(tl.int64)
+    out_base = tl.load(feature_base_ptr + f)
+    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_mask = b < batch_size
+    bag = key * batch_size + b
+    start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64)
+    length = end - start
+    at = out_base + start - first
+    src = b.to(tl.int64) * total_dim + col
+    pool = tl.where(pooling == 1, 1.0 / tl.maximum(length, 1).to(tl.float32), tl.full([BLOCK_B], 1.0, tl.float32))
+    feature = tl.full([BLOCK_B], 0, tl.int32) + f
+    max_length = tl.max(length, axis=0)
+    i = 0
+    while i < max_length:
+        live = i < length
+        idx = tl.load(values_ptr + start + i, mask=live, other=0).to(tl.int64)
+        scale = pool
+        if HAS_WEIGHTS:
+            scale = scale * tl.load(weights_ptr + start + i, mask=live, other=0.0).to(tl.float32)
+        tl.store(row_key_ptr + at + i, (row_base + idx).to(row_key_ptr.dtype.element_ty), mask=live)
+        tl.store(src_ptr + at + i, src, mask=live)
+        tl.store(scale_ptr + at + i, scale, mask=live)
+        tl.store(feature_ptr + at + i, feature, mask=live)
+        i += 1
+
+
+@triton.jit
+def _plan_kernel(
+    row_key_ptr, n, piece_ptr, split_row_ptr, counts_ptr,
+    PIECE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Cuts the sorted lookups into pieces: a piece starts where a row (a run of equal keys)
+    starts and again every PIECE lookups into the row, so a row's pieces - and the order its
+    lookups are summed in - do not depend on where the row lands in the sorted array. Appends the
+    pieces (start << 2 | split << 1 | first) to one list and the starts of rows of more than PIECE
+    lookups (split rows) to another, at counts[0] and counts[1]; list order is arbitrary (atomic
+    appends), as each piece's and row's work depends only on its start."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = p < n
+    key = tl.load(row_key_ptr + p, mask=live, other=0)
+    prev = tl.load(row_key_ptr + p - 1, mask=live & (p > 0), other=0)
+    first = live & ((p == 0) | (prev != key))
+    behind = tl.load(row_key_ptr + p - PIECE, mask=live & (p >= PIECE), other=0)
+    deep = live & (p >= PIECE) & (behind == key)  # PIECE or more lookups of this row precede p
+    ahead = tl.load(row_key_ptr + p + PIECE, mask=live & (p + PIECE < n), other=0)
+    long_from_here = live & (p + PIECE < n) & (ahead == key)
+    # Deep lanes find their row's first lookup: the lower bound of key in [0, p - PIECE].
+    lo = tl.zeros([BLOCK], tl.int64)
+    hi = tl.where(deep, p - PIECE, 0).to(tl.int64)
+    while tl.max(hi - lo, axis=0) > 0:
+        searching = lo < hi
+        mid = (lo + hi) // 2
+        below = tl.load(row_key_ptr + mid, mask=searching, other=0) < key
+        lo = tl.where(searching & below, mid + 1, lo)
+        hi = tl.where(searching & (below == 0), mid, hi)
+    start = first | (deep & (((p - lo) % PIECE) == 0))
+    split = start & (deep | long_from_here)
+    packed = p.to(tl.int64) * 4 + split.to(tl.int64) * 2 + first.to(tl.int64)
+    starts = start.to(tl.int32)
+    base = tl.atomic_add(counts_ptr, tl.sum(starts, axis=0))
+    tl.store(piece_ptr + base + tl.cumsum(starts, axis=0) - 1, packed, mask=start)
+    rows = (first & long_from_here).to(tl.int32)
+    base = tl.atomic_add(counts_ptr + 1, tl.sum(rows, axis=0))
+    tl.store(split_row_ptr + base + tl.cumsum(rows, axis=0) - 1, p.to(tl.int64), mask=rows != 0)
+
+
+@triton.jit
+def _piece_kernel(
+    row_key_ptr, order_ptr, src_ptr, scale_ptr, feature_ptr, grad_out_ptr, meta_ptr,
+    piece_ptr, counts_ptr, n, partial_ptr, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
+    META_W: tl.constexpr, PIECE: tl.constexpr, BLOCK_R: tl.constexpr, UNROLL: tl.constexpr,
+    BLOCK_D: tl.constexpr, OPT: tl.constexpr,
+):
+    """One lane per piece, programs looping over the piece list (its length is on the device: no
+    host sync). A lane sums its piece's scaled gradient rows UNROLL at a time (independent loads in
+    flight); a piece that is a whole row finishes the row here, a piece of a split row leaves its
+    sum in the partial slot of its start (two slots per PIECE positions: a split row's first piece
+    and the piece of an earlier row can share a PIECE-block, no other two can)."""
+    num = tl.load(counts_ptr)
     d = tl.arange(0, BLOCK_D)
-    is_part = lane & (slot >= 0)
-    tl.store(partial_ptr + slot[:, None] * BLOCK_D + d[None, :], g, mask=is_part[:, None])
-    _apply_rows(g, key, dim, base, row_base, lane & (slot < 0), out_ptr, state1_ptr, state2_ptr,
-                hyper_ptr, step_ptr, BLOCK_D, OPT)
+    u = tl.arange(0, UNROLL)
+    r0 = tl.program_id(0) * BLOCK_R
+    while r0 < num:
+        r = r0 + tl.arange(0, BLOCK_R)
+        lane = r < num
+        packed = tl.load(piece_ptr + r, mask=lane, other=0)
+        start = packed >> 2
+        split = lane & ((packed & 2) != 0)
+        key = tl.load(row_key_ptr + start, mask=lane, other=0)
+        feature = tl.load(feature_ptr + tl.load(order_ptr + start, mask=lane, other=0), mask=lane, other=0)
+        dim, base, row_base = _row_meta(meta_ptr, feature, lane, META_W)
+        d_mask = d[None, :] < dim[:, None]
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        i = 0
+        go = 1
+        while go > 0:
+            pos = start[:, None] + i + u[None, :]
+            live = lane[:, None] & (pos < n) & ((i + u[None, :]) < PIECE)
+            live = live & (tl.load(row_key_ptr + pos, mask=live, other=0) == key[:, None])
+            o = tl.load(order_ptr + pos, mask=live, other=0)
+            src = tl.load(src_ptr + o, mask=live, other=0)
+            s = tl.load(scale_ptr + o, mask=live, other=0.0)
+            g = tl.load(grad_out_ptr + src[:, :, None] + d[None, None, :],
+                        mask=live[:, :, None] & d_mask[:, None, :], other=0.0)
+            acc += tl.sum(g.to(tl.float32) * s[:, :, None], axis=1)
+            i += UNROLL
+            last_live = tl.sum(tl.where(u[None, :] == UNROLL - 1, live.to(tl.int32), 0), axis=1)
+            go = tl.max(last_live, axis=0) * (i < PIECE).to(tl.int32)
+        slot = 2 * (start // PIECE) + (packed & 1)
+        tl.store(partial_ptr + slot[:, None] * BLOCK_D + d[None, :], acc, mask=split[:, None])
+        _apply_rows(acc, key, dim, base, row_base, lane & ((packed & 2) == 0), out_ptr, state1_ptr, state2_ptr,
+                    hyper_ptr, step_ptr, BLOCK_D, OPT)
+        r0 += tl.num_programs(0) * BLOCK_R
 
 
 @triton.jit
 def _split_row_kernel(
-    partial_ptr, first_slot_ptr, num_slots_ptr, key_ptr, feature_ptr, num_rows_ptr, meta_ptr,
+    row_key_ptr, order_ptr, feature_ptr, meta_ptr, split_row_ptr, counts_ptr, n, partial_ptr,
     out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
-    META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, OPT: tl.constexpr,
+    META_W: tl.constexpr, PIECE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr, OPT: tl.constexpr,
 ):
-    """Rows longer than one piece (tiny tables, hot ids): add their pieces' partial sums in order
-    (deterministic) and finish the row."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    lane = r < tl.load(num_rows_ptr)
-    first = tl.load(first_slot_ptr + r, mask=lane, other=0)
-    count = tl.load(num_slots_ptr + r, mask=lane, other=0)
-    key = tl.load(key_ptr + r, mask=lane, other=0)
-    feature = tl.load(feature_ptr + r, mask=lane, other=0)
+    """Rows of more than PIECE lookups (tiny tables, hot ids): add their pieces' partial sums,
+    BLOCK_K at a time and always in the same order (deterministic), and finish the row."""
+    num = tl.load(counts_ptr + 1)
     d = tl.arange(0, BLOCK_D)
-    g = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    max_count = tl.max(count, axis=0)
-    i = 0
-    while i < max_count:
-        live = lane & (i < count)
-        g += tl.load(partial_ptr + (first + i)[:, None] * BLOCK_D + d[None, :], mask=live[:, None], other=0.0)
-        i += 1
-    dim, base, row_base = _row_meta(meta_ptr, feature, lane, META_W)
-    _apply_rows(g, key, dim, base, row_base, lane, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
-                BLOCK_D, OPT)
-
+    k = tl.arange(0, BLOCK_K)
+    r0 = tl.program_id(0) * BLOCK_R
+    while r0 < num:
+        r = r0 + tl.arange(0, BLOCK_R)
+        lane = r < num
+        start = tl.load(split_row_ptr + r, mask=lane, other=0)
+        key = tl.load(row_key_ptr + start, mask=lane, other=0)
+        # The row's end: the upper bound of key in (start + PIECE, n].
+        lo = tl.where(lane, start + PIECE + 1, 0)
+        hi = tl.where(lane, n, 0).to(tl.int64)
+        while tl.max(hi - lo, axis=0) > 0:
+            searching = lo < hi
+            mid = (lo + hi) // 2
+            within = tl.load(row_key_ptr + mid, mask=searching, other=0) <= key
+            lo = tl.where(searching & within, mid + 1, lo)
+            hi = tl.where(searching & (within == 0), mid, hi)
+        count = tl.where(lane, (lo - start + PIECE - 1) // PIECE, 0)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        j = 0
+        while j < tl.max(count, axis=0):
+            piece = j + k[None, :]
+            live = piece < count[:, None]
+            slot = 2 * ((start[:, None] + piece * PIECE) // PIECE) + (piece == 0).to(tl.int64)
+            acc += tl.sum(tl.load(partial_ptr + slot[:, :, None] * BLOCK_D + d[None, None, :],
+                                  mask=live[:, :, None], other=0.0), axis=1)
+            j += BLOCK_K
+        feature = tl.load(feature_ptr + tl.load(order_ptr + start, mask=lane, other=0), mask=lane, other=0)
+        dim, base, row_base = _row_meta(meta_ptr, feature, lane, META_W)
+        _apply_rows(acc, key, dim, base, row_base, lane, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
+                    BLOCK_D, OPT)
+        r0 += tl.num_programs(0) * BLOCK_R
 
 def _block_d(feature_meta_cpu_max_dim: int) -> int:
     return max(16, triton.next_power_of_2(int(feature_meta_cpu_max_dim)))
@@ -236,101 +336,96 @@ def forward(
     return out
 
 
-# A row's lookups are summed by one lane in pieces of at most PIECE lookups: lanes of a program
-# walk their pieces in lock-step, so bounding the piece length bounds the idle lanes, and a row
-# read 65536 times (a 3-row table) is spread over many lanes, its partial sums added in order.
+# A row's lookups are summed in pieces of at most PIECE lookups, one lane each: bounding the piece
+# bounds how long the lanes of a program wait for their slowest one, and a row read 65536 times
+# (a 3-row table) is spread over many lanes, its partial sums then added in a fixed order.
 PIECE = 32
+EXPAND_BLOCK = 256
+PLAN_BLOCK = 1024
 # Launch-shape overrides for experiments (tools/profile_gpu.py); empty means the defaults.
 BACKWARD_LAUNCH: dict = {}
 
 
-def _first_index(segment: torch.Tensor, size: int) -> torch.Tensor:
-    """For segment ids ``segment`` (non-decreasing, 0..k-1), the first position of each segment
-    (entries past k stay ``size``)."""
-    n = segment.numel()
-    first = torch.full((size,), n, dtype=torch.int64, device=segment.device)
-    return first.scatter_reduce_(0, segment, torch.arange(n, device=segment.device), "amin", include_self=True)
+def _programs(device: torch.device, wanted: int) -> int:
+    """Programs for a kernel that loops over a list whose length is known only on the device:
+    enough to fill the GPU (a few waves of resident programs), never more than there is work for."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(wanted, sms * BACKWARD_LAUNCH.get("waves", 8)))
+    return max(1, min(wanted, 16))  # the interpreter runs programs one after another
 
 
-def _pieces(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count,
-            total_dim, num_lookups):
-    """Sorted lookups cut into pieces, with no device-to-host sync when ``num_lookups`` is
-    known: arrays are sized for the worst case and the real counts stay on the device."""
-    lookups = expand_lookups(values, offsets, feature_meta, key_index, batch_size, num_lookups)
-    n = lookups.ids.numel()
+def _sorted_lookups(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count,
+                    total_dim, num_lookups):
+    """Every lookup's (row key, gradient source, scale, feature), then the row keys sorted (stable:
+    a row's lookups stay in input order). No host sync when ``num_lookups`` is known."""
     device = values.device
-    scale = lookup_scale(lookups, per_sample_weights)
-    row_key = feature_meta[lookups.feature, META_ROW_BASE] + lookups.ids
-    if row_count < 2**31:  # 32-bit radix sort: half the passes
-        row_key = row_key.to(torch.int32)
+    key_index = key_index.to(torch.int64)
+    bounds = offsets[torch.stack((key_index * batch_size, (key_index + 1) * batch_size))].to(torch.int64)
+    counts = bounds[1] - bounds[0]
+    feature_base = torch.cumsum(counts, 0) - counts
+    n = num_lookups if num_lookups >= 0 else int(counts.sum())
+    # 32-bit keys when they fit: a radix sort of half the passes.
+    row_key = torch.empty(n, dtype=torch.int32 if row_count < 2**31 else torch.int64, device=device)
+    src = torch.empty(n, dtype=torch.int64, device=device)
+    scale = torch.empty(n, dtype=torch.float32, device=device)
+    feature = torch.empty(n, dtype=torch.int32, device=device)
+    if n:
+        weights = per_sample_weights if per_sample_weights is not None else scale
+        _expand_kernel[(feature_meta.shape[0], triton.cdiv(batch_size, EXPAND_BLOCK))](
+            values, offsets, weights, feature_meta, key_index, feature_base, row_key, src, scale, feature,
+            batch_size, total_dim,
+            META_W=META_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=EXPAND_BLOCK,
+        )
     sorted_key, order = torch.sort(row_key, stable=True)
-    sorted_key = sorted_key.to(torch.int64)
-    feature = lookups.feature[order]
-    src = (lookups.bag * total_dim + feature_meta[lookups.feature, META_OUT_COL])[order]
-    scale = scale[order]
-
-    positions = torch.arange(n, device=device)
-    row_start = torch.ones(n, dtype=torch.bool, device=device)
-    row_start[1:] = sorted_key[1:] != sorted_key[:-1]
-    row = torch.cumsum(row_start, 0) - 1  # row (segment) id of each lookup
-    row_first = _first_index(row, n)
-    within = positions - row_first[row]
-    piece_start = (within % PIECE) == 0
-    piece = torch.cumsum(piece_start, 0) - 1
-    num_pieces = piece[-1:] + 1 if n else torch.zeros(1, dtype=torch.int64, device=device)
-    first = _first_index(piece, n)  # start of each piece; n past the last
-    length = torch.zeros(n, dtype=torch.int32, device=device).index_add_(
-        0, piece, torch.ones(n, dtype=torch.int32, device=device))
-    at = first.clamp_max(max(n - 1, 0))
-    pieces_per_row = torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, row, piece_start.to(torch.int64))
-    split = pieces_per_row[row[at]] > 1  # the piece belongs to a row of several pieces
-    split &= positions < num_pieces
-    slot = torch.where(split, torch.cumsum(split, 0) - 1, -1)
-    pieces = (first, length, sorted_key[at], feature[at], slot, num_pieces)
-
-    # Rows of several pieces, compacted (row r's first piece is piece[row_first[r]]).
-    row_split = (pieces_per_row > 1) & (positions < row[-1:] + 1)
-    split_rank = torch.cumsum(row_split, 0) - 1
-    num_split = split_rank[-1:] + 1
-    dest = torch.where(row_split, split_rank, n)  # n: dropped
-    def compact(v, fill=0):
-        out = torch.full((n + 1,), fill, dtype=v.dtype, device=device)
-        return out.scatter_(0, dest, v)[:n]
-    row_at = row_first.clamp_max(max(n - 1, 0))
-    rows = (compact(slot[piece[row_at]]), compact(pieces_per_row.to(torch.int32)), compact(sorted_key[row_at]),
-            compact(feature[row_at]), num_split)
-    return src.contiguous(), scale.contiguous(), pieces, rows
+    return sorted_key, order, src, scale, feature
 
 
 def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, row_count, opt, num_lookups):
+                  key_index, batch_size, max_dim, row_count, opt, num_lookups, pieces=None):
+    """The backward of one group: plan, then sum every row's lookups and finish the rows. ``pieces``
+    replaces the Triton piece kernel (the CUDA backend's, pooled_cuda._cuda_pieces)."""
     grad_output = grad_output.contiguous()
-    src, scale, pieces, rows = _pieces(values, offsets, per_sample_weights, feature_meta, key_index,
-                                       batch_size, row_count, grad_output.shape[1], num_lookups)
-    n = src.numel()
+    device = grad_output.device
+    row_key, order, src, scale, feature = _sorted_lookups(
+        values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count,
+        grad_output.shape[1], num_lookups)
+    n = row_key.numel()
     if n == 0:
         return
     block_d = _block_d(max_dim)
-    # From the H100 sweep (docs/perf-notes.md, v4): ~512-element tiles; one warp for wide rows.
-    block_r = BACKWARD_LAUNCH.get("block_r") or max(1, min(32, 512 // block_d))
-    num_warps = BACKWARD_LAUNCH.get("num_warps") or (1 if block_d >= 64 else 4)
-    # Pieces of split rows: a split row of L > PIECE lookups has at most L / PIECE + 1 pieces.
-    max_slots = 2 * n // PIECE + 1
-    partials = torch.empty(max_slots * block_d, dtype=torch.float32, device=grad_output.device)
+    # Pieces (packed starts) and split rows, appended by the plan kernel; their counts stay on the device.
+    piece_list = torch.empty(n, dtype=torch.int64, device=device)
+    split_rows = torch.empty(n // (PIECE + 1) + 1, dtype=torch.int64, device=device)
+    counts = torch.zeros(2, dtype=torch.int32, device=device)
+    _plan_kernel[(triton.cdiv(n, PLAN_BLOCK),)](row_key, n, piece_list, split_rows, counts,
+                                                PIECE=PIECE, BLOCK=PLAN_BLOCK, num_warps=4)
+    partials = torch.empty(2 * ((n - 1) // PIECE + 1) * block_d, dtype=torch.float32, device=device)
     state1 = states[0] if len(states) > 0 else out
     state2 = states[1] if len(states) > 1 else out
     hyper = hyper if hyper is not None else partials
     step = step if step is not None else partials
-    _piece_kernel[(triton.cdiv(n, block_r),)](
-        src, scale, grad_output, feature_meta, *pieces, partials, out, state1, state2, hyper, step,
-        META_W=META_WIDTH, BLOCK_R=block_r, BLOCK_D=block_d, OPT=opt, num_warps=num_warps,
+    if pieces is not None:
+        pieces(row_key, order, src, scale, feature, grad_output, feature_meta, piece_list, counts, n, partials,
+               block_d, out, state1, state2, hyper, step, opt, max_dim)
+    else:
+        # From the H100 sweep (docs/perf-notes.md, v5): 8 lanes x 8 lookups at 2 warps for rows of
+        # 128+ columns, 4 x 4 at 4 warps for narrower ones.
+        wide = block_d >= 128
+        unroll = BACKWARD_LAUNCH.get("unroll") or (8 if wide else 4)
+        block_r = BACKWARD_LAUNCH.get("block_r") or (8 if wide else 4)
+        num_warps = BACKWARD_LAUNCH.get("num_warps") or (2 if wide else 4)
+        _piece_kernel[(_programs(device, triton.cdiv(n, block_r)),)](
+            row_key, order, src, scale, feature, grad_output, feature_meta, piece_list, counts, n, partials,
+            out, state1, state2, hyper, step,
+            META_W=META_WIDTH, PIECE=PIECE, BLOCK_R=block_r, UNROLL=unroll, BLOCK_D=block_d, OPT=opt,
+            num_warps=num_warps,
+        )
+    block_k = max(1, min(16, 2048 // block_d))
+    _split_row_kernel[(_programs(device, split_rows.numel()),)](
+        row_key, order, feature, feature_meta, split_rows, counts, n, partials, out, state1, state2, hyper, step,
+        META_W=META_WIDTH, PIECE=PIECE, BLOCK_R=1, BLOCK_K=block_k, BLOCK_D=block_d, OPT=opt, num_warps=4,
     )
-    # A split row has at least PIECE + 1 lookups.
-    _split_row_kernel[(triton.cdiv(n // (PIECE + 1) + 1, block_r),)](
-        partials, *rows, feature_meta, out, state1, state2, hyper, step,
-        META_W=META_WIDTH, BLOCK_R=block_r, BLOCK_D=block_d, OPT=opt,
-    )
-
 
 def backward(
     grad_output: torch.Tensor,
