@@ -12,6 +12,9 @@ from torchrec.modules.embedding_configs import DataType
 # The suite runs on the CPU by default (Triton under its interpreter); RECOM_TEST_DEVICE=cuda runs
 # the same tests with CUDA tensors on the GPU machine.
 DEVICE = torch.device(os.environ.get("RECOM_TEST_DEVICE", "cpu"))
+# The backends whose kernels the suite checks: the CUDA C++ kernels need a GPU (on the CPU, CI
+# compiles them with nvcc instead: tests/test_kernels_compile.py).
+KERNEL_BACKENDS = ["torch", "triton"] + (["cuda"] if DEVICE.type == "cuda" else [])
 
 
 @dataclass

@@ -4,14 +4,14 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 import recom_rec
-from ebc_cases import DEVICE
+from ebc_cases import DEVICE, KERNEL_BACKENDS
 
 TABLES = [
     EmbeddingBagConfig(name="users", embedding_dim=4, num_embeddings=10, feature_names=["user_id"]),
     EmbeddingBagConfig(name="item_table", embedding_dim=3, num_embeddings=6, feature_names=["item_id", "shared"]),
     EmbeddingBagConfig(name="tags", embedding_dim=2, num_embeddings=100, feature_names=["shared"]),
 ]
-BACKENDS = ["torch", "triton"]
+BACKENDS = KERNEL_BACKENDS
 
 
 def _module(backend, **kw):

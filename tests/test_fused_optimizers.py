@@ -11,9 +11,9 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.optim import RowWiseAdagrad
 
 import recom_rec
-from ebc_cases import DEVICE, make_kjt
+from ebc_cases import DEVICE, KERNEL_BACKENDS, make_kjt
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = KERNEL_BACKENDS
 
 
 def _tables(dims=(4, 8, 12), pooling=PoolingType.SUM):
@@ -315,7 +315,7 @@ def test_hot_rows_fused_update_matches_torch_backend(optimizer):
     kjts = [make_kjt(tables, batch_size=250, max_len=8, seed=s, is_weighted=False, zero_fraction=0.0).to(DEVICE)
             for s in range(2)]
     results = {}
-    for backend in ("torch", "triton"):
+    for backend in KERNEL_BACKENDS:
         torch.manual_seed(0)
         m = recom_rec.EmbeddingBagCollection([EmbeddingBagConfig(**{**vars(t), "feature_names": list(t.feature_names)})
                                               for t in tables], device=DEVICE, backend=backend)
@@ -327,8 +327,9 @@ def test_hot_rows_fused_update_matches_torch_backend(optimizer):
     # by the gradient's own magnitude, which turns last-bit differences of a small component
     # into ~1e-5 differences of the update.
     tol = 1e-4 if optimizer == "adam" else 1e-5
-    for key, value in results["torch"].items():
-        torch.testing.assert_close(results["triton"][key], value, atol=tol, rtol=tol)
+    for backend in KERNEL_BACKENDS[1:]:
+        for key, value in results["torch"].items():
+            torch.testing.assert_close(results[backend][key], value, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

@@ -7,7 +7,7 @@ from torchrec import KeyedJaggedTensor
 from torchrec.modules.embedding_configs import DataType
 
 import recom_rec
-from ebc_cases import DEVICE, cases, make_kjt
+from ebc_cases import DEVICE, KERNEL_BACKENDS, cases, make_kjt
 from recom_rec.ops.reference import reference_pooled
 
 SMALL = dict(max_tables=6, max_dim=40, max_rows=300, max_batch=5, max_len=5)
@@ -50,7 +50,7 @@ def _check_forward_backward(case, backend):
         torch.testing.assert_close(kjt.weights().grad.cpu(), psw.grad, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_random_cases_against_reference(backend):
     @settings(max_examples=15)
     @given(case=cases(**SMALL, allow_mean_weighted=True,
@@ -60,7 +60,7 @@ def test_random_cases_against_reference(backend):
     run()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("dims", [[3], [17, 3, 1], [16, 16, 16], [1, 128, 5, 64]])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_mixed_dims_and_empty_bags(backend, dims, weighted):
@@ -73,7 +73,7 @@ def test_mixed_dims_and_empty_bags(backend, dims, weighted):
     _check_forward_backward(Case(tables, kjt, weighted), backend)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_all_bags_empty(backend):
     from torchrec import EmbeddingBagConfig, PoolingType
     tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=5, feature_names=["f"],
@@ -95,7 +95,7 @@ def test_hot_rows_longer_than_a_chunk(dims):
               for i, d in enumerate(dims)]
     kjt = make_kjt(tables, batch_size=300, max_len=8, seed=5, is_weighted=True, zero_fraction=0.0).to(DEVICE)
     grads = {}
-    for backend in ("torch", "triton"):
+    for backend in KERNEL_BACKENDS:
         m = recom_rec.EmbeddingBagCollection([EmbeddingBagConfig(**{**vars(t), "feature_names": list(t.feature_names)})
                                               for t in tables], is_weighted=True, device=DEVICE, backend=backend)
         with torch.no_grad():
@@ -105,5 +105,6 @@ def test_hot_rows_longer_than_a_chunk(dims):
         out = m(kjt).values()
         out.backward(torch.sin(torch.arange(out.numel(), dtype=torch.float32)).view(out.shape).to(DEVICE))
         grads[backend] = [m.embedding_bags[t.name].weight.grad for t in tables]
-    for a, b in zip(grads["torch"], grads["triton"]):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-5)
+    for backend in KERNEL_BACKENDS[1:]:
+        for a, b in zip(grads["torch"], grads[backend]):
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-5)

@@ -1,10 +1,11 @@
 """Chooses the implementation behind the fused-lookup ops: "torch" (vectorised torch, any
-device), "triton" (GPU, or CPU under ``TRITON_INTERPRET=1``) and "auto"."""
+device), "triton" (GPU, or CPU under ``TRITON_INTERPRET=1``), "cuda" (CUDA C++ from
+recom_rec/csrc, built on first use) and "auto"."""
 import os
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cuda")
 
 
 def triton_interpreting() -> bool:
@@ -26,4 +27,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             "backend='triton' on the CPU needs TRITON_INTERPRET=1 in the environment before "
             "recom_rec is imported (the Triton interpreter); use backend='torch' or 'auto' instead"
         )
+    if backend == "cuda" and device.type != "cuda":
+        raise ValueError(f"backend='cuda' needs CUDA tensors (got {device.type}); use 'auto', 'triton' or 'torch'")
     return backend

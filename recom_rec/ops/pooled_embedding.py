@@ -6,6 +6,7 @@ gradient of the flat buffer, split into per-table views) and, when the KJT weigh
 ``pooled_embedding_weights_backward``. Being custom ops with fake implementations, they keep
 ``torch.compile(fullgraph=True)`` in one graph and work on meta/fake tensors.
 """
+import warnings
 from functools import lru_cache
 from typing import List, Optional
 
@@ -21,6 +22,46 @@ def _triton():
     from ..kernels import pooled_triton
 
     return pooled_triton
+
+
+@lru_cache(maxsize=None)
+def _cuda():
+    from ..kernels import pooled_cuda
+
+    return pooled_cuda
+
+
+def _auto_prefers_cuda(phase: str, num_features: int, total_dim: int, max_dim: int) -> bool:
+    """``backend="auto"`` on a GPU, per shape, from the H100 measurements in docs/perf-notes.md
+    (v6): the CUDA kernels' backward won on every workload; their forward won where a launch mixes
+    dims (a lane group per bag sized by its own dim, where Triton pads every feature to the widest),
+    and lost on uniform wide rows (dlrm-kaggle: 0.89 vs 0.61 ms)."""
+    if phase != "forward":
+        return True
+    return total_dim != max_dim * num_features  # dims differ within the group
+
+
+def _impl(backend: str, device: torch.device, phase: str = "backward", num_features: int = 0,
+          total_dim: int = 0, max_dim: int = 0):
+    """The module implementing forward / backward / fused_update for this backend and device."""
+    resolved = resolve_backend(backend, device)
+    if backend == "auto" and resolved == "triton" and _auto_prefers_cuda(phase, num_features, total_dim, max_dim):
+        resolved = "cuda" if _cuda_builds() else "triton"
+    if resolved == "cuda":
+        return _cuda()
+    if resolved == "triton":
+        return _triton()
+    return torch_backend
+
+
+@lru_cache(maxsize=None)
+def _cuda_builds() -> bool:
+    """Whether "auto" may use the CUDA kernels: their extension builds (or is cached) here."""
+    error = _cuda().build_error()
+    if error:
+        warnings.warn(f"recom_rec: backend='auto' runs the Triton kernels only; the CUDA kernels are "
+                      f"unavailable ({error})")
+    return error is None
 
 
 @torch.library.custom_op("recom_rec::pooled_embedding_forward", mutates_args=())
@@ -55,13 +96,12 @@ def pooled_embedding_forward(
     keys = key_index
     if validate:
         validate_inputs(values, offsets, per_sample_weights, feature_meta, keys, batch_size, names)
-    if resolve_backend(backend, flat.device) == "triton":
-        return _triton().forward(
-            flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim, max_dim
+    impl = _impl(backend, flat.device, "forward", feature_meta.shape[0], total_dim, max_dim)
+    if impl is torch_backend:
+        return torch_backend.forward(
+            flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim
         )
-    return torch_backend.forward(
-        flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim
-    )
+    return impl.forward(flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim, max_dim)
 
 
 @pooled_embedding_forward.register_fake
@@ -88,8 +128,9 @@ def pooled_embedding_backward(
 ) -> Tensor:
     """Dense gradient ``[total_numel]`` of the flat weight buffer, in the weights' dtype."""
     keys = key_index
-    if resolve_backend(backend, grad_output.device) == "triton":
-        return _triton().backward(
+    impl = _impl(backend, grad_output.device)
+    if impl is not torch_backend:
+        return impl.backward(
             grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size,
             total_numel, dtype, max_dim, num_lookups,
         )
@@ -152,7 +193,7 @@ def fused_embedding_update(
     optimizer state in place (duplicate ids summed first). ``step`` (Adam's bias correction) is
     counted by the module's forward, as fbgemm counts its iterations."""
     keys = key_index
-    impl = _triton() if resolve_backend(backend, flat.device) == "triton" else torch_backend
+    impl = _impl(backend, flat.device)
     states = [t for t in (state1, state2) if t is not None]
     impl.fused_update(
         grad_output, flat, states, [state1_is_row, False][:len(states)], hyper, step, values, offsets,

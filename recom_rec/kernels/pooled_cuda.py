@@ -1,0 +1,129 @@
+"""The CUDA C++ backend (``backend="cuda"``): recom_rec/csrc/pooled_cuda.cu, built with
+``torch.utils.cpp_extension`` on first use and cached per source, torch version and GPU
+architecture (``RECOM_REC_CUDA_CACHE``, by default ``~/.cache/recom_rec/cuda``).
+
+Forward: the CUDA kernel. Backward: the Triton planning kernels (expand, sort, plan) shared with
+the Triton backend, then the CUDA piece kernel in place of the Triton one, then the Triton
+split-row kernel; both backends cut and sum a row's lookups the same way.
+
+A group the CUDA kernels do not cover (a dim above ``MAX_DIM``, a weight buffer that is not
+16-byte aligned) runs on the Triton backend instead.
+"""
+import hashlib
+import importlib.util
+import os
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from . import pooled_triton
+
+MAX_DIM = 512  # MAX_VEC / MAX_SCALAR chunks per lane x 32 lanes in pooled_cuda.cu
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "pooled_cuda.cu"
+_build_lock = threading.Lock()
+
+
+@lru_cache(maxsize=None)
+def build_error() -> Optional[str]:
+    """Why the extension cannot be built or loaded here, or None when it can (tried once)."""
+    try:
+        _extension()
+    except Exception as e:  # noqa: BLE001 - reported to the caller as the reason
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _flags(arch: str):
+    flags = ["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    if os.environ.get("RECOM_REC_PTXAS_VERBOSE") == "1":  # registers and spills, for tuning
+        flags.append("-Xptxas=-v")
+    return flags
+
+
+def cache_dir(arch: str) -> Path:
+    """Where the build for this source, torch version and GPU architecture lives: a new source or
+    torch gives a new folder, so a stale build is never loaded."""
+    key = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__}|{torch.version.cuda}|{arch}|{_flags(arch)}"
+                         .encode()).hexdigest()[:16]
+    root = Path(os.environ.get("RECOM_REC_CUDA_CACHE", Path.home() / ".cache" / "recom_rec" / "cuda"))
+    return root / f"sm{arch}-{key}"
+
+
+@lru_cache(maxsize=None)
+def _extension():
+    if not torch.cuda.is_available():
+        raise RuntimeError("the CUDA backend needs a CUDA build of torch and a GPU")
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}"
+    name = f"recom_rec_cuda_sm{arch}"
+    folder = cache_dir(arch)
+    built = folder / f"{name}.so"
+    with _build_lock:
+        if built.exists():  # built before for this exact source: load it without ninja
+            spec = importlib.util.spec_from_file_location(name, built)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        from torch.utils import cpp_extension
+
+        if cpp_extension.CUDA_HOME is None:
+            raise RuntimeError("the CUDA backend needs nvcc (CUDA_HOME) to build recom_rec/csrc on first use")
+        folder.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cuda_cflags=_flags(arch),
+                                  build_directory=str(folder),
+                                  verbose=os.environ.get("RECOM_REC_BUILD_VERBOSE") == "1")
+
+
+def supports(flat: torch.Tensor, max_dim: int) -> bool:
+    """Whether the CUDA kernels cover this group (else the Triton backend runs it)."""
+    return flat.is_cuda and max_dim <= MAX_DIM and flat.data_ptr() % 16 == 0
+
+
+def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim):
+    if not supports(flat, max_dim):
+        return pooled_triton.forward(flat, values, offsets, per_sample_weights, feature_meta, key_index,
+                                     batch_size, total_dim, max_dim)
+    if offsets.dtype != values.dtype:
+        offsets = offsets.to(values.dtype)
+    psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
+    return _extension().pooled_forward(flat, values.contiguous(), offsets.contiguous(), psw,
+                                       feature_meta.contiguous(), key_index.to(torch.int64).contiguous(),
+                                       batch_size, total_dim, max_dim)
+
+
+def _cuda_pieces(row_key, order, src, scale, feature, grad_output, feature_meta, pieces, counts, n, partials,
+                 partial_stride, out, state1, state2, hyper, step, opt, max_dim):
+    sms = torch.cuda.get_device_properties(out.device).multi_processor_count
+    lanes = 1
+    while lanes < (max_dim + 3) // 4 and lanes < 32:
+        lanes *= 2
+    groups_per_block = 256 // lanes
+    # A persistent grid: a few waves of resident blocks, never more than there are pieces for.
+    blocks = max(1, min(sms * 8, (n + groups_per_block - 1) // groups_per_block))
+    _extension().piece_update(row_key, order, src, scale, feature, grad_output, feature_meta, pieces, counts, n,
+                              partials, partial_stride, out, state1, state2, hyper, step, opt, max_dim, blocks)
+
+
+def backward(grad_output, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_numel,
+             dtype, max_dim, num_lookups=-1):
+    grad = torch.zeros(total_numel, dtype=dtype, device=grad_output.device)
+    if feature_meta.shape[0] == 0 or batch_size == 0:
+        return grad
+    pieces = _cuda_pieces if supports(grad, max_dim) else None
+    pooled_triton._run_backward(grad_output, grad, [], None, None, values, offsets, per_sample_weights,
+                                feature_meta, key_index, batch_size, max_dim, total_numel, -1, num_lookups,
+                                pieces=pieces)
+    return grad
+
+
+def fused_update(grad_output, flat, states, state_is_row, hyper, step, values, offsets, per_sample_weights,
+                 feature_meta, key_index, batch_size, max_dim, kind, num_lookups=-1) -> None:
+    if feature_meta.shape[0] == 0 or batch_size == 0:
+        return
+    pieces = _cuda_pieces if supports(flat, max_dim) else None
+    pooled_triton._run_backward(grad_output, flat, states, hyper, step, values, offsets, per_sample_weights,
+                                feature_meta, key_index, batch_size, max_dim, flat.numel(), kind, num_lookups,
+                                pieces=pieces)
