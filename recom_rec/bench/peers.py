@@ -143,3 +143,13 @@ PEERS: Dict[str, Callable[..., Peer]] = {
     "fbgemm": FbgemmTBE,
     "compile": CompiledTorchrecEBC,
 }
+# Ours with a pinned backend, side by side with the default ("recom_rec", --backend).
+PINNED_BACKENDS = ("recom_rec:triton", "recom_rec:cuda", "recom_rec:torch")
+
+
+def make_peer(name: str, workload, device, optimizer, backend: str = "auto") -> Peer:
+    if name.startswith("recom_rec:"):
+        return RecomRec(workload, device, optimizer, backend=name.split(":", 1)[1])
+    if name == "recom_rec":
+        return RecomRec(workload, device, optimizer, backend=backend)
+    return PEERS[name](workload, device, optimizer)

@@ -11,20 +11,25 @@ def _index(results):
 
 
 def format_table(meta: dict, results: List[dict], peers: List[str]) -> str:
-    others = [p for p in peers if p != "recom_rec"]
-    head = ["workload", "phase", *[f"{p} ms" for p in peers], *[f"x {p}" for p in others], "BW % copy"]
+    """ms per peer; the speed-up of "recom_rec" over every other peer, and of each pinned backend
+    ("recom_rec:cuda", ...) over fbgemm (or the first other peer)."""
+    variants = [p for p in peers if p.startswith("recom_rec:")]
+    others = [p for p in peers if p != "recom_rec" and p not in variants]
+    bar = "fbgemm" if "fbgemm" in others else (others[0] if others else None)
+    pairs = [("recom_rec", p) for p in others] + ([(v, bar) for v in variants] if bar else [])
+    head = ["workload", "phase", *[f"{p} ms" for p in peers],
+            *[f"x {b}" if a == "recom_rec" else f"{a.split(':')[1]} x {b}" for a, b in pairs], "BW % copy"]
     lines = [f"device: {meta['device']}  torch {meta['torch']}  copy ceiling {meta['copy_gbs']:.0f} GB/s"
              f"  recom_rec backend={meta['backend']}{'  (small workloads)' if meta['small'] else ''}"]
     rows = []
     for (workload, phase), by_peer in _index(results).items():
-        ours = by_peer.get("recom_rec", {}).get("ms")
         cells = [workload, phase]
         for p in peers:
             r = by_peer.get(p, {})
             cells.append(f"{r['ms']:.3f}" if "ms" in r else ("error" if "error" in r else "-"))
-        for p in others:
-            theirs = by_peer.get(p, {}).get("ms")
-            cells.append(f"{theirs / ours:.2f}" if ours and theirs else "-")
+        for a, b in pairs:
+            mine, theirs = by_peer.get(a, {}).get("ms"), by_peer.get(b, {}).get("ms")
+            cells.append(f"{theirs / mine:.2f}" if mine and theirs else "-")
         share = by_peer.get("recom_rec", {}).get("ceiling_share")
         cells.append(f"{100 * share:.0f}%" if share else "-")
         rows.append(cells)
