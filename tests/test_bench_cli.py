@@ -25,3 +25,22 @@ def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
     assert ("many-1000", "recom_rec", "forward") in peers and ("many-1000", "fbgemm", "sgd") in peers
     assert ("ps", "in-device table", "sgd") in peers
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_pinned_backend_and_sharded_dlrm_on_gloo(tmp_path):
+    """A pinned backend gets its own column and ratio; 'sharded-dlrm' trains torchrec's DLRM under
+    DistributedModelParallel in 1 and 2 gloo processes, ours and torchrec's sharder."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "recom_rec.bench", "--workloads", "many-1000", "sharded-dlrm", "--peers", "recom_rec",
+         "recom_rec:torch", "fbgemm", "--phases", "forward", "--iters", "2", "--warmup", "1", "--worlds", "1", "2",
+         "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = result.stdout
+    assert "recom_rec:torch ms" in text and "torch x fbgemm" in text, text
+    assert "sharded-dlrm" in text and "x torchrec" in text and "scaling" in text, text
+    data = json.loads(out.with_suffix(".json").read_text())
+    dlrm = {(r["world"], r["peer"]) for r in data["results"] if r["workload"] == "sharded-dlrm" and r["ms"] > 0}
+    assert dlrm == {(1, "recom_rec"), (1, "torchrec"), (2, "recom_rec"), (2, "torchrec")}, dlrm

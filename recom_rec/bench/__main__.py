@@ -11,7 +11,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from .peers import PEERS, fbgemm_available
+from .peers import PEERS, PINNED_BACKENDS, fbgemm_available, make_peer
 from .report import format_table, plot_results
 from .timing import copy_bandwidth_gbs, time_ms
 from .workloads import WORKLOADS, get_workload
@@ -30,17 +30,23 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m recom_rec.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS),
-                   choices=list(WORKLOADS) + ["ps"],
-                   help="'ps' (not in the default set): a 1e8-row table in the parameter-server tier, see --ps-urls")
+                   choices=list(WORKLOADS) + ["ps", "sharded-dlrm"],
+                   help="not in the default set: 'ps', a 1e8-row table in the parameter-server tier (see "
+                   "--ps-urls); 'sharded-dlrm', a DLRM training step under DistributedModelParallel, ours vs "
+                   "torchrec's sharder (see --worlds)")
+    p.add_argument("--worlds", nargs="+", type=int, default=None,
+                   help="process counts for 'sharded-dlrm' (one per GPU; default 1 and every GPU)")
     p.add_argument("--ps-urls", nargs="+", default=["memory://bench"],
                    help="stores for the 'ps' workload, e.g. memory://bench redis://127.0.0.1:6379/0")
-    p.add_argument("--peers", nargs="+", default=["recom_rec", "torchrec", "fbgemm"], choices=list(PEERS))
+    p.add_argument("--peers", nargs="+", default=["recom_rec", "torchrec", "fbgemm"],
+                   choices=list(PEERS) + list(PINNED_BACKENDS),
+                   help="recom_rec:triton / recom_rec:cuda: ours with that backend pinned, beside 'recom_rec' (--backend)")
     p.add_argument("--batch-size", type=int, default=None, help="override every workload's batch size")
     p.add_argument("--phases", nargs="+", default=[p for p in PHASES if p != "forward-graph"], choices=PHASES,
                    help="forward: inference under no_grad; backward: forward+backward to dense gradients "
                    "(fbgemm applies its fused SGD); sgd, rowwise_adagrad: forward+backward+optimizer "
                    "(fused for recom_rec and fbgemm)")
-    p.add_argument("--backend", default="auto", help="recom_rec backend: auto, triton or torch")
+    p.add_argument("--backend", default="auto", help="recom_rec backend: auto, triton, cuda or torch")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="scaled-down workloads (default on the CPU)")
     p.add_argument("--iters", type=int, default=50)
@@ -67,10 +73,9 @@ def _graph_replay(peer, kjt, device):
 
 def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
     rows = []
-    kwargs = {"backend": args.backend} if pname == "recom_rec" else {}
     fbgemm_opt = "sgd" if optimizer == "none" else optimizer  # fbgemm always fuses an optimizer
     try:
-        peer = PEERS[pname](w, device, fbgemm_opt if pname == "fbgemm" else optimizer, **kwargs)
+        peer = make_peer(pname, w, device, fbgemm_opt if pname == "fbgemm" else optimizer, args.backend)
     except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:  # e.g. a peer that does not fit
         return [{"workload": w.name, "peer": pname, "phase": p, "error": str(e)[:200]} for p in phases]
     grad = torch.ones(w.batch_size, sum(w.dims), device=device)
@@ -111,7 +116,7 @@ def run(args):
     ceiling = copy_bandwidth_gbs(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
     results = []
     peers = [p for p in args.peers if p != "fbgemm" or fbgemm_available(device)]
-    for wname in tqdm([w for w in args.workloads if w != "ps"], desc="workloads", file=sys.stderr):
+    for wname in tqdm([w for w in args.workloads if w in WORKLOADS], desc="workloads", file=sys.stderr):
         w = get_workload(wname, small)
         if args.batch_size:
             w.batch_size = args.batch_size
@@ -126,7 +131,7 @@ def run(args):
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "copy_gbs": ceiling, "small": small, "backend": args.backend,
-        "workloads": {n: get_workload(n, small).description for n in args.workloads if n != "ps"},
+        "workloads": {n: get_workload(n, small).description for n in args.workloads if n in WORKLOADS},
     }
     return meta, results
 
@@ -142,6 +147,14 @@ def main(argv=None):
         ps_results = run_ps_workload(torch.device(args.device), args.ps_urls, args.small or args.device == "cpu")
         print(format_ps(ps_results))
         results = results + ps_results
+    if "sharded-dlrm" in args.workloads:
+        from .sharded_dlrm import default_worlds, format_sharded, run_sharded_dlrm
+
+        small = args.small or args.device == "cpu"
+        dlrm_rows = run_sharded_dlrm(args.worlds or default_worlds(small), small, iters=args.iters,
+                                     warmup=args.warmup)
+        print(format_sharded(dlrm_rows))
+        results = results + dlrm_rows
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)

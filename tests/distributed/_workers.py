@@ -1,4 +1,5 @@
-"""Worker processes for the multi-process (gloo, CPU) sharding tests.
+"""Worker processes for the multi-process sharding tests: gloo on the CPU, NCCL on GPUs (one
+process per GPU) when the test passes backend "nccl".
 
 Each worker builds the same model under one seed, shards it with DistributedModelParallel,
 trains a few fused-SGD steps on its slice of a global batch and checks, against an unsharded
@@ -6,6 +7,7 @@ reference trained on the whole batch, the forward outputs (per key) and the weig
 import os
 import random
 import socket
+import sys
 import traceback
 from typing import Dict, List, Tuple
 
@@ -43,6 +45,7 @@ FUSED_EXTRA = {"sgd": {}, "adagrad": {"eps": 1e-8}, "rowwise_adagrad": {"eps": 1
 STEPS = int(os.environ.get("RECOM_DIST_STEPS", "3"))
 BATCH = 3  # per rank
 FEATURES = ["f0", "f1", "f2", "f3", "f4"]
+DEV = torch.device("cpu")  # this worker's device: set by run_cases (cuda:rank under NCCL)
 
 
 def free_port() -> int:
@@ -70,10 +73,11 @@ ROWS = {"f0": 20, "f1": 17, "f2": 17, "f3": 13, "f4": 11}
 class Model(nn.Module):
     """Our module next to torchrec's, as in a real model."""
 
-    def __init__(self, weighted: bool = False, device: str = "cpu") -> None:
+    def __init__(self, weighted: bool = False, device=None) -> None:
         super().__init__()
+        device = torch.device(device or DEV)
         self.ebc = recom_rec.EmbeddingBagCollection(ours_tables(), is_weighted=weighted, device=device)
-        self.tebc = TorchrecEBC(torchrec_tables(), device=torch.device(device))
+        self.tebc = TorchrecEBC(torchrec_tables(), device=device)
 
     def forward(self, kjt: KeyedJaggedTensor):
         return self.ebc(kjt), self.tebc(kjt)
@@ -95,7 +99,7 @@ def to_kjt(samples: List[Dict[str, List[int]]], weighted: bool = False) -> Keyed
     ids = torch.tensor(values, dtype=torch.int64)
     return KeyedJaggedTensor.from_lengths_sync(
         keys=FEATURES, values=ids, lengths=torch.tensor(lengths, dtype=torch.int64),
-        weights=(0.5 + 0.25 * (ids % 3)).float() if weighted else None)
+        weights=(0.5 + 0.25 * (ids % 3)).float() if weighted else None).to(DEV)
 
 
 def loss_of(kts) -> torch.Tensor:
@@ -104,28 +108,29 @@ def loss_of(kts) -> torch.Tensor:
     total = 0
     for kt in kts:
         for key, value in kt.to_dict().items():
-            total = total + (value * torch.linspace(-1.0, 1.5, value.shape[1]) * (1 + FEATURES.index(key) / 4)).sum()
+            total = total + (value * torch.linspace(-1.0, 1.5, value.shape[1], device=value.device) * (1 + FEATURES.index(key) / 4)).sum()
     return total
 
 
+# Ranks are taken modulo the world size: on one GPU every shard lands on rank 0.
 PLANS = {
     "table_wise": lambda w: {"t0": table_wise(rank=0, compute_kernel="fused"),
-                             "t1": table_wise(rank=1, compute_kernel="fused"),
+                             "t1": table_wise(rank=1 % w, compute_kernel="fused"),
                              "t2": table_wise(rank=w - 1, compute_kernel="fused")},
-    "column_wise": lambda w: {"t0": column_wise(ranks=[0, 1], compute_kernel="fused"),
+    "column_wise": lambda w: {"t0": column_wise(ranks=[0, 1 % w], compute_kernel="fused"),
                               "t1": column_wise(ranks=list(range(w)), compute_kernel="fused"),
                               "t2": column_wise(ranks=[w - 1, 0], compute_kernel="fused")},
     # two column shards of t2 on rank 0 (the planner makes such plans for wide tables)
-    "column_wise_multi": lambda w: {"t0": table_wise(rank=1, compute_kernel="fused"),
-                                    "t1": column_wise(ranks=[1, 0], compute_kernel="fused"),
-                                    "t2": column_wise(ranks=[0, 1, 0], compute_kernel="fused")},
+    "column_wise_multi": lambda w: {"t0": table_wise(rank=1 % w, compute_kernel="fused"),
+                                    "t1": column_wise(ranks=[1 % w, 0], compute_kernel="fused"),
+                                    "t2": column_wise(ranks=[0, 1 % w, 0], compute_kernel="fused")},
     # a dense and fused tables on one rank: two local modules, columns re-ordered after
     "two_kernels": lambda w: {"t0": table_wise(rank=0, compute_kernel="dense"),
                               "t1": table_wise(rank=0, compute_kernel="fused"),
                               "t2": table_wise(rank=0, compute_kernel="dense")},
     "data_parallel": lambda w: {"t0": data_parallel(), "t1": data_parallel(), "t2": data_parallel()},
     "mixed": lambda w: {"t0": table_wise(rank=w - 1, compute_kernel="fused"),
-                        "t1": column_wise(ranks=[1, 0], compute_kernel="fused"),
+                        "t1": column_wise(ranks=[1 % w, 0], compute_kernel="fused"),
                         "t2": data_parallel()},
     "row_wise": lambda w: {"t0": row_wise(compute_kernel="fused"), "t1": row_wise(compute_kernel="fused"),
                            "t2": row_wise(compute_kernel="fused")},
@@ -139,7 +144,7 @@ def gather_full(value, shape) -> torch.Tensor:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     if isinstance(value, ShardedTensor):
-        full = torch.zeros(shape)
+        full = torch.zeros(shape, device=DEV)
         for shard in value.local_shards():
             r, c = shard.metadata.shard_offsets
             rows, cols = shard.metadata.shard_sizes
@@ -155,11 +160,28 @@ def _wait(x):
     return x.wait() if isinstance(x, LazyAwaitable) else x
 
 
-def run_cases(rank: int, world: int, port: int, cases: List[Tuple[str, str]], tmpdir: str = "") -> None:
-    """Entry point of a spawned worker: one gloo group, then each (plan, optimizer_via) case
-    (optimizer_via "checkpoint" runs the checkpoint round trip of that plan instead)."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def exit_worker() -> None:
+    """Ends a worker that succeeded without running C++ static destructors: now and then one of
+    them (a library's background thread still joinable at exit) calls std::terminate after all
+    the work is done - "terminate called without an active exception", SIGABRT - and spawn would
+    report the passed worker as failed. Output is flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_cases(rank: int, world: int, port: int, cases: List[Tuple[str, str]], tmpdir: str = "",
+              backend: str = "gloo") -> None:
+    """Entry point of a spawned worker: one process group (gloo on the CPU, NCCL on GPU ``rank``),
+    then each (plan, optimizer_via) case (optimizer_via "checkpoint" runs the checkpoint round
+    trip of that plan instead)."""
+    global DEV
+    if backend == "nccl":
+        DEV = torch.device("cuda", rank)
+        torch.cuda.set_device(DEV)
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         for case, optimizer_via in cases:
             if optimizer_via == "checkpoint":
@@ -168,17 +190,18 @@ def run_cases(rank: int, world: int, port: int, cases: List[Tuple[str, str]], tm
                 check_parity(rank, world, case, optimizer_via)
     except Exception:
         traceback.print_exc()
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    exit_worker()
 
 
 def _shard(model: "Model", case: str, world: int) -> DistributedModelParallel:
     ours = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
     plan = ShardingPlan({"ebc": construct_module_sharding_plan(
-        model.ebc, PLANS[case](world), sharder=ours, local_size=world, world_size=world, device_type="cpu")})
+        model.ebc, PLANS[case](world), sharder=ours, local_size=world, world_size=world, device_type=DEV.type)})
     return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
-                                    sharders=[ours, TorchrecSharder()], device=torch.device("cpu"))
+                                    sharders=[ours, TorchrecSharder()], device=DEV)
 
 
 def check_checkpoint(rank: int, world: int, case: str, path: str) -> None:
@@ -249,7 +272,7 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
     meta = case.startswith("meta_")
     case = case[len("meta_"):] if meta else case
     torch.manual_seed(0)
-    model = Model(weighted, device="meta" if meta else "cpu")
+    model = Model(weighted, device="meta" if meta else DEV)
     torch.manual_seed(0)
     ref = Model(weighted)
     ref_checkpoint = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -293,24 +316,23 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
                        "t1": ParameterConstraints(sharding_types=["column_wise"]),
                        "t2": ParameterConstraints(sharding_types=["table_wise"]),
                        "tr": ParameterConstraints(sharding_types=["table_wise"])}
-        plan = build_plan(model, [ours, theirs], world_size=world, batch_size=BATCH,
+        plan = build_plan(model, [ours, theirs], world_size=world, batch_size=BATCH, compute_device=DEV.type,
                           constraints=constraints, print_plan=rank == 0)
         for table, kind in [("t0", "row_wise"), ("t1", "column_wise"), ("t2", "table_wise")]:
             assert plan.plan["ebc"][table].sharding_type == kind, plan
     else:
         plan = ShardingPlan({
             "ebc": construct_module_sharding_plan(model.ebc, PLANS[case](world), sharder=ours,
-                                                  local_size=world, world_size=world, device_type="cpu"),
+                                                  local_size=world, world_size=world, device_type=DEV.type),
             "tebc": construct_module_sharding_plan(
                 model.tebc, {"tr": table_wise(rank=world - 1, compute_kernel="fused")}, sharder=theirs,
-                local_size=world, world_size=world, device_type="cpu"),
+                local_size=world, world_size=world, device_type=DEV.type),
         })
-    dmp = DistributedModelParallel(model, env=env, plan=plan, sharders=sharders,
-                                   device=torch.device("cpu"))
+    dmp = DistributedModelParallel(model, env=env, plan=plan, sharders=sharders, device=DEV)
     assert type(dmp.module.ebc).__name__ == "ShardedFusedEmbeddingBagCollection", type(dmp.module.ebc)
     if meta:
         dmp.load_state_dict(ref_checkpoint)
-    # torchrec's own sharded module (tebc) starts from its own init on the CPU: align it.
+    # torchrec's own sharded module (tebc) starts from its own init: align it.
     with torch.no_grad():
         ref.tebc.embedding_bags["tr"].weight.copy_(
             gather_full(dmp.state_dict()["tebc.embedding_bags.tr.weight"], (11, 4)))

@@ -1,0 +1,168 @@
+"""The ``sharded-dlrm`` workload: a DLRM training step under DistributedModelParallel.
+
+torchrec's ``DLRM`` model with the ``dlrm-kaggle`` tables (26 Criteo tables, D=128), a batch of
+65536 per GPU (1024 per process on the CPU), one process per GPU (NCCL; gloo on the CPU). Two
+embedding modules go through the same plan (every table table-wise, tables spread over the ranks
+by size, greedily): recom_rec's module with our sharder, and torchrec's module with torchrec's
+default sharder (fbgemm's TBE). Both fuse SGD into the backward; the dense part trains with
+torch.optim.SGD under DDP, as DMP sets it up. Reported: median step time (the slowest rank's),
+global samples per second, our speed-up, and the scaling from the smallest world to each larger.
+"""
+import os
+import socket
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DENSE_IN = 13
+DENSE_LAYERS = [512, 256, 128]
+OVER_LAYERS = [1024, 1024, 512, 256, 1]
+LR = 0.01
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def table_wise_ranks(rows: List[int], world: int) -> List[int]:
+    """Each table's rank: largest tables first, each to the rank holding the fewest rows so far."""
+    load = [0] * world
+    ranks = [0] * len(rows)
+    for t in sorted(range(len(rows)), key=lambda i: -rows[i]):
+        r = min(range(world), key=lambda k: load[k])
+        ranks[t] = r
+        load[r] += rows[t]
+    return ranks
+
+
+def _build(impl: str, workload, world: int, device: torch.device):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection as TorchrecEBC
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as TorchrecSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.models.dlrm import DLRM
+
+    import recom_rec
+    from recom_rec.distributed import EmbeddingBagCollectionSharder
+
+    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+    tables = workload.tables()
+    meta = torch.device("meta")
+    if impl == "recom_rec":
+        ebc = recom_rec.EmbeddingBagCollection(tables, device=meta)
+        sharder = EmbeddingBagCollectionSharder(fused_params=fused)
+    else:
+        ebc = TorchrecEBC(tables, device=meta)
+        sharder = TorchrecSharder(fused_params=fused)
+    model = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=DENSE_LAYERS,
+                 over_arch_layer_sizes=OVER_LAYERS, dense_device=device)
+    ranks = table_wise_ranks(workload.rows, world)
+    per_table = {t.name: table_wise(rank=r, compute_kernel="fused") for t, r in zip(tables, ranks)}
+    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+        ebc, per_table, sharder=sharder, local_size=world, world_size=world, device_type=device.type)})
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
+                                   sharders=[sharder], device=device)
+    return dmp
+
+
+def _worker(rank: int, world: int, port: int, small: bool, iters: int, warmup: int, result_path: str) -> None:
+    from .timing import time_ms
+    from .workloads import get_workload
+
+    cuda = torch.cuda.is_available() and not small
+    if cuda:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        workload = get_workload("dlrm-kaggle", small)
+        kjt = workload.make_input(device, seed=rank)
+        gen = torch.Generator().manual_seed(rank)
+        dense = torch.randn(workload.batch_size, DENSE_IN, generator=gen).to(device)
+        labels = (torch.rand(workload.batch_size, generator=gen) < 0.25).float().to(device)
+        results: Dict[str, float] = {}
+        for impl in ("recom_rec", "torchrec"):
+            torch.manual_seed(0)
+            dmp = _build(impl, workload, world, device)
+            dense_opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "embedding_bag" not in n], lr=LR)
+            loss_fn = torch.nn.BCEWithLogitsLoss()
+
+            def step():
+                logits = dmp(dense, kjt).squeeze(-1)
+                loss_fn(logits, labels).backward()
+                dense_opt.step()
+                dense_opt.zero_grad(set_to_none=True)
+
+            ms = torch.tensor([time_ms(step, device, warmup=warmup, iters=iters)], device=device)
+            dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
+            results[impl] = float(ms.item())
+            del dmp, dense_opt
+            if cuda:
+                torch.cuda.empty_cache()
+        if rank == 0:
+            torch.save({"world": world, "batch_per_rank": workload.batch_size, "ms": results,
+                        "device": torch.cuda.get_device_name(device) if cuda else "cpu"}, result_path)
+    finally:
+        dist.destroy_process_group()
+    # Skip C++ static destructors: a library thread still joinable at exit can call std::terminate
+    # after the work is done (seen with gloo on the CPU), and spawn would report a failed worker.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_sharded_dlrm(worlds: List[int], small: bool, iters: int = 20, warmup: int = 5) -> List[dict]:
+    """One spawned process group per world size; rows of results (one per world x module)."""
+    rows = []
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "result.pt")
+            t0 = time.perf_counter()
+            mp.spawn(_worker, args=(world, _free_port(), small, iters, warmup, path), nprocs=world, join=True)
+            res = torch.load(path)
+        print(f"sharded-dlrm world {world}: {res['ms']} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        for impl, ms in res["ms"].items():
+            rows.append({"workload": "sharded-dlrm", "phase": f"train step, {world} rank(s)", "peer": impl,
+                         "world": world, "batch_per_rank": res["batch_per_rank"], "ms": ms,
+                         "samples_per_s": world * res["batch_per_rank"] / (ms * 1e-3), "device": res["device"]})
+    return rows
+
+
+def format_sharded(rows: List[dict]) -> str:
+    if not rows:
+        return ""
+    base = {r["peer"]: r for r in rows if r["world"] == min(x["world"] for x in rows)}
+    lines = [f"sharded-dlrm: torchrec DLRM, dlrm-kaggle tables table-wise (same plan), fused SGD, "
+             f"batch {rows[0]['batch_per_rank']} per rank, {rows[0]['device']}",
+             f"{'ranks':>5}  {'module':>9}  {'step ms':>8}  {'samples/s':>11}  {'x torchrec':>10}  "
+             f"{'scaling':>7}"]
+    by_world: Dict[int, Dict[str, dict]] = {}
+    for r in rows:
+        by_world.setdefault(r["world"], {})[r["peer"]] = r
+    for world, peers in sorted(by_world.items()):
+        for impl, r in peers.items():
+            speedup = peers["torchrec"]["ms"] / r["ms"] if "torchrec" in peers else float("nan")
+            scaling = r["samples_per_s"] / base[impl]["samples_per_s"] if impl in base else float("nan")
+            lines.append(f"{world:>5}  {impl:>9}  {r['ms']:>8.2f}  {r['samples_per_s']:>11,.0f}  {speedup:>10.2f}  "
+                         f"{scaling:>7.2f}")
+    return "\n".join(lines)
+
+
+def default_worlds(small: bool) -> List[int]:
+    if small or not torch.cuda.is_available():
+        return [1, 2]
+    n = torch.cuda.device_count()
+    return sorted({1, n})
+

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool, carry [".gpu"] and, when built before, [".cuda_ext"]): build or
+# load the CUDA backend, run the GPU suites (kernels on every backend, NCCL sharding on every GPU),
+# then the benchmarks. Each stage has its own time limit; logs under $OUT.
+#   STAGES="tests nccl dlrm bench" BENCH_ARGS="..." bash tools/gpu_session.sh
+set -o pipefail
+source .gpu/setup.sh
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-out}"; mkdir -p "$OUT"
+export RECOM_REC_CUDA_CACHE="$PWD/.cuda_ext"
+STAGES="${STAGES:-tests nccl dlrm bench}"
+t0=$(date +%s)
+python3 -c "from recom_rec.kernels import pooled_cuda; print('cuda backend:', pooled_cuda.build_error() or 'ok')" 2>&1 | tail -1
+echo "build/load $(( $(date +%s) - t0 )) s"
+for d in .cuda_ext/*/; do cp "$d"*.so "$OUT/$(basename "$d").so" 2>/dev/null; done
+stage() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+if [[ " $STAGES " == *" tests "* ]]; then
+  stage tests
+  RECOM_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider \
+    ${TESTS:-tests/test_kernels_reference.py tests/test_fused_optimizers.py tests/test_parity_torchrec.py tests/test_bad_input.py tests/ps} \
+    > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head
+fi
+if [[ " $STAGES " == *" nccl "* ]]; then
+  stage nccl
+  RECOM_TEST_DEVICE=cuda timeout ${NCCL_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -k nccl \
+    tests/distributed/test_sharded_parity.py > "$OUT/nccl.log" 2>&1; tail -2 "$OUT/nccl.log"
+  grep -E "checkpoint |Error|error" "$OUT/nccl.log" | grep -v Warning | head -8
+fi
+if [[ " $STAGES " == *" dlrm "* ]]; then
+  stage sharded-dlrm
+  timeout ${DLRM_TIMEOUT:-150} python3 -m recom_rec.bench --workloads sharded-dlrm --iters 20 --out "$OUT/dlrm" 2>&1 \
+    | grep -v "Warning\|warn\|^ *$\|\[33m\|\[0m\|compat" | tail -8
+fi
+if [[ " $STAGES " == *" bench "* ]]; then
+  stage bench
+  timeout ${BENCH_TIMEOUT:-240} python3 -m recom_rec.bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 \
+    | grep -v "is_fx_tracing\|it/s\]\|Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|run_backward" | tee "$OUT/bench.log" | tail -30
+fi
+stage done
