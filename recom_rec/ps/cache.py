@@ -1,15 +1,17 @@
 """Slot map of one PS-backed table's cache: which id sits in which slot, and which slot to evict.
 
-The id -> slot map is a Python dict (one lookup per *unique* id of a batch, about 0.1 us each);
-everything else (free/dirty/pinned masks, recency and frequency counters, victim choice) is a
-vectorised torch op over the ``cache_rows`` slots. Cost per batch: O(unique ids) dict work plus
-O(cache_rows) tensor work when the batch misses.
+The id -> slot map is an :class:`~recom_rec.ps.id_index.IdIndex` (sorted arrays, one
+``searchsorted`` per batch); everything else (free/dirty/pinned masks, recency and frequency
+counters, victim choice) is a vectorised torch op over the ``cache_rows`` slots. Cost per batch:
+a few torch ops over the batch's unique ids plus O(cache_rows) tensor work when the batch misses.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Tuple
 
 import torch
+
+from .id_index import IdIndex
 
 FREE = -1
 
@@ -23,7 +25,7 @@ class SlotCache:
         self.table = table
         self.cache_rows = cache_rows
         self.eviction = eviction
-        self.slot_of: Dict[int, int] = {}
+        self.slot_of = IdIndex()
         self.id_of = torch.full((cache_rows,), FREE, dtype=torch.int64)
         self.dirty = torch.zeros(cache_rows, dtype=torch.bool)
         self.pins = torch.zeros(cache_rows, dtype=torch.int32)  # batches in flight using the slot
@@ -33,8 +35,7 @@ class SlotCache:
         self.stats = {"hits": 0, "misses": 0, "evictions": 0, "pushed": 0}
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        get = self.slot_of.get
-        return torch.tensor([get(i, FREE) for i in ids.tolist()], dtype=torch.int64)
+        return self.slot_of.lookup(ids)  # FREE (-1) where the id is not cached
 
     def free_slots(self) -> torch.Tensor:
         return (self.id_of == FREE).nonzero().flatten()
@@ -60,15 +61,13 @@ class SlotCache:
 
     def drop(self, slots: torch.Tensor) -> None:
         self.stats["evictions"] += slots.numel()
-        for i in self.id_of[slots].tolist():
-            del self.slot_of[i]
+        self.slot_of.delete(self.id_of[slots])
         self.id_of[slots] = FREE
         self.dirty[slots] = False
         self.uses[slots] = 0
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        for i, s in zip(ids.tolist(), slots.tolist()):
-            self.slot_of[i] = s
+        self.slot_of.insert(ids, slots)
         self.id_of[slots] = ids
         self.dirty[slots] = False
         self.uses[slots] = 0

@@ -4,9 +4,9 @@
 handle opened with the same name in this process (like a tiny in-process server), and its
 data outlives the handles until :func:`drop_memory_namespace` is called.
 
-Each table keeps an id -> slot dict and one growing ``[capacity, width]`` tensor, so gathers
-and scatters of a batch are single vectorised index operations; only the id -> slot lookup is
-a Python loop (a dict lookup per id).
+Each table keeps an id -> slot :class:`~recom_rec.ps.id_index.IdIndex` and one growing
+``[capacity, width]`` tensor, so lookups, gathers and scatters of a batch are each a few
+vectorised torch ops.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from ..id_index import IdIndex
 from .base import RowStore, StoreError
 
 _INITIAL_CAPACITY = 1024
@@ -23,11 +24,12 @@ _INITIAL_CAPACITY = 1024
 
 class _Table:
     """Rows of one table: an id -> slot index plus a row tensor that doubles when full."""
+    # slots of deleted ids are kept in free_slots and handed out again before the tensor grows
 
     def __init__(self, width: int, dtype: torch.dtype):
         self.width = width
         self.dtype = dtype
-        self.slot_of: Dict[int, int] = {}
+        self.slot_of = IdIndex()
         self.rows = torch.zeros(_INITIAL_CAPACITY, width, dtype=dtype)
         self.used = 0  # slots [0, used) have been handed out at least once
         self.free_slots: List[int] = []  # slots of deleted ids, reused before growing
@@ -40,8 +42,7 @@ class _Table:
             )
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        slot_of = self.slot_of
-        return torch.tensor([slot_of.get(i, -1) for i in ids.tolist()], dtype=torch.int64)
+        return self.slot_of.lookup(ids)  # -1 where the id is not stored
 
     def allocate(self, count: int) -> List[int]:
         reused = self.free_slots[-count:] if count else []
@@ -111,8 +112,7 @@ class MemoryStore(RowStore):
             if missing.numel():
                 new_slots = t.allocate(missing.numel())
                 slots[missing] = torch.tensor(new_slots, dtype=torch.int64)
-                for i, s in zip(ids[missing].tolist(), new_slots):
-                    t.slot_of[i] = s
+                t.slot_of.insert(ids[missing], slots[missing])
             t.rows[slots] = rows  # ids are unique here, so the scatter is well defined
 
     def _delete(self, table, ids) -> None:
@@ -120,16 +120,15 @@ class MemoryStore(RowStore):
             t = self._ns.tables.get(table)
             if t is None:
                 return
-            for i in ids.tolist():
-                slot = t.slot_of.pop(i, None)
-                if slot is not None:
-                    t.free_slots.append(slot)
+            ids = torch.unique(ids.to(torch.int64))
+            slots = t.slot_of.lookup(ids)
+            t.slot_of.delete(ids)
+            t.free_slots.extend(slots[slots >= 0].tolist())
 
     def _scan_ids(self, table) -> torch.Tensor:
         with self._ns.lock:
             t = self._ns.tables.get(table)
-            keys = list(t.slot_of) if t is not None else []
-        return torch.tensor(keys, dtype=torch.int64)
+            return t.slot_of.items()[0] if t is not None else torch.empty(0, dtype=torch.int64)
 
     def _clear(self, table) -> None:
         with self._ns.lock:

@@ -1,0 +1,115 @@
+"""A vectorised map from int64 ids to int64 values (cache slots, store rows).
+
+The parameter-server tier looks up, inserts and deletes thousands of ids per batch; a Python dict
+costs a bytecode round trip per id (~0.2-0.3 us, plus building the result list), which made the
+id -> slot maps the largest host cost of a PS step. Here every operation is a handful of torch
+ops over the whole batch:
+
+- a *main* sorted array of keys with their values, and a small sorted *delta* array that takes
+  inserts; a lookup is one ``searchsorted`` in each;
+- inserts merge into the delta (cost O(delta + batch)); when the delta outgrows a quarter of the
+  main array it is merged into it (amortised O(1) moves per insert);
+- deletes mark the value ``MISSING`` in place; marked entries are dropped at the next merge.
+
+Each id is listed at most once across the two arrays, so a lookup needs no precedence rule.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+MISSING = -1
+
+
+def _merge_sorted(a_keys, a_vals, b_keys, b_vals) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge two sorted key arrays (disjoint keys) with their values, in O(len(a) + len(b))."""
+    if b_keys.numel() == 0:
+        return a_keys, a_vals
+    if a_keys.numel() == 0:
+        return b_keys, b_vals
+    # b's element j lands after the j elements of b before it and the elements of a below it.
+    pos_b = torch.searchsorted(a_keys, b_keys) + torch.arange(b_keys.numel())
+    n = a_keys.numel() + b_keys.numel()
+    is_b = torch.zeros(n, dtype=torch.bool)
+    is_b[pos_b] = True
+    keys = torch.empty(n, dtype=torch.int64)
+    vals = torch.empty(n, dtype=torch.int64)
+    keys[pos_b], vals[pos_b] = b_keys, b_vals
+    keys[~is_b], vals[~is_b] = a_keys, a_vals
+    return keys, vals
+
+
+class IdIndex:
+    """int64 id -> int64 value (>= 0), vectorised; see the module docstring."""
+
+    def __init__(self) -> None:
+        empty = torch.empty(0, dtype=torch.int64)
+        self._main_keys, self._main_vals = empty, empty
+        self._delta_keys, self._delta_vals = empty, empty
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    @staticmethod
+    def _find(keys: torch.Tensor, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Positions of ``ids`` in sorted ``keys`` and whether each is there."""
+        if keys.numel() == 0:
+            return torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool)
+        pos = torch.searchsorted(keys, ids).clamp_(max=keys.numel() - 1)
+        return pos, keys[pos] == ids
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The value of each id, ``MISSING`` (-1) for ids not in the map."""
+        ids = ids.to(torch.int64)
+        out = torch.full(ids.shape, MISSING, dtype=torch.int64)
+        for keys, vals in ((self._main_keys, self._main_vals), (self._delta_keys, self._delta_vals)):
+            if keys.numel() == 0:
+                continue
+            pos, hit = self._find(keys, ids)
+            # An id is listed in at most one of the arrays; a deleted one holds MISSING there.
+            out = torch.where(hit, vals[pos], out)
+        return out
+
+    def insert(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Maps ``ids`` (unique within the call) to ``values`` (>= 0), replacing present ones."""
+        ids, values = ids.to(torch.int64).flatten(), values.to(torch.int64).flatten()
+        if ids.numel() == 0:
+            return
+        order = torch.argsort(ids)
+        ids, values = ids[order], values[order]
+        # Ids listed already (live, or deleted and holding MISSING) are set in place.
+        for keys, vals in ((self._main_keys, self._main_vals), (self._delta_keys, self._delta_vals)):
+            pos, hit = self._find(keys, ids)
+            if bool(hit.any()):
+                vals[pos[hit]] = values[hit]
+                ids, values = ids[~hit], values[~hit]
+        self._delta_keys, self._delta_vals = _merge_sorted(self._delta_keys, self._delta_vals, ids, values)
+        if self._delta_keys.numel() > max(1024, self._main_keys.numel() // 4):
+            self._compact()
+        self._live = self._count_live()
+
+    def delete(self, ids: torch.Tensor) -> None:
+        """Removes ``ids`` (absent ones are ignored)."""
+        ids = ids.to(torch.int64).flatten()
+        for keys, vals in ((self._main_keys, self._main_vals), (self._delta_keys, self._delta_vals)):
+            pos, hit = self._find(keys, ids)
+            if bool(hit.any()):
+                vals[pos[hit]] = MISSING
+        self._live = self._count_live()
+
+    def items(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every (id, value), ids ascending."""
+        self._compact()
+        return self._main_keys.clone(), self._main_vals.clone()
+
+    def _count_live(self) -> int:
+        return int((self._main_vals >= 0).sum()) + int((self._delta_vals >= 0).sum())
+
+    def _compact(self) -> None:
+        keep_m, keep_d = self._main_vals >= 0, self._delta_vals >= 0
+        self._main_keys, self._main_vals = _merge_sorted(self._main_keys[keep_m], self._main_vals[keep_m],
+                                                         self._delta_keys[keep_d], self._delta_vals[keep_d])
+        empty = torch.empty(0, dtype=torch.int64)
+        self._delta_keys, self._delta_vals = empty, empty
