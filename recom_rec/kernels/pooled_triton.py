@@ -22,6 +22,18 @@ from ..ops.layout import META_WIDTH
 
 
 @triton.jit
+def _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B: tl.constexpr):
+    """A block of BLOCK_B bags of feature ``key``: their batch positions, mask, and the [start,
+    end) of their ids in the KJT's values."""
+    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_mask = b < batch_size
+    bag = key * batch_size + b
+    start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64)
+    return b, b_mask, start, end
+
+
+@triton.jit
 def _pooled_forward_kernel(
     flat_ptr, values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, out_ptr,
     batch_size, total_dim,
@@ -34,12 +46,7 @@ def _pooled_forward_kernel(
     col = tl.load(meta_ptr + f * META_W + 2)
     pooling = tl.load(meta_ptr + f * META_W + 3)
     key = tl.load(key_index_ptr + f).to(tl.int64)
-
-    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    b_mask = b < batch_size
-    bag = key * batch_size + b
-    start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
-    end = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64)
+    b, b_mask, start, end = _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B)
     length = end - start
     d = tl.arange(0, BLOCK_D)
     d_mask = d < dim
@@ -140,11 +147,7 @@ def _expand_kernel(
     key = tl.load(key_index_ptr + f).to(tl.int64)
     first = tl.load(offsets_ptr + key * batch_size).to(tl.int64)
     out_base = tl.load(feature_base_ptr + f)
-    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    b_mask = b < batch_size
-    bag = key * batch_size + b
-    start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
-    end = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64)
+    b, b_mask, start, end = _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B)
     length = end - start
     at = out_base + start - first
     src = b.to(tl.int64) * total_dim + col
