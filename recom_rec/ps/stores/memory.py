@@ -44,7 +44,7 @@ class _Table:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self.slot_of.lookup(ids)  # -1 where the id is not stored
 
-    def allocate(self, count: int) -> List[int]:
+    def allocate(self, count: int) -> torch.Tensor:
         reused = self.free_slots[-count:] if count else []
         del self.free_slots[len(self.free_slots) - len(reused):]
         fresh = count - len(reused)
@@ -53,9 +53,9 @@ class _Table:
             grown = torch.zeros(capacity, self.width, dtype=self.dtype)
             grown[: self.used] = self.rows[: self.used]
             self.rows = grown
-        new = list(range(self.used, self.used + fresh))
+        new = torch.arange(self.used, self.used + fresh, dtype=torch.int64)
         self.used += fresh
-        return reused + new
+        return torch.cat([torch.tensor(reused, dtype=torch.int64), new]) if reused else new
 
 
 class _Namespace:
@@ -110,8 +110,7 @@ class MemoryStore(RowStore):
             slots = t.lookup(ids)
             missing = (slots < 0).nonzero().flatten()
             if missing.numel():
-                new_slots = t.allocate(missing.numel())
-                slots[missing] = torch.tensor(new_slots, dtype=torch.int64)
+                slots[missing] = t.allocate(missing.numel())
                 t.slot_of.insert(ids[missing], slots[missing])
             t.rows[slots] = rows  # ids are unique here, so the scatter is well defined
 
