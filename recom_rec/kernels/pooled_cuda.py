@@ -21,7 +21,7 @@ import torch
 
 from . import pooled_triton
 
-MAX_DIM = 512  # MAX_VEC / MAX_SCALAR chunks per lane x 32 lanes in pooled_cuda.cu
+MAX_DIM = 512  # the piece kernel's widest variant: 4 float4 accumulators per lane x 32 lanes
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "pooled_cuda.cu"
 _build_lock = threading.Lock()
 
@@ -37,10 +37,13 @@ def build_error() -> Optional[str]:
 
 
 def _flags(arch: str):
-    flags = ["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
-    if os.environ.get("RECOM_REC_PTXAS_VERBOSE") == "1":  # registers and spills, for tuning
-        flags.append("-Xptxas=-v")
-    return flags
+    """The flags that shape the binary (part of the cache key)."""
+    return ["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+
+
+def _report_flags():
+    """Diagnostics only: registers and spills per kernel, for tuning (not in the cache key)."""
+    return ["-Xptxas=-v"] if os.environ.get("RECOM_REC_PTXAS_VERBOSE") == "1" else []
 
 
 def cache_dir(arch: str) -> Path:
@@ -72,7 +75,7 @@ def _extension():
         if cpp_extension.CUDA_HOME is None:
             raise RuntimeError("the CUDA backend needs nvcc (CUDA_HOME) to build recom_rec/csrc on first use")
         folder.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cuda_cflags=_flags(arch),
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cuda_cflags=_flags(arch) + _report_flags(),
                                   build_directory=str(folder),
                                   verbose=os.environ.get("RECOM_REC_BUILD_VERBOSE") == "1")
 
