@@ -12,6 +12,7 @@ A group the CUDA kernels do not cover (a dim above ``MAX_DIM``, a weight buffer 
 import hashlib
 import importlib.util
 import os
+import sys
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -75,6 +76,9 @@ def _extension():
         if cpp_extension.CUDA_HOME is None:
             raise RuntimeError("the CUDA backend needs nvcc (CUDA_HOME) to build recom_rec/csrc on first use")
         folder.mkdir(parents=True, exist_ok=True)
+        # A first use pauses for the build (about 100 s on the H100): say so once.
+        print(f"recom_rec: building the CUDA kernels for sm_{arch} (first use; cached in {folder})",
+              file=sys.stderr, flush=True)
         return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cuda_cflags=_flags(arch) + _report_flags(),
                                   build_directory=str(folder),
                                   verbose=os.environ.get("RECOM_REC_BUILD_VERBOSE") == "1")
