@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #endif
 #include <cstdint>
+#include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -254,18 +255,21 @@ __global__ void __launch_bounds__(256) piece_kernel(
       const int64_t o = order[start + j];
       add_row(grad + src[o], scale[o]);
     }
+    // Writes chunk k's four values into a row laid out like the table's (a partial or a table row).
+    auto store_chunk = [&](auto* dst, int k, float4 v) {
+      using T = typename std::remove_pointer<decltype(dst)>::type;
+      if (vec) {
+        if (at(k, 0) >= 0) store4(dst + at(k, 0), v);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (at(k, e) >= 0) dst[at(k, e)] = from_f<T>(comp(v, e));
+      }
+    };
     if (split) {  // a piece of a long row: leave its sum for the split-row kernel
       float* dst = partials + (2 * (start / PIECE) + (packed & 1)) * partial_stride;
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        if (vec) {
-          if (at(k, 0) >= 0) store4(dst + at(k, 0), acc[k]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (at(k, e) >= 0) dst[at(k, e)] = comp(acc[k], e);
-        }
-      }
+      for (int k = 0; k < V; ++k) store_chunk(dst, k, acc[k]);
     }
     const bool finish = active && !split;
     const int64_t row_at = base + ((int64_t)key - row_base) * dim;
@@ -273,15 +277,7 @@ __global__ void __launch_bounds__(256) piece_kernel(
     if (OPT < 0) {  // the row's gradient
       if (finish) {
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-          if (vec) {
-            if (at(k, 0) >= 0) store4(row + at(k, 0), acc[k]);
-          } else {
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if (at(k, e) >= 0) row[at(k, e)] = from_f<W>(comp(acc[k], e));
-          }
-        }
+        for (int k = 0; k < V; ++k) store_chunk(row, k, acc[k]);
       }
       continue;
     }
@@ -322,13 +318,7 @@ __global__ void __launch_bounds__(256) piece_kernel(
         const int64_t a = row_at + c + (vec ? e : 0);
         comp(nw, e) = c >= 0 ? apply1<OPT>(comp(w[k], e), comp(acc[k], e), s1, s2, a, row_acc, h, t) : 0.f;
       }
-      if (vec) {
-        if (at(k, 0) >= 0) store4(row + at(k, 0), nw);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (at(k, e) >= 0) row[at(k, e)] = from_f<W>(comp(nw, e));
-      }
+      store_chunk(row, k, nw);
     }
   }
 }
@@ -391,9 +381,15 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
                   const at::Tensor& feature, const at::Tensor& grad, const at::Tensor& meta, const at::Tensor& pieces,
                   const at::Tensor& counts, int64_t n, const at::Tensor& partials, int64_t partial_stride,
                   const at::Tensor& out, const at::Tensor& state1, const at::Tensor& state2, const at::Tensor& hyper,
-                  const at::Tensor& step, int64_t opt, int64_t max_dim, int64_t blocks) {
+                  const at::Tensor& step, int64_t opt, int64_t max_dim) {
   c10::cuda::CUDAGuard guard(out.device());
   const int G = group_lanes((int)((max_dim + 3) / 4));
+  // A persistent grid: a few waves of resident blocks (as pooled_triton._programs), never more
+  // than there are pieces for; the kernel reads the piece count on the device.
+  constexpr int threads = 256, waves = 8;
+  const int64_t groups_per_block = threads / G;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(sms * waves, (n + groups_per_block - 1) / groups_per_block));
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_weight(out.scalar_type(), [&](auto wt) {
     using W = decltype(wt);
@@ -401,7 +397,7 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
       using K = decltype(kt);
       constexpr int OPT = decltype(opt_c)::value;
       auto kernel = max_dim <= 128 ? piece_kernel<W, K, OPT, 1> : piece_kernel<W, K, OPT, 4>;
-      kernel<<<(unsigned)blocks, 256, 0, stream>>>(
+      kernel<<<(unsigned)blocks, threads, 0, stream>>>(
           reinterpret_cast<const K*>(row_key.data_ptr()), order.data_ptr<int64_t>(), src.data_ptr<int64_t>(),
           scale.data_ptr<float>(), feature.data_ptr<int32_t>(), grad.data_ptr<float>(), grad.size(1),
           meta.data_ptr<int64_t>(), pieces.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), n,

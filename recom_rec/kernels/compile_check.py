@@ -37,8 +37,7 @@ def _variants():
         }, {"PIECE": k.PIECE, "BLOCK": k.PLAN_BLOCK}, {"num_warps": 4}
     for wdtype, opt, block_d, key in itertools.product(("fp32", "fp16", "bf16"), (-1, 0, 1, 2, 3), (16, 128, 256),
                                                        ("i32", "i64")):
-        unroll = 4
-        block_r = max(1, min(64, 2048 // (unroll * block_d)))
+        block_r, unroll, num_warps = k.piece_launch(block_d)
         common = {"out_ptr": ptr[wdtype], "state1_ptr": "*fp32", "state2_ptr": "*fp32",
                   "hyper_ptr": "*fp32", "step_ptr": "*i64"}
         sorted_lookups = {"row_key_ptr": ptr[key], "order_ptr": "*i64"}
@@ -47,11 +46,11 @@ def _variants():
             "grad_out_ptr": "*fp32", "meta_ptr": "*i64", "piece_ptr": "*i64", "counts_ptr": "*i32", "n": "i32",
             "partial_ptr": "*fp32", **common,
         }, {"META_W": 8, "PIECE": k.PIECE, "BLOCK_R": block_r, "UNROLL": unroll, "BLOCK_D": block_d, "OPT": opt}, \
-            {"num_warps": 4}
+            {"num_warps": num_warps}
         yield k._split_row_kernel, {
             **sorted_lookups, "feature_ptr": "*i32", "meta_ptr": "*i64", "split_row_ptr": "*i64",
             "counts_ptr": "*i32", "n": "i32", "partial_ptr": "*fp32", **common,
-        }, {"META_W": 8, "PIECE": k.PIECE, "BLOCK_R": 1, "BLOCK_K": max(1, min(16, 2048 // block_d)),
+        }, {"META_W": 8, "PIECE": k.PIECE, "BLOCK_R": 1, "BLOCK_K": k.split_block_k(block_d),
             "BLOCK_D": block_d, "OPT": opt}, {"num_warps": 4}
 
 

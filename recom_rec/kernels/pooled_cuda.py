@@ -103,15 +103,8 @@ def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
 
 def _cuda_pieces(row_key, order, src, scale, feature, grad_output, feature_meta, pieces, counts, n, partials,
                  partial_stride, out, state1, state2, hyper, step, opt, max_dim):
-    sms = torch.cuda.get_device_properties(out.device).multi_processor_count
-    lanes = 1
-    while lanes < (max_dim + 3) // 4 and lanes < 32:
-        lanes *= 2
-    groups_per_block = 256 // lanes
-    # A persistent grid: a few waves of resident blocks, never more than there are pieces for.
-    blocks = max(1, min(sms * 8, (n + groups_per_block - 1) // groups_per_block))
     _extension().piece_update(row_key, order, src, scale, feature, grad_output, feature_meta, pieces, counts, n,
-                              partials, partial_stride, out, state1, state2, hyper, step, opt, max_dim, blocks)
+                              partials, partial_stride, out, state1, state2, hyper, step, opt, max_dim)
 
 
 def backward(grad_output, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_numel,

@@ -300,6 +300,7 @@ def _split_row_kernel(
                     BLOCK_D, OPT)
         r0 += tl.num_programs(0) * BLOCK_R
 
+
 def _block_d(feature_meta_cpu_max_dim: int) -> int:
     return max(16, triton.next_power_of_2(int(feature_meta_cpu_max_dim)))
 
@@ -347,6 +348,20 @@ EXPAND_BLOCK = 256
 PLAN_BLOCK = 1024
 # Launch-shape overrides for experiments (tools/profile_gpu.py); empty means the defaults.
 BACKWARD_LAUNCH: dict = {}
+
+
+def piece_launch(block_d: int):
+    """(lanes per program, lookups unrolled per lane, warps) of the piece kernel. From the H100
+    sweep (docs/perf-notes.md, v5): 8 x 8 at 2 warps for rows of 128+ columns, 4 x 4 at 4 warps
+    for narrower ones; BACKWARD_LAUNCH overrides them for experiments."""
+    wide = block_d >= 128
+    return (BACKWARD_LAUNCH.get("block_r") or (8 if wide else 4), BACKWARD_LAUNCH.get("unroll") or (8 if wide else 4),
+            BACKWARD_LAUNCH.get("num_warps") or (2 if wide else 4))
+
+
+def split_block_k(block_d: int) -> int:
+    """Partial sums the split-row kernel adds per step: ~2K-element [BLOCK_K x BLOCK_D] tiles."""
+    return max(1, min(16, 2048 // block_d))
 
 
 def _programs(device: torch.device, wanted: int) -> int:
@@ -412,23 +427,19 @@ def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sa
         pieces(row_key, order, src, scale, feature, grad_output, feature_meta, piece_list, counts, n, partials,
                block_d, out, state1, state2, hyper, step, opt, max_dim)
     else:
-        # From the H100 sweep (docs/perf-notes.md, v5): 8 lanes x 8 lookups at 2 warps for rows of
-        # 128+ columns, 4 x 4 at 4 warps for narrower ones.
-        wide = block_d >= 128
-        unroll = BACKWARD_LAUNCH.get("unroll") or (8 if wide else 4)
-        block_r = BACKWARD_LAUNCH.get("block_r") or (8 if wide else 4)
-        num_warps = BACKWARD_LAUNCH.get("num_warps") or (2 if wide else 4)
+        block_r, unroll, num_warps = piece_launch(block_d)
         _piece_kernel[(_programs(device, triton.cdiv(n, block_r)),)](
             row_key, order, src, scale, feature, grad_output, feature_meta, piece_list, counts, n, partials,
             out, state1, state2, hyper, step,
             META_W=META_WIDTH, PIECE=PIECE, BLOCK_R=block_r, UNROLL=unroll, BLOCK_D=block_d, OPT=opt,
             num_warps=num_warps,
         )
-    block_k = max(1, min(16, 2048 // block_d))
     _split_row_kernel[(_programs(device, split_rows.numel()),)](
         row_key, order, feature, feature_meta, split_rows, counts, n, partials, out, state1, state2, hyper, step,
-        META_W=META_WIDTH, PIECE=PIECE, BLOCK_R=1, BLOCK_K=block_k, BLOCK_D=block_d, OPT=opt, num_warps=4,
+        META_W=META_WIDTH, PIECE=PIECE, BLOCK_R=1, BLOCK_K=split_block_k(block_d), BLOCK_D=block_d, OPT=opt,
+        num_warps=4,
     )
+
 
 def backward(
     grad_output: torch.Tensor,

@@ -47,10 +47,10 @@ class IdIndex:
         empty = torch.empty(0, dtype=torch.int64)
         self._main_keys, self._main_vals = empty, empty
         self._delta_keys, self._delta_vals = empty, empty
-        self._live = 0
 
     def __len__(self) -> int:
-        return self._live
+        """Live ids (deleted ones hold MISSING until the next merge drops them)."""
+        return int((self._main_vals >= 0).sum()) + int((self._delta_vals >= 0).sum())
 
     @staticmethod
     def _find(keys: torch.Tensor, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +88,6 @@ class IdIndex:
         self._delta_keys, self._delta_vals = _merge_sorted(self._delta_keys, self._delta_vals, ids, values)
         if self._delta_keys.numel() > max(1024, self._main_keys.numel() // 4):
             self._compact()
-        self._live = self._count_live()
 
     def delete(self, ids: torch.Tensor) -> None:
         """Removes ``ids`` (absent ones are ignored)."""
@@ -97,15 +96,11 @@ class IdIndex:
             pos, hit = self._find(keys, ids)
             if bool(hit.any()):
                 vals[pos[hit]] = MISSING
-        self._live = self._count_live()
 
     def items(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Every (id, value), ids ascending."""
         self._compact()
         return self._main_keys.clone(), self._main_vals.clone()
-
-    def _count_live(self) -> int:
-        return int((self._main_vals >= 0).sum()) + int((self._delta_vals >= 0).sum())
 
     def _compact(self) -> None:
         keep_m, keep_d = self._main_vals >= 0, self._delta_vals >= 0
