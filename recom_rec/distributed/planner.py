@@ -63,6 +63,13 @@ def our_optimizer(option: ShardingOption, sharder_fused_params: Optional[Dict]) 
     return None if found is None else found[0]
 
 
+def _sharder_data(sharder_data_map, kwargs):
+    """The estimators' second argument: torchrec 1.8 passes ``sharder_data_map`` (name -> SharderData),
+    torchrec 1.6 ``sharder_map`` (name -> ModuleSharder); both values carry ``fused_params``, and the
+    base estimators take it positionally under either name."""
+    return sharder_data_map if sharder_data_map is not None else kwargs.get("sharder_map")
+
+
 def _device_field(compute_device: str) -> str:
     return "ddr" if compute_device == "cpu" else "hbm"
 
@@ -76,8 +83,9 @@ class FusedEmbeddingStorageEstimator(ShardEstimator):
         self._topology = topology
         self._base = EmbeddingStorageEstimator(topology, constraints, **kwargs)
 
-    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
-        self._base.estimate(sharding_options, sharder_data_map=sharder_data_map)
+    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None, **kwargs) -> None:
+        sharder_data_map = _sharder_data(sharder_data_map, kwargs)
+        self._base.estimate(sharding_options, sharder_data_map)
         field = _device_field(self._topology.compute_device)
         for option in sharding_options:
             if not _is_ours(option):
@@ -115,7 +123,8 @@ class FusedEmbeddingPerfEstimator(ShardEstimator):
         self._constraints = constraints
         self._base = EmbeddingPerfEstimator(topology, constraints, is_inference)
 
-    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
+    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None, **kwargs) -> None:
+        sharder_data_map = _sharder_data(sharder_data_map, kwargs)
         dense = [o for o in sharding_options if _is_ours(o)
                  and o.compute_kernel == EmbeddingComputeKernel.DENSE.value
                  and o.sharding_type != ShardingType.DATA_PARALLEL.value]
@@ -123,7 +132,7 @@ class FusedEmbeddingPerfEstimator(ShardEstimator):
         for option in dense:  # cost our dense kernel's lookup as the fused one, then add the dense gradient
             option.compute_kernel = EmbeddingComputeKernel.FUSED.value
         try:
-            self._base.estimate(sharding_options, sharder_data_map=sharder_data_map)
+            self._base.estimate(sharding_options, sharder_data_map)
         finally:
             for option in dense:
                 option.compute_kernel = EmbeddingComputeKernel.DENSE.value
