@@ -134,11 +134,16 @@ def _row_meta(meta_ptr, feature, lane, META_W: tl.constexpr):
 def _expand_kernel(
     values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, feature_base_ptr,
     row_key_ptr, src_ptr, scale_ptr, feature_ptr, batch_size, total_dim,
-    META_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr,
+    META_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
 ):
     """One entry per lookup, feature after feature (feature f's lookups from feature_base[f], in
     input order): the row it reads (its table's row base + id), where its gradient row starts in
-    grad_output, its scale (sample weight x 1/L for mean pooling) and its feature."""
+    grad_output, its scale (sample weight x 1/L for mean pooling) and its feature.
+
+    A program covers BLOCK_B bags of one feature, a lane per lookup (not per bag: the four
+    outputs are then written coalesced); a lane finds its bag by a binary search of the block's
+    bag offsets, which stay in L1."""
     f = tl.program_id(0)
     pid_b = tl.program_id(1)
     col = tl.load(meta_ptr + f * META_W + 2)
@@ -147,25 +152,39 @@ def _expand_kernel(
     key = tl.load(key_index_ptr + f).to(tl.int64)
     first = tl.load(offsets_ptr + key * batch_size).to(tl.int64)
     out_base = tl.load(feature_base_ptr + f)
-    b, b_mask, start, end = _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B)
-    length = end - start
-    at = out_base + start - first
-    src = b.to(tl.int64) * total_dim + col
-    pool = tl.where(pooling == 1, 1.0 / tl.maximum(length, 1).to(tl.float32), tl.full([BLOCK_B], 1.0, tl.float32))
-    feature = tl.full([BLOCK_B], 0, tl.int32) + f
-    max_length = tl.max(length, axis=0)
-    i = 0
-    while i < max_length:
-        live = i < length
-        idx = tl.load(values_ptr + start + i, mask=live, other=0).to(tl.int64)
-        scale = pool
+    b0 = pid_b * BLOCK_B
+    bags = tl.minimum(batch_size - b0, BLOCK_B)
+    bag_offsets = offsets_ptr + key * batch_size + b0
+    v0 = tl.load(bag_offsets).to(tl.int64)
+    v1 = tl.load(bag_offsets + bags).to(tl.int64)
+    c = v0
+    while c < v1:  # a while loop: the interpreter cannot range() over loaded values
+        pos = c + tl.arange(0, BLOCK_V)
+        live = pos < v1
+        # The bag holding pos: the last of the block's bags that starts at or before pos, i.e. one
+        # before the first j in [1, bags] with offsets[j] > pos (empty bags resolve correctly).
+        lo = tl.full([BLOCK_V], 1, tl.int64)
+        hi = tl.zeros([BLOCK_V], tl.int64) + bags
+        for _ in tl.static_range(SEARCH_STEPS):
+            searching = lo < hi
+            mid = (lo + hi) // 2
+            after = tl.load(bag_offsets + mid, mask=live & searching, other=0).to(tl.int64) > pos
+            hi = tl.where(searching & after, mid, hi)
+            lo = tl.where(searching & (after == 0), mid + 1, lo)
+        j = lo - 1
+        idx = tl.load(values_ptr + pos, mask=live, other=0).to(tl.int64)
+        scale = tl.full([BLOCK_V], 1.0, tl.float32)
+        if pooling == 1:
+            length = tl.load(bag_offsets + j + 1, mask=live, other=1) - tl.load(bag_offsets + j, mask=live, other=0)
+            scale = 1.0 / tl.maximum(length, 1).to(tl.float32)
         if HAS_WEIGHTS:
-            scale = scale * tl.load(weights_ptr + start + i, mask=live, other=0.0).to(tl.float32)
-        tl.store(row_key_ptr + at + i, (row_base + idx).to(row_key_ptr.dtype.element_ty), mask=live)
-        tl.store(src_ptr + at + i, src, mask=live)
-        tl.store(scale_ptr + at + i, scale, mask=live)
-        tl.store(feature_ptr + at + i, feature, mask=live)
-        i += 1
+            scale = scale * tl.load(weights_ptr + pos, mask=live, other=0.0).to(tl.float32)
+        at = out_base + pos - first
+        tl.store(row_key_ptr + at, (row_base + idx).to(row_key_ptr.dtype.element_ty), mask=live)
+        tl.store(src_ptr + at, (b0 + j) * total_dim + col, mask=live)
+        tl.store(scale_ptr + at, scale, mask=live)
+        tl.store(feature_ptr + at, tl.full([BLOCK_V], 0, tl.int32) + f, mask=live)
+        c += BLOCK_V
 
 
 @triton.jit
@@ -344,7 +363,14 @@ def forward(
 # bounds how long the lanes of a program wait for their slowest one, and a row read 65536 times
 # (a 3-row table) is spread over many lanes, its partial sums then added in a fixed order.
 PIECE = 32
-EXPAND_BLOCK = 256
+EXPAND_LOOKUPS = 1024  # lookups per expand program step (a lane each)
+
+
+def expand_block(num_lookups: int, num_bags: int) -> int:
+    """Bags per expand program: about EXPAND_LOOKUPS lookups' worth at the batch's mean bag length
+    (short bags need many per program, or most lanes idle), 64 to 1024."""
+    mean = max(1.0, num_lookups / max(1, num_bags))
+    return max(64, min(1024, triton.next_power_of_2(int(-(-EXPAND_LOOKUPS // mean)))))
 PLAN_BLOCK = 1024
 # Launch-shape overrides for experiments (tools/profile_gpu.py); empty means the defaults.
 BACKWARD_LAUNCH: dict = {}
@@ -390,10 +416,12 @@ def _sorted_lookups(values, offsets, per_sample_weights, feature_meta, key_index
     feature = torch.empty(n, dtype=torch.int32, device=device)
     if n:
         weights = per_sample_weights if per_sample_weights is not None else scale
-        _expand_kernel[(feature_meta.shape[0], triton.cdiv(batch_size, EXPAND_BLOCK))](
+        block_b = expand_block(n, feature_meta.shape[0] * batch_size)
+        _expand_kernel[(feature_meta.shape[0], triton.cdiv(batch_size, block_b))](
             values, offsets, weights, feature_meta, key_index, feature_base, row_key, src, scale, feature,
             batch_size, total_dim,
-            META_W=META_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=EXPAND_BLOCK,
+            META_W=META_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b,
+            BLOCK_V=EXPAND_LOOKUPS, SEARCH_STEPS=block_b.bit_length(), num_warps=4,
         )
     sorted_key, order = torch.sort(row_key, stable=True)
     return sorted_key, order, src, scale, feature
