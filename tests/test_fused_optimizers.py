@@ -347,3 +347,69 @@ def test_two_dtype_groups_share_one_step(optimizer):
     assert int(m.fused_optimizer_step) == 2
     for n, b in m.embedding_bags.items():
         assert not torch.equal(b.weight, before[n]), n
+
+
+class _PassThroughMode(torch.overrides.TorchFunctionMode):
+    """A function mode that changes nothing: code under it takes the registered custom ops (the
+    path torch.compile and tracing see) instead of the eager shortcut."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_eager_and_registered_op_paths_agree(backend, weighted, optimizer):
+    tables = _tables((3, 8, 5), PoolingType.MEAN)
+    batches = _batches(tables, 3, weighted=weighted)
+    runs = []
+    for mode in (None, _PassThroughMode):
+        torch.manual_seed(0)
+        m = recom_rec.EmbeddingBagCollection(_tables((3, 8, 5), PoolingType.MEAN), device=DEVICE, backend=backend,
+                                             is_weighted=weighted)
+        m.enable_fused_optimizer(optimizer, lr=0.1)
+        outs = []
+        for step, kjt in enumerate(batches):
+            if weighted:  # learnable sample weights: their gradient comes from the same backward
+                kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+                                        weights=kjt.weights().clone().requires_grad_())
+            if mode is None:
+                out = m(kjt).values()
+                _loss(out, step).backward()
+            else:
+                with mode():
+                    out = m(kjt).values()
+                    _loss(out, step).backward()
+            outs.append((out.detach(), kjt.weights().grad if weighted else None))
+        runs.append((outs, {k: v.clone() for k, v in m.state_dict().items()}))
+    (outs_a, state_a), (outs_b, state_b) = runs
+    for (oa, ga), (ob, gb) in zip(outs_a, outs_b):
+        torch.testing.assert_close(oa, ob, rtol=0, atol=0)
+        if weighted:
+            torch.testing.assert_close(ga, gb, rtol=0, atol=0)
+    for k in state_a:
+        torch.testing.assert_close(state_a[k], state_b[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("through_ops", [False, True])
+def test_module_used_twice_in_one_graph_applies_both_batches(backend, through_ops):
+    # Two lookups in one loss (e.g. a user tower and an item tower sharing tables): the fused SGD
+    # update of both backwards equals dense SGD on the summed gradient.
+    tables = _tables((4, 8, 12))
+    first, second = _batches(tables, 2)
+    ref = torchrec.EmbeddingBagCollection(_tables((4, 8, 12)), device=DEVICE)
+    ours = recom_rec.EmbeddingBagCollection(tables, device=DEVICE, backend=backend)
+    ours.load_state_dict(ref.state_dict())
+    ours.enable_fused_optimizer("sgd", lr=0.2)
+    dense = torch.optim.SGD(ref.parameters(), lr=0.2)
+    (_loss(ref(first).values(), 0) + _loss(ref(second).values(), 1)).backward()
+    dense.step()
+    if through_ops:
+        with _PassThroughMode():
+            (_loss(ours(first).values(), 0) + _loss(ours(second).values(), 1)).backward()
+    else:
+        (_loss(ours(first).values(), 0) + _loss(ours(second).values(), 1)).backward()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)

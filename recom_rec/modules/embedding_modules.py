@@ -24,7 +24,7 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ..ops import pooled_embedding_forward
+from ..ops import pooled_lookup
 from ..ops.backends import check_backend
 from ..ops.layout import (
     POOLING_MEAN,
@@ -175,7 +175,7 @@ def _fused_lookup(
             names = _names_for(keys, wanted, tables)
         total_dim, max_dim = group_widths[g]
         outs.append(
-            pooled_embedding_forward(
+            pooled_lookup(
                 weights[g], flats[g], values, offsets, per_sample_weights, metas[g], key_index,
                 batch_size, total_dim, max_dim, backend, validate, names,
                 optimizer, *_two_states(optimizer_states[g] if optimizer >= 0 else []), state1_is_row, hyper, step,

@@ -5,6 +5,7 @@ from .pooled_embedding import (
     pooled_embedding_backward,
     pooled_embedding_forward,
     pooled_embedding_weights_backward,
+    pooled_lookup,
 )
 
 __all__ = [
@@ -13,4 +14,5 @@ __all__ = [
     "pooled_embedding_forward",
     "pooled_embedding_backward",
     "pooled_embedding_weights_backward",
+    "pooled_lookup",
 ]

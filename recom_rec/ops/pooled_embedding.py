@@ -93,7 +93,12 @@ def pooled_embedding_forward(
     route gradients to them; the lookup itself reads ``flat``. With ``optimizer >= 0`` (an
     ``optim.spec`` kind) the backward updates ``flat`` and the optimizer states in place instead
     of returning gradients."""
-    keys = key_index
+    return _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
+                         total_dim, max_dim, backend, validate, names)
+
+
+def _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim, max_dim,
+                  backend, validate, names):
     if validate:
         validate_inputs(values, offsets, per_sample_weights, feature_meta, keys, batch_size, names)
     impl = _impl(backend, flat.device, "forward", feature_meta.shape[0], total_dim, max_dim)
@@ -127,7 +132,12 @@ def pooled_embedding_backward(
     num_lookups: int,
 ) -> Tensor:
     """Dense gradient ``[total_numel]`` of the flat weight buffer, in the weights' dtype."""
-    keys = key_index
+    return _backward_impl(grad_output, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
+                          total_numel, max_dim, dtype, backend, num_lookups)
+
+
+def _backward_impl(grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_numel,
+                   max_dim, dtype, backend, num_lookups):
     impl = _impl(backend, grad_output.device)
     if impl is not torch_backend:
         return impl.backward(
@@ -156,9 +166,8 @@ def pooled_embedding_weights_backward(
     batch_size: int,
 ) -> Tensor:
     """Gradient of the KJT's per-sample weights (e.g. learnable position weights)."""
-    keys = key_index
     return torch_backend.per_sample_weights_grad(
-        grad_output, flat, values, offsets, feature_meta, keys, batch_size
+        grad_output, flat, values, offsets, feature_meta, key_index, batch_size
     )
 
 
@@ -192,7 +201,13 @@ def fused_embedding_update(
     """The backward with the optimizer fused in: updates the touched rows of ``flat`` and their
     optimizer state in place (duplicate ids summed first). ``step`` (Adam's bias correction) is
     counted by the module's forward, as fbgemm counts its iterations."""
-    keys = key_index
+    _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, offsets,
+                       per_sample_weights, feature_meta, key_index, batch_size, max_dim, optimizer, backend,
+                       num_lookups)
+
+
+def _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, offsets,
+                       per_sample_weights, feature_meta, keys, batch_size, max_dim, optimizer, backend, num_lookups):
     impl = _impl(backend, flat.device)
     states = [t for t in (state1, state2) if t is not None]
     impl.fused_update(
@@ -214,7 +229,14 @@ def _setup_context(ctx, inputs, output):
     ctx.num_lookups = num_lookups
     ctx.optimizer = optimizer
     ctx.state1_is_row = state1_is_row
-    ctx.save_for_backward(flat, values, offsets, per_sample_weights, feature_meta, key_index, state1, state2)
+    # The weights' values are needed only for the sample weights' gradient; otherwise the backward
+    # only writes into the buffer (and the optimizer state). Holding those by reference rather than
+    # saving them lets one graph use the module twice (a fused update bumps their versions, which
+    # would fail a saved tensor's check in the other use's backward).
+    weights_needed = per_sample_weights is not None and per_sample_weights.requires_grad
+    ctx.save_for_backward(flat if weights_needed else None, values, offsets, per_sample_weights, feature_meta,
+                          key_index)
+    ctx.flat, ctx.states = flat, (state1, state2)
     # Read, not saved: the step counter and the hyper-parameters change in place between steps
     # (an lr scheduler, the next forward), and several groups share them.
     ctx.hyper, ctx.step = hyper, step
@@ -231,31 +253,44 @@ def _wants_grad(flag) -> bool:
     return any(flag) if isinstance(flag, (list, tuple)) else bool(flag)
 
 
-def _backward(ctx, grad_output):
-    flat, values, offsets, per_sample_weights, feature_meta, key_index, state1, state2 = ctx.saved_tensors
-    hyper, step = ctx.hyper, ctx.step
+def _grads(ctx, grad_output, wants_weights: bool, wants_psw: bool, as_ops: bool):
+    """The backward of the lookup: (per-table weight gradients or None, per-sample-weight gradient
+    or None). With a fused optimizer it updates the tables and their state in place instead.
+    ``as_ops``: call the registered custom ops (traced graphs) rather than their bodies (eager)."""
+    saved_flat, values, offsets, per_sample_weights, feature_meta, key_index = ctx.saved_tensors
+    flat = saved_flat if saved_flat is not None else ctx.flat
+    (state1, state2), hyper, step = ctx.states, ctx.hyper, ctx.step
+    grad_psw = None
+    if per_sample_weights is not None and wants_psw:  # before a fused update changes the rows it reads
+        args = (grad_output, flat, values, offsets, feature_meta, key_index, ctx.batch_size)
+        grad_psw = (pooled_embedding_weights_backward(*args) if as_ops
+                    else torch_backend.per_sample_weights_grad(*args)).to(per_sample_weights.dtype)
     grad_weights = None
-    if ctx.optimizer >= 0 and ctx.table_shapes and _wants_grad(ctx.needs_input_grad[0]):
+    if ctx.optimizer >= 0 and ctx.table_shapes and wants_weights:
         # The optimizer runs here; the tables get no .grad (as with fbgemm's fused TBE).
-        fused_embedding_update(
-            grad_output, flat, state1, state2, ctx.state1_is_row, hyper, step, values, offsets,
-            per_sample_weights, feature_meta, key_index, ctx.batch_size, ctx.max_dim,
-            ctx.optimizer, ctx.backend, ctx.num_lookups,
-        )
-    elif ctx.table_shapes and _wants_grad(ctx.needs_input_grad[0]):
-        grad_flat = pooled_embedding_backward(
-            grad_output, values, offsets, per_sample_weights, feature_meta, key_index,
-            ctx.batch_size, ctx.flat_numel, ctx.max_dim, ctx.flat_dtype, ctx.backend, ctx.num_lookups,
-        )
+        args = (grad_output, flat, state1, state2, ctx.state1_is_row, hyper, step, values, offsets,
+                per_sample_weights, feature_meta, key_index, ctx.batch_size, ctx.max_dim,
+                ctx.optimizer, ctx.backend, ctx.num_lookups)
+        if as_ops:
+            fused_embedding_update(*args)
+        else:
+            _fused_update_impl(*args)
+            # As the custom op's in-place contract does: a graph that saved these sees the update.
+            torch.autograd.graph.increment_version([t for t in (flat, state1, state2) if t is not None])
+    elif ctx.table_shapes and wants_weights:
+        args = (grad_output, values, offsets, per_sample_weights, feature_meta, key_index,
+                ctx.batch_size, ctx.flat_numel, ctx.max_dim, ctx.flat_dtype, ctx.backend, ctx.num_lookups)
+        grad_flat = pooled_embedding_backward(*args) if as_ops else _backward_impl(*args)
         grad_weights, start = [], 0
         for rows, dim in ctx.table_shapes:
             grad_weights.append(grad_flat[start:start + rows * dim].view(rows, dim))
             start += rows * dim
-    grad_psw = None
-    if per_sample_weights is not None and _wants_grad(ctx.needs_input_grad[4]):
-        grad_psw = pooled_embedding_weights_backward(
-            grad_output, flat, values, offsets, feature_meta, key_index, ctx.batch_size
-        ).to(per_sample_weights.dtype)
+    return grad_weights, grad_psw
+
+
+def _backward(ctx, grad_output):
+    grad_weights, grad_psw = _grads(ctx, grad_output, _wants_grad(ctx.needs_input_grad[0]),
+                                    _wants_grad(ctx.needs_input_grad[4]), as_ops=True)
     # One entry per input (autograd checks the structure; the Tensor[] input gets a list).
     if grad_weights is None:
         grad_weights = [None] * len(ctx.table_shapes)
@@ -263,3 +298,61 @@ def _backward(ctx, grad_output):
 
 
 pooled_embedding_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- eager fast path ----------------------------------------------------------------------------
+# torch.library's Python custom-op layers (argument defaults, pytree flattening, alias checks,
+# redispatch) cost ~0.3-0.6 ms of host time per call on the H100 machine, more than the kernels of
+# a small batch (docs/perf-notes.md, v7). In plain eager mode the lookup runs the same bodies
+# through a torch.autograd.Function; compiled, traced, fake/meta and dispatch-mode code keeps the
+# registered ops.
+class _EagerLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim,
+                max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step,
+                num_lookups, *weights):
+        out = _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
+                            total_dim, max_dim, backend, validate, names)
+        _setup_context(ctx, (list(weights), flat, values, offsets, per_sample_weights, feature_meta, key_index,
+                             batch_size, total_dim, max_dim, backend, validate, names, optimizer, state1, state2,
+                             state1_is_row, hyper, step, num_lookups), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # needs_input_grad is per input of forward(): the weights come last, the sample weights 4th.
+        grad_weights, grad_psw = _grads(ctx, grad_output.contiguous(), any(ctx.needs_input_grad[19:]),
+                                        ctx.needs_input_grad[3], as_ops=False)
+        if grad_weights is None:
+            grad_weights = [None] * len(ctx.table_shapes)
+        return (None, None, None, grad_psw) + (None,) * 15 + tuple(grad_weights)
+
+
+def _plain(t: Optional[Tensor]) -> bool:
+    return t is None or type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager_ok(weights: List[Tensor], *tensors: Optional[Tensor]) -> bool:
+    """Whether the lookup may skip the registered op: plain eager tensors on a real device, no
+    compile, trace, dispatch or function mode, no functorch transform."""
+    if torch.compiler.is_compiling() or torch.jit.is_scripting() or torch._C._len_torch_dispatch_stack() or \
+            torch._C._len_torch_function_stack() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    if tensors[0].device.type == "meta":
+        return False
+    return all(_plain(t) for t in tensors) and all(_plain(w) for w in weights)
+
+
+def pooled_lookup(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim,
+                  max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step,
+                  num_lookups) -> Tensor:
+    """``pooled_embedding_forward`` with its autograd formula: through the registered op when
+    traced or compiled, else through the same bodies at eager cost (see _EagerLookup)."""
+    if _eager_ok(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, state1, state2, hyper,
+                 step):
+        return _EagerLookup.apply(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
+                                  total_dim, max_dim, backend, validate, names, optimizer, state1, state2,
+                                  state1_is_row, hyper, step, num_lookups, *weights)
+    return pooled_embedding_forward(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index,
+                                    batch_size, total_dim, max_dim, backend, validate, names, optimizer, state1,
+                                    state2, state1_is_row, hyper, step, num_lookups)
