@@ -62,9 +62,17 @@ class RecomRec(_ModulePeer):
     def __init__(self, workload, device, optimizer, backend="auto"):
         module = recom_rec.EmbeddingBagCollection(workload.tables(), device=device, backend=backend,
                                                   validate_inputs=False)
-        if optimizer != "none":
+        self.fused = optimizer != "none"
+        if self.fused:
             module.enable_fused_optimizer(optimizer, lr=0.01)
         super().__init__(workload, device, "none", module)
+
+    def train_step(self, kjt, grad):
+        if not self.fused:
+            return super().train_step(kjt, grad)
+        # The update happens inside the backward and the tables never get a .grad: nothing to
+        # step or clear (walking hundreds of Parameters to reset .grad would be host time only).
+        self.module(kjt).values().backward(grad)
 
 
 class TorchrecEBC(_ModulePeer):
