@@ -86,6 +86,27 @@ def test_all_bags_empty(backend):
     assert not module.embedding_bags["t"].weight.grad.any()
 
 
+@pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if b != "torch"])
+def test_one_row_read_more_often_than_a_planning_block_holds(backend):
+    # ~2,700 lookups of a single row next to a table of ordinary rows: whole blocks of the backward's
+    # planning kernel lie inside one row's run, so they find the row's start by the shared search.
+    from torchrec import EmbeddingBagConfig
+    # The cold table's rows sort first, so the hot run starts at an arbitrary position.
+    tables = [EmbeddingBagConfig(name="cold", embedding_dim=8, num_embeddings=5000, feature_names=["c"]),
+              EmbeddingBagConfig(name="hot", embedding_dim=8, num_embeddings=1, feature_names=["h"])]
+    kjt = make_kjt(tables, batch_size=600, max_len=8, seed=11, is_weighted=False, zero_fraction=0.0).to(DEVICE)
+    grads = {}
+    for b in ("torch", backend):
+        m = recom_rec.EmbeddingBagCollection([EmbeddingBagConfig(**{**vars(t), "feature_names": list(t.feature_names)})
+                                              for t in tables], device=DEVICE, backend=b)
+        out = m(kjt).values()
+        out.backward(torch.cos(torch.arange(out.numel(), dtype=torch.float32)).view(out.shape).to(DEVICE))
+        grads[b] = [m.embedding_bags[t.name].weight.grad for t in tables]
+    assert (kjt["h"].lengths().sum()) > 2 * 1024
+    for a, b in zip(grads["torch"], grads[backend]):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dims", [[4, 16], [100, 3]])
 def test_hot_rows_longer_than_a_chunk(dims):
     # Tables of 2 and 3 rows read thousands of times: each row's run of lookups spans several of

@@ -25,12 +25,12 @@ def _variants():
             "out_ptr": "*fp32", "batch_size": "i32", "total_dim": "i32",
         }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d}, \
             {"num_warps": 2 if block_d >= 128 else 4}
-    for key, has_w, block_b in itertools.product(("i32", "i64"), (False, True), (64, 1024)):
+    for key, has_w, block_b, positional in itertools.product(("i32", "i64"), (False, True), (64, 1024), (False, True)):
         yield k._expand_kernel, {
             "values_ptr": ptr[key], "offsets_ptr": ptr[key], "weights_ptr": "*fp32", "meta_ptr": "*i64",
             "key_index_ptr": "*i64", "feature_base_ptr": "*i64", "row_key_ptr": ptr[key], "src_ptr": "*i64",
             "scale_ptr": "*fp32", "feature_ptr": "*i32", "batch_size": "i32", "total_dim": "i32",
-        }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b,
+        }, {"META_W": 8, "HAS_WEIGHTS": has_w, "POSITIONAL": positional, "BLOCK_B": block_b,
              "BLOCK_V": k.EXPAND_LOOKUPS, "SEARCH_STEPS": block_b.bit_length()}, {"num_warps": 4}
     for key in ("i32", "i64"):
         yield k._plan_kernel, {

@@ -108,22 +108,24 @@ def _cuda_pieces(row_key, order, src, scale, feature, grad_output, feature_meta,
 
 
 def backward(grad_output, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_numel,
-             dtype, max_dim, num_lookups=-1):
+             dtype, max_dim, num_lookups=-1, num_rows=-1):
     grad = torch.zeros(total_numel, dtype=dtype, device=grad_output.device)
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return grad
     pieces = _cuda_pieces if supports(grad, max_dim) else None
     pooled_triton._run_backward(grad_output, grad, [], None, None, values, offsets, per_sample_weights,
-                                feature_meta, key_index, batch_size, max_dim, total_numel, -1, num_lookups,
+                                feature_meta, key_index, batch_size, max_dim,
+                                pooled_triton._row_bound(num_rows, total_numel), -1, num_lookups,
                                 pieces=pieces)
     return grad
 
 
 def fused_update(grad_output, flat, states, state_is_row, hyper, step, values, offsets, per_sample_weights,
-                 feature_meta, key_index, batch_size, max_dim, kind, num_lookups=-1) -> None:
+                 feature_meta, key_index, batch_size, max_dim, kind, num_lookups=-1, num_rows=-1) -> None:
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return
     pieces = _cuda_pieces if supports(flat, max_dim) else None
     pooled_triton._run_backward(grad_output, flat, states, hyper, step, values, offsets, per_sample_weights,
-                                feature_meta, key_index, batch_size, max_dim, flat.numel(), kind, num_lookups,
+                                feature_meta, key_index, batch_size, max_dim,
+                                pooled_triton._row_bound(num_rows, flat.numel()), kind, num_lookups,
                                 pieces=pieces)

@@ -173,7 +173,7 @@ def _fused_lookup(
             names = encode_names(list(keys), list(wanted), list(tables))
         else:
             names = _names_for(keys, wanted, tables)
-        total_dim, max_dim = group_widths[g]
+        total_dim, max_dim, num_rows = group_widths[g]
         outs.append(
             pooled_lookup(
                 weights[g], flats[g], values, offsets, per_sample_weights, metas[g], key_index,
@@ -181,6 +181,7 @@ def _fused_lookup(
                 optimizer, *_two_states(optimizer_states[g] if optimizer >= 0 else []), state1_is_row, hyper, step,
                 # Every key read by exactly one feature: the lookups are the values (no sync to count them).
                 values.numel() if reads_each_key_once else -1,
+                num_rows,
             )
         )
     if len(outs) == 1:
@@ -328,7 +329,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             self._output_columns = None
         self._group_features = [[f.feature for f in g.features] for g in self._groups]
         self._group_tables = [[g.slots[f.table].name for f in g.features] for g in self._groups]
-        self._group_widths = [[g.total_dim, g.max_dim] for g in self._groups]  # output columns, widest table
+        # output columns, widest table, rows (the backward's row keys are 32-bit when they fit)
+        self._group_widths = [[g.total_dim, g.max_dim, sum(s.num_embeddings for s in g.slots)] for g in self._groups]
         # torchrec's nn.EmbeddingBag draws normal_ at construction before init_fn runs; draw the
         # same numbers so that, under one seed, our weights equal torchrec's bit for bit.
         if device.type != "meta":

@@ -33,12 +33,13 @@ def _cuda():
 
 def _auto_prefers_cuda(phase: str, num_features: int, total_dim: int, max_dim: int) -> bool:
     """``backend="auto"`` on a GPU, per shape, from the H100 measurements in docs/perf-notes.md
-    (v6): the CUDA kernels' backward won on every workload; their forward won where a launch mixes
-    dims (a lane group per bag sized by its own dim, where Triton pads every feature to the widest),
-    and lost on uniform wide rows (dlrm-kaggle: 0.89 vs 0.61 ms)."""
+    (v6, v7): the CUDA kernels' backward won on every workload; their forward won where a launch
+    mixes dims (a lane group per bag sized by its own dim, where Triton pads every feature to the
+    widest) and on narrow rows (many-1000, dim 16: 0.20 vs 0.21-0.24 ms), split at dim 32 (many-500
+    won, zipf lost) and lost on wide rows (dlrm-kaggle, dim 128: 0.89-0.96 vs 0.61-0.66 ms)."""
     if phase != "forward":
         return True
-    return total_dim != max_dim * num_features  # dims differ within the group
+    return total_dim != max_dim * num_features or max_dim <= 16
 
 
 def _impl(backend: str, device: torch.device, phase: str = "backward", num_features: int = 0,
@@ -86,6 +87,7 @@ def pooled_embedding_forward(
     hyper: Optional[Tensor],
     step: Optional[Tensor],
     num_lookups: int,
+    num_rows: int = -1,
 ) -> Tensor:
     """Pooled embeddings ``[batch_size, total_dim]`` (fp32) of every feature of a group.
 
@@ -112,7 +114,7 @@ def _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, keys,
 @pooled_embedding_forward.register_fake
 def _(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
       total_dim, max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step,
-      num_lookups):
+      num_lookups, num_rows=-1):
     return flat.new_empty((batch_size, total_dim), dtype=torch.float32)
 
 
@@ -130,19 +132,20 @@ def pooled_embedding_backward(
     dtype: torch.dtype,
     backend: str,
     num_lookups: int,
+    num_rows: int = -1,
 ) -> Tensor:
     """Dense gradient ``[total_numel]`` of the flat weight buffer, in the weights' dtype."""
     return _backward_impl(grad_output, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
-                          total_numel, max_dim, dtype, backend, num_lookups)
+                          total_numel, max_dim, dtype, backend, num_lookups, num_rows)
 
 
 def _backward_impl(grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_numel,
-                   max_dim, dtype, backend, num_lookups):
+                   max_dim, dtype, backend, num_lookups, num_rows=-1):
     impl = _impl(backend, grad_output.device)
     if impl is not torch_backend:
         return impl.backward(
             grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size,
-            total_numel, dtype, max_dim, num_lookups,
+            total_numel, dtype, max_dim, num_lookups, num_rows,
         )
     return torch_backend.backward(
         grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_numel, dtype
@@ -151,7 +154,7 @@ def _backward_impl(grad_output, values, offsets, per_sample_weights, feature_met
 
 @pooled_embedding_backward.register_fake
 def _(grad_output, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
-      total_numel, max_dim, dtype, backend, num_lookups):
+      total_numel, max_dim, dtype, backend, num_lookups, num_rows=-1):
     return grad_output.new_empty((total_numel,), dtype=dtype)
 
 
@@ -197,36 +200,38 @@ def fused_embedding_update(
     optimizer: int,
     backend: str,
     num_lookups: int,
+    num_rows: int = -1,
 ) -> None:
     """The backward with the optimizer fused in: updates the touched rows of ``flat`` and their
     optimizer state in place (duplicate ids summed first). ``step`` (Adam's bias correction) is
     counted by the module's forward, as fbgemm counts its iterations."""
     _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, offsets,
                        per_sample_weights, feature_meta, key_index, batch_size, max_dim, optimizer, backend,
-                       num_lookups)
+                       num_lookups, num_rows)
 
 
 def _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, offsets,
-                       per_sample_weights, feature_meta, keys, batch_size, max_dim, optimizer, backend, num_lookups):
+                       per_sample_weights, feature_meta, keys, batch_size, max_dim, optimizer, backend, num_lookups,
+                       num_rows=-1):
     impl = _impl(backend, flat.device)
     states = [t for t in (state1, state2) if t is not None]
     impl.fused_update(
         grad_output, flat, states, [state1_is_row, False][:len(states)], hyper, step, values, offsets,
-        per_sample_weights, feature_meta, keys, batch_size, max_dim, optimizer, num_lookups,
+        per_sample_weights, feature_meta, keys, batch_size, max_dim, optimizer, num_lookups, num_rows,
     )
 
 
 @fused_embedding_update.register_fake
 def _(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, offsets,
-      per_sample_weights, feature_meta, key_index, batch_size, max_dim, optimizer, backend, num_lookups):
+      per_sample_weights, feature_meta, key_index, batch_size, max_dim, optimizer, backend, num_lookups, num_rows=-1):
     return None
 
 
 def _setup_context(ctx, inputs, output):
     (weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
      total_dim, max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row,
-     hyper, step, num_lookups) = inputs
-    ctx.num_lookups = num_lookups
+     hyper, step, num_lookups, num_rows) = inputs
+    ctx.num_lookups, ctx.num_rows = num_lookups, num_rows
     ctx.optimizer = optimizer
     ctx.state1_is_row = state1_is_row
     # The weights' values are needed only for the sample weights' gradient; otherwise the backward
@@ -270,7 +275,7 @@ def _grads(ctx, grad_output, wants_weights: bool, wants_psw: bool, as_ops: bool)
         # The optimizer runs here; the tables get no .grad (as with fbgemm's fused TBE).
         args = (grad_output, flat, state1, state2, ctx.state1_is_row, hyper, step, values, offsets,
                 per_sample_weights, feature_meta, key_index, ctx.batch_size, ctx.max_dim,
-                ctx.optimizer, ctx.backend, ctx.num_lookups)
+                ctx.optimizer, ctx.backend, ctx.num_lookups, ctx.num_rows)
         if as_ops:
             fused_embedding_update(*args)
         else:
@@ -279,7 +284,8 @@ def _grads(ctx, grad_output, wants_weights: bool, wants_psw: bool, as_ops: bool)
             torch.autograd.graph.increment_version([t for t in (flat, state1, state2) if t is not None])
     elif ctx.table_shapes and wants_weights:
         args = (grad_output, values, offsets, per_sample_weights, feature_meta, key_index,
-                ctx.batch_size, ctx.flat_numel, ctx.max_dim, ctx.flat_dtype, ctx.backend, ctx.num_lookups)
+                ctx.batch_size, ctx.flat_numel, ctx.max_dim, ctx.flat_dtype, ctx.backend, ctx.num_lookups,
+                ctx.num_rows)
         grad_flat = pooled_embedding_backward(*args) if as_ops else _backward_impl(*args)
         grad_weights, start = [], 0
         for rows, dim in ctx.table_shapes:
@@ -294,7 +300,7 @@ def _backward(ctx, grad_output):
     # One entry per input (autograd checks the structure; the Tensor[] input gets a list).
     if grad_weights is None:
         grad_weights = [None] * len(ctx.table_shapes)
-    return (grad_weights, None, None, None, grad_psw) + (None,) * 15
+    return (grad_weights, None, None, None, grad_psw) + (None,) * 16
 
 
 pooled_embedding_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -310,22 +316,22 @@ class _EagerLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim,
                 max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step,
-                num_lookups, *weights):
+                num_lookups, num_rows, *weights):
         out = _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
                             total_dim, max_dim, backend, validate, names)
         _setup_context(ctx, (list(weights), flat, values, offsets, per_sample_weights, feature_meta, key_index,
                              batch_size, total_dim, max_dim, backend, validate, names, optimizer, state1, state2,
-                             state1_is_row, hyper, step, num_lookups), out)
+                             state1_is_row, hyper, step, num_lookups, num_rows), out)
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
         # needs_input_grad is per input of forward(): the weights come last, the sample weights 4th.
-        grad_weights, grad_psw = _grads(ctx, grad_output.contiguous(), any(ctx.needs_input_grad[19:]),
+        grad_weights, grad_psw = _grads(ctx, grad_output.contiguous(), any(ctx.needs_input_grad[20:]),
                                         ctx.needs_input_grad[3], as_ops=False)
         if grad_weights is None:
             grad_weights = [None] * len(ctx.table_shapes)
-        return (None, None, None, grad_psw) + (None,) * 15 + tuple(grad_weights)
+        return (None, None, None, grad_psw) + (None,) * 16 + tuple(grad_weights)
 
 
 def _plain(t: Optional[Tensor]) -> bool:
@@ -345,14 +351,14 @@ def _eager_ok(weights: List[Tensor], *tensors: Optional[Tensor]) -> bool:
 
 def pooled_lookup(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim,
                   max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step,
-                  num_lookups) -> Tensor:
+                  num_lookups, num_rows) -> Tensor:
     """``pooled_embedding_forward`` with its autograd formula: through the registered op when
     traced or compiled, else through the same bodies at eager cost (see _EagerLookup)."""
     if _eager_ok(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, state1, state2, hyper,
                  step):
         return _EagerLookup.apply(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
                                   total_dim, max_dim, backend, validate, names, optimizer, state1, state2,
-                                  state1_is_row, hyper, step, num_lookups, *weights)
+                                  state1_is_row, hyper, step, num_lookups, num_rows, *weights)
     return pooled_embedding_forward(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index,
                                     batch_size, total_dim, max_dim, backend, validate, names, optimizer, state1,
-                                    state2, state1_is_row, hyper, step, num_lookups)
+                                    state2, state1_is_row, hyper, step, num_lookups, num_rows)

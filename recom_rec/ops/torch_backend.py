@@ -136,6 +136,7 @@ def fused_update(
     max_dim: int,
     kind: int,
     num_lookups: int = -1,
+    num_rows: int = -1,  # the group's rows (the kernels size their row keys by it; unused here)
 ) -> None:
     """Backward with the optimizer fused in: sums the gradient of each touched row (duplicates
     first, as fbgemm's exact optimizers do), then updates those rows and their state in place."""
