@@ -1,8 +1,10 @@
 // Fused pooled embedding lookups in CUDA C++ (backend="cuda"): the forward, and the backward's
 // piece kernel with the optimizer fused in. Same contract as recom_rec/kernels/pooled_triton.py:
 // one flat weight buffer per group, `feature_meta` rows of META_W int64 (dim, element base, output
-// column, pooling, rows, row base, table), a KJT's values/offsets; the backward's plan (sorted row
-// keys, pieces, split rows) comes from the Triton planning kernels, shared by both backends.
+// column, pooling, rows, row base, table), a KJT's values/offsets. The backward's plan (sorted row
+// keys, pieces, split rows) is the Triton backend's, in one host call here: the expand and plan
+// kernels ported, and a CUB radix sort of only the key bits the group's rows need, carrying 32-bit
+// lookup indices (torch.sort sorts all 32 or 64 bits and carries 64-bit ones).
 //
 // Why a second implementation: Triton runs the lanes of a program in lock-step over a fixed
 // [bags x BLOCK_D] tile, so a dim-8 table in a launch whose widest table is 128 wastes 15/16 of its
@@ -16,6 +18,8 @@
 #endif
 #include <cstdint>
 #include <type_traits>
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_radix_sort.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -173,7 +177,7 @@ __device__ __forceinline__ float& comp(float4& v, int e) {
 // V = 1 covers dims up to 128 (G = 32) with few registers; V = 4 covers 512.
 template <typename W, typename K, int OPT, int V>
 __global__ void __launch_bounds__(256) piece_kernel(
-    const K* __restrict__ row_key, const int64_t* __restrict__ order, const int64_t* __restrict__ src,
+    const K* __restrict__ row_key, const int32_t* __restrict__ order, const int64_t* __restrict__ src,
     const float* __restrict__ scale, const int32_t* __restrict__ feature, const float* __restrict__ grad,
     int64_t total_dim, const int64_t* __restrict__ meta, const int64_t* __restrict__ pieces,
     const int32_t* __restrict__ counts, int64_t n, float* __restrict__ partials, int64_t partial_stride,
@@ -323,6 +327,109 @@ __global__ void __launch_bounds__(256) piece_kernel(
   }
 }
 
+
+// ---- backward planning: expand, sort, plan (the Triton backend's _expand/_plan kernels) -------
+constexpr int EXPAND_BAGS = 1024;  // bags per expand block (their offsets sit in shared memory)
+constexpr int PLAN_BLOCK = 1024;   // sorted positions per plan block, a thread each
+
+// One entry per lookup at `at` = its position in values (+ the feature's shift when features do
+// not read each key once): the row key it reads, where its gradient row starts in grad_output,
+// its scale (sample weight x 1/L for mean pooling), its feature, and its own index (the payload the
+// sort carries). A thread per lookup; its bag from a binary search of the block's bag offsets.
+template <typename I, typename K>
+__global__ void __launch_bounds__(256) expand_kernel(
+    const I* __restrict__ values, const I* __restrict__ offsets, const float* __restrict__ weights,
+    const int64_t* __restrict__ meta, const int64_t* __restrict__ key_index, const int64_t* __restrict__ feature_base,
+    K* __restrict__ row_key, int64_t* __restrict__ src, float* __restrict__ scale, int32_t* __restrict__ feature,
+    int32_t* __restrict__ index, int64_t batch_size, int64_t total_dim) {
+  __shared__ int64_t offs[EXPAND_BAGS + 1];
+  const int f = blockIdx.x;
+  const int64_t b0 = (int64_t)blockIdx.y * EXPAND_BAGS;
+  const int64_t* m = meta + (int64_t)f * META_W;
+  const int64_t col = m[2], pooling = m[3], row_base = m[5];
+  const int64_t key = key_index[f];
+  const int bags = (int)(batch_size - b0 < EXPAND_BAGS ? batch_size - b0 : EXPAND_BAGS);
+  for (int i = threadIdx.x; i <= bags; i += blockDim.x) offs[i] = (int64_t)offsets[key * batch_size + b0 + i];
+  __syncthreads();
+  const int64_t shift = feature_base ? feature_base[f] - (int64_t)offsets[key * batch_size] : 0;
+  const int64_t v1 = offs[bags];
+  for (int64_t pos = offs[0] + threadIdx.x; pos < v1; pos += blockDim.x) {
+    int lo = 1, hi = bags;  // the first j in [1, bags] with offs[j] > pos; its bag is j - 1
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (offs[mid] > pos) hi = mid; else lo = mid + 1;
+    }
+    const int j = lo - 1;
+    float s = 1.f;
+    if (pooling == 1) {
+      const int64_t len = offs[j + 1] - offs[j];
+      s = 1.f / (float)(len > 1 ? len : 1);
+    }
+    if (weights) s *= weights[pos];
+    const int64_t at = pos + shift;
+    row_key[at] = (K)(row_base + (int64_t)values[pos]);
+    src[at] = (b0 + j) * total_dim + col;
+    scale[at] = s;
+    feature[at] = f;
+    index[at] = (int32_t)at;
+  }
+}
+
+struct MaxOp {
+  __device__ __forceinline__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; }
+};
+
+// Cuts the sorted keys into pieces exactly as pooled_triton._plan_kernel: a piece starts where a
+// row starts and every PIECE lookups into it; pieces (start << 2 | split << 1 | first) and the
+// starts of rows longer than PIECE are appended to two lists (counts[0], counts[1]).
+template <typename K>
+__global__ void __launch_bounds__(PLAN_BLOCK) plan_kernel(const K* __restrict__ key, int64_t n,
+                                                          int64_t* __restrict__ pieces, int64_t* __restrict__ split_rows,
+                                                          int32_t* __restrict__ counts) {
+  using Scan32 = cub::BlockScan<int32_t, PLAN_BLOCK>;
+  __shared__ typename Scan32::TempStorage tmp;
+  __shared__ int64_t opens_at;  // start of the row the block opens in, when it began earlier
+  __shared__ int32_t base;
+  const int64_t block0 = (int64_t)blockIdx.x * PLAN_BLOCK;
+  const int64_t p = block0 + threadIdx.x;
+  const bool live = p < n;
+  const K k = live ? key[p] : K(0);
+  const bool first = live && (p == 0 || key[p - 1] != k);
+  const bool long_from_here = live && p + PIECE < n && key[p + PIECE] == k;
+  if (threadIdx.x == 0) {
+    int64_t lo = -1;
+    if (block0 > 0 && block0 < n && key[block0 - 1] == key[block0]) {  // one search, shared
+      const K k0 = key[block0];
+      int64_t l = 0, h = block0;
+      while (l < h) {
+        const int64_t mid = (l + h) >> 1;
+        if (key[mid] < k0) l = mid + 1; else h = mid;
+      }
+      lo = l;
+    }
+    opens_at = lo;
+  }
+  // The last row start at or before p within the block (offsets in the block: a 32-bit scan).
+  int32_t last_first;
+  Scan32(tmp).InclusiveScan(first ? (int32_t)threadIdx.x : -1, last_first, MaxOp());
+  __syncthreads();
+  const int64_t run_start = last_first >= 0 ? block0 + last_first : opens_at;
+  const int64_t depth = p - run_start;
+  const bool start = live && depth % PIECE == 0;
+  const bool split = start && (depth >= PIECE || long_from_here);
+  const bool row = first && long_from_here;
+  int32_t slot, total;
+  Scan32(tmp).ExclusiveSum((int32_t)start, slot, total);
+  if (threadIdx.x == 0) base = atomicAdd(counts, total);
+  __syncthreads();
+  if (start) pieces[base + slot] = p * 4 + (split ? 2 : 0) + (first ? 1 : 0);
+  __syncthreads();  // base and the scan storage are reused below
+  Scan32(tmp).ExclusiveSum((int32_t)row, slot, total);
+  if (threadIdx.x == 0) base = atomicAdd(counts + 1, total);
+  __syncthreads();
+  if (row) split_rows[base + slot] = p;
+}
+
 #ifndef RECOM_REC_KERNELS_ONLY
 template <typename F>
 void dispatch_weight(at::ScalarType t, F&& f) {
@@ -376,6 +483,70 @@ at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, cons
   return out;
 }
 
+// The backward's plan of a group (see the kernels above): returns sorted row keys, the sort's
+// order (int32 lookup indices), each lookup's gradient source, scale and feature (in expand
+// order), the piece list, the split-row list and their two counts (on the device: no sync).
+// `feature_base` is absent when every key is read by one feature (a lookup's index is then its
+// position in values); `key_bits` bounds the row keys (the group's rows), `key64` their width.
+std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor& offsets,
+                                      const c10::optional<at::Tensor>& psw, const at::Tensor& meta,
+                                      const at::Tensor& key_index, const c10::optional<at::Tensor>& feature_base,
+                                      int64_t batch_size, int64_t total_dim, int64_t n, int64_t key_bits, bool key64) {
+  c10::cuda::CUDAGuard guard(values.device());
+  TORCH_CHECK(n < (int64_t)INT32_MAX, "recom_rec cuda backend: a group's backward takes at most 2^31 - 1 lookups");
+  TORCH_CHECK(values.scalar_type() == offsets.scalar_type(), "values and offsets must share a dtype");
+  const auto dev = values.options();
+  const auto key_dtype = key64 ? at::kLong : at::kInt;
+  auto row_key = at::empty({n}, dev.dtype(key_dtype));
+  auto src = at::empty({n}, dev.dtype(at::kLong));
+  auto scale = at::empty({n}, dev.dtype(at::kFloat));
+  auto feature = at::empty({n}, dev.dtype(at::kInt));
+  auto index = at::empty({n}, dev.dtype(at::kInt));
+  auto sorted_key = at::empty({n}, dev.dtype(key_dtype));
+  auto order = at::empty({n}, dev.dtype(at::kInt));
+  auto pieces = at::empty({n}, dev.dtype(at::kLong));
+  auto split_rows = at::empty({n / (PIECE + 1) + 1}, dev.dtype(at::kLong));
+  auto counts = at::zeros({2}, dev.dtype(at::kInt));
+  const int64_t F = meta.size(0);
+  if (n == 0 || F == 0 || batch_size == 0) return {sorted_key, order, src, scale, feature, pieces, split_rows, counts};
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
+  const int64_t* fb = feature_base.has_value() ? feature_base->data_ptr<int64_t>() : nullptr;
+  const dim3 grid((unsigned)F, (unsigned)((batch_size + EXPAND_BAGS - 1) / EXPAND_BAGS));
+  const int bits = (int)key_bits;
+  auto run = [&](auto kt, auto it) {
+    using K = decltype(kt);
+    using I = decltype(it);
+    using U = typename std::make_unsigned<K>::type;  // keys are non-negative: sort them unsigned
+    expand_kernel<I, K><<<grid, 256, 0, stream>>>(
+        values.data_ptr<I>(), offsets.data_ptr<I>(), w, meta.data_ptr<int64_t>(), key_index.data_ptr<int64_t>(), fb,
+        reinterpret_cast<K*>(row_key.data_ptr()), src.data_ptr<int64_t>(), scale.data_ptr<float>(),
+        feature.data_ptr<int32_t>(), index.data_ptr<int32_t>(), batch_size, total_dim);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const U* keys_in = reinterpret_cast<const U*>(row_key.data_ptr());
+    U* keys_out = reinterpret_cast<U*>(sorted_key.data_ptr());
+    size_t temp_bytes = 0;
+    cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_out, index.data_ptr<int32_t>(),
+                                    order.data_ptr<int32_t>(), (int)n, 0, bits, stream);
+    auto temp = at::empty({(int64_t)temp_bytes}, dev.dtype(at::kByte));
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data_ptr(), temp_bytes, keys_in, keys_out,
+                                                   index.data_ptr<int32_t>(), order.data_ptr<int32_t>(), (int)n, 0,
+                                                   bits, stream));
+    plan_kernel<K><<<(unsigned)((n + PLAN_BLOCK - 1) / PLAN_BLOCK), PLAN_BLOCK, 0, stream>>>(
+        reinterpret_cast<const K*>(sorted_key.data_ptr()), n, pieces.data_ptr<int64_t>(),
+        split_rows.data_ptr<int64_t>(), counts.data_ptr<int32_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  const bool v64 = values.scalar_type() == at::kLong;
+  TORCH_CHECK(v64 || values.scalar_type() == at::kInt, "values must be int32 or int64");
+  if (key64) {
+    if (v64) run(int64_t{}, int64_t{}); else run(int64_t{}, int32_t{});
+  } else {
+    if (v64) run(int32_t{}, int64_t{}); else run(int32_t{}, int32_t{});
+  }
+  return {sorted_key, order, src, scale, feature, pieces, split_rows, counts};
+}
+
 // The backward's piece kernel (see piece_kernel). `opt` < 0 writes row gradients into `out`.
 void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::Tensor& src, const at::Tensor& scale,
                   const at::Tensor& feature, const at::Tensor& grad, const at::Tensor& meta, const at::Tensor& pieces,
@@ -398,7 +569,7 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
       constexpr int OPT = decltype(opt_c)::value;
       auto kernel = max_dim <= 128 ? piece_kernel<W, K, OPT, 1> : piece_kernel<W, K, OPT, 4>;
       kernel<<<(unsigned)blocks, threads, 0, stream>>>(
-          reinterpret_cast<const K*>(row_key.data_ptr()), order.data_ptr<int64_t>(), src.data_ptr<int64_t>(),
+          reinterpret_cast<const K*>(row_key.data_ptr()), order.data_ptr<int32_t>(), src.data_ptr<int64_t>(),
           scale.data_ptr<float>(), feature.data_ptr<int32_t>(), grad.data_ptr<float>(), grad.size(1),
           meta.data_ptr<int64_t>(), pieces.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), n,
           partials.data_ptr<float>(), partial_stride, wptr<W>(out),
@@ -426,5 +597,6 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pooled_forward", &pooled_forward, "fused pooled embedding forward (CUDA)");
   m.def("piece_update", &piece_update, "backward piece kernel with the fused optimizer (CUDA)");
+  m.def("plan_backward", &plan_backward, "backward plan: expand, sort, pieces (CUDA)");
 }
 #endif

@@ -2,9 +2,9 @@
 ``torch.utils.cpp_extension`` on first use and cached per source, torch version and GPU
 architecture (``RECOM_REC_CUDA_CACHE``, by default ``~/.cache/recom_rec/cuda``).
 
-Forward: the CUDA kernel. Backward: the Triton planning kernels (expand, sort, plan) shared with
-the Triton backend, then the CUDA piece kernel in place of the Triton one, then the Triton
-split-row kernel; both backends cut and sum a row's lookups the same way.
+Forward: the CUDA kernel. Backward: the planning (expand, a CUB sort, plan: the Triton backend's
+kernels ported, one host call), then the CUDA piece kernel, then the Triton split-row kernel; both
+backends cut and sum a row's lookups the same way.
 
 A group the CUDA kernels do not cover (a dim above ``MAX_DIM``, a weight buffer that is not
 16-byte aligned) runs on the Triton backend instead.
@@ -101,6 +101,20 @@ def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
                                        batch_size, total_dim, max_dim)
 
 
+def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim,
+               num_lookups):
+    """pooled_triton._triton_plan in one call to the extension: the expand and plan kernels ported,
+    and a CUB sort of just the key bits the rows need (torch.sort: all 32/64 bits, 64-bit order)."""
+    key_index = key_index.to(torch.int64).contiguous()
+    positional, feature_base, n = pooled_triton.lookup_bases(offsets, key_index, batch_size, num_lookups)
+    if offsets.dtype != values.dtype:
+        offsets = offsets.to(values.dtype)
+    psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
+    return _extension().plan_backward(values.contiguous(), offsets.contiguous(), psw, feature_meta.contiguous(),
+                                      key_index, None if positional else feature_base.contiguous(), batch_size,
+                                      total_dim, n, max(1, (row_count - 1).bit_length()), row_count >= 2**31)
+
+
 def _cuda_pieces(row_key, order, src, scale, feature, grad_output, feature_meta, pieces, counts, n, partials,
                  partial_stride, out, state1, state2, hyper, step, opt, max_dim):
     _extension().piece_update(row_key, order, src, scale, feature, grad_output, feature_meta, pieces, counts, n,
@@ -112,11 +126,11 @@ def backward(grad_output, values, offsets, per_sample_weights, feature_meta, key
     grad = torch.zeros(total_numel, dtype=dtype, device=grad_output.device)
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return grad
-    pieces = _cuda_pieces if supports(grad, max_dim) else None
+    cuda = supports(grad, max_dim)
     pooled_triton._run_backward(grad_output, grad, [], None, None, values, offsets, per_sample_weights,
                                 feature_meta, key_index, batch_size, max_dim,
                                 pooled_triton._row_bound(num_rows, total_numel), -1, num_lookups,
-                                pieces=pieces)
+                                pieces=_cuda_pieces if cuda else None, planner=_cuda_plan if cuda else None)
     return grad
 
 
@@ -124,8 +138,8 @@ def fused_update(grad_output, flat, states, state_is_row, hyper, step, values, o
                  feature_meta, key_index, batch_size, max_dim, kind, num_lookups=-1, num_rows=-1) -> None:
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return
-    pieces = _cuda_pieces if supports(flat, max_dim) else None
+    cuda = supports(flat, max_dim)
     pooled_triton._run_backward(grad_output, flat, states, hyper, step, values, offsets, per_sample_weights,
                                 feature_meta, key_index, batch_size, max_dim,
                                 pooled_triton._row_bound(num_rows, flat.numel()), kind, num_lookups,
-                                pieces=pieces)
+                                pieces=_cuda_pieces if cuda else None, planner=_cuda_plan if cuda else None)

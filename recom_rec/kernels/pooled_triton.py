@@ -416,22 +416,25 @@ def _programs(device: torch.device, wanted: int) -> int:
     return max(1, min(wanted, 16))  # the interpreter runs programs one after another
 
 
+def lookup_bases(offsets, key_index, batch_size, num_lookups):
+    """(positional, feature_base, n): with num_lookups >= 0 every key is read by exactly one
+    feature, so a lookup's entry can be its position in values (no per-feature bases to compute:
+    fewer small launches, less host time); otherwise feature f's entries start at feature_base[f]
+    and counting them syncs with the device."""
+    if num_lookups >= 0:
+        return True, None, num_lookups
+    bounds = offsets[torch.stack((key_index * batch_size, (key_index + 1) * batch_size))].to(torch.int64)
+    counts = bounds[1] - bounds[0]
+    return False, torch.cumsum(counts, 0) - counts, int(counts.sum())
+
+
 def _sorted_lookups(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count,
                     total_dim, num_lookups):
     """Every lookup's (row key, gradient source, scale, feature), then the row keys sorted (stable:
     a row's lookups stay in input order). No host sync when ``num_lookups`` is known."""
     device = values.device
     key_index = key_index.to(torch.int64)
-    # num_lookups >= 0: every key is read by exactly one feature, so a lookup's slot can be its
-    # position in values (no per-feature bases to compute: fewer small launches, less host time).
-    positional = num_lookups >= 0
-    if positional:
-        feature_base, n = key_index, num_lookups  # feature_base is not read
-    else:
-        bounds = offsets[torch.stack((key_index * batch_size, (key_index + 1) * batch_size))].to(torch.int64)
-        counts = bounds[1] - bounds[0]
-        feature_base = torch.cumsum(counts, 0) - counts
-        n = int(counts.sum())
+    positional, feature_base, n = lookup_bases(offsets, key_index, batch_size, num_lookups)
     # 32-bit keys when they fit: a radix sort of half the passes.
     row_key = torch.empty(n, dtype=torch.int32 if row_count < 2**31 else torch.int64, device=device)
     src = torch.empty(n, dtype=torch.int64, device=device)
@@ -441,13 +444,30 @@ def _sorted_lookups(values, offsets, per_sample_weights, feature_meta, key_index
         weights = per_sample_weights if per_sample_weights is not None else scale
         block_b = expand_block(n, feature_meta.shape[0] * batch_size)
         _expand_kernel[(feature_meta.shape[0], triton.cdiv(batch_size, block_b))](
-            values, offsets, weights, feature_meta, key_index, feature_base, row_key, src, scale, feature,
-            batch_size, total_dim,
+            values, offsets, weights, feature_meta, key_index, key_index if positional else feature_base,
+            row_key, src, scale, feature, batch_size, total_dim,
             META_W=META_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, POSITIONAL=positional, BLOCK_B=block_b,
             BLOCK_V=EXPAND_LOOKUPS, SEARCH_STEPS=block_b.bit_length(), num_warps=4,
         )
     sorted_key, order = torch.sort(row_key, stable=True)
     return sorted_key, order, src, scale, feature
+
+
+def _triton_plan(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim,
+                 num_lookups):
+    """The backward's plan: sorted keys, order, sources, scales, features, then the pieces and
+    split rows (appended by the plan kernel; their counts stay on the device)."""
+    row_key, order, src, scale, feature = _sorted_lookups(
+        values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim, num_lookups)
+    n = row_key.numel()
+    device = row_key.device
+    piece_list = torch.empty(n, dtype=torch.int64, device=device)
+    split_rows = torch.empty(n // (PIECE + 1) + 1, dtype=torch.int64, device=device)
+    counts = torch.zeros(2, dtype=torch.int32, device=device)
+    if n:
+        _plan_kernel[(triton.cdiv(n, PLAN_BLOCK),)](row_key, n, piece_list, split_rows, counts,
+                                                    PIECE=PIECE, BLOCK=PLAN_BLOCK, num_warps=4)
+    return row_key, order, src, scale, feature, piece_list, split_rows, counts
 
 
 def _row_bound(num_rows: int, numel: int) -> int:
@@ -457,24 +477,19 @@ def _row_bound(num_rows: int, numel: int) -> int:
 
 
 def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, row_count, opt, num_lookups, pieces=None):
+                  key_index, batch_size, max_dim, row_count, opt, num_lookups, pieces=None, planner=None):
     """The backward of one group: plan, then sum every row's lookups and finish the rows. ``pieces``
-    replaces the Triton piece kernel (the CUDA backend's, pooled_cuda._cuda_pieces)."""
+    replaces the Triton piece kernel and ``planner`` the Triton planning (the CUDA backend's,
+    pooled_cuda._cuda_pieces and pooled_cuda._cuda_plan)."""
     grad_output = grad_output.contiguous()
     device = grad_output.device
-    row_key, order, src, scale, feature = _sorted_lookups(
+    row_key, order, src, scale, feature, piece_list, split_rows, counts = (planner or _triton_plan)(
         values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count,
         grad_output.shape[1], num_lookups)
     n = row_key.numel()
     if n == 0:
         return
     block_d = _block_d(max_dim)
-    # Pieces (packed starts) and split rows, appended by the plan kernel; their counts stay on the device.
-    piece_list = torch.empty(n, dtype=torch.int64, device=device)
-    split_rows = torch.empty(n // (PIECE + 1) + 1, dtype=torch.int64, device=device)
-    counts = torch.zeros(2, dtype=torch.int32, device=device)
-    _plan_kernel[(triton.cdiv(n, PLAN_BLOCK),)](row_key, n, piece_list, split_rows, counts,
-                                                PIECE=PIECE, BLOCK=PLAN_BLOCK, num_warps=4)
     partials = torch.empty(2 * ((n - 1) // PIECE + 1) * block_d, dtype=torch.float32, device=device)
     state1 = states[0] if len(states) > 0 else out
     state2 = states[1] if len(states) > 1 else out
