@@ -2,7 +2,7 @@
 # On the GPU machine (device tool, carry [".gpu"] and, when built before, [".cuda_ext"]): build or
 # load the CUDA backend, run the GPU suites (kernels on every backend, NCCL sharding on every GPU),
 # then the benchmarks. Each stage has its own time limit; logs under $OUT.
-#   STAGES="tests nccl dlrm bench" BENCH_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests nccl dlrm bench profile" BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 set -o pipefail
 source .gpu/setup.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -35,5 +35,10 @@ if [[ " $STAGES " == *" bench "* ]]; then
   stage bench
   timeout ${BENCH_TIMEOUT:-240} python3 -m recom_rec.bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 \
     | grep -v "is_fx_tracing\|it/s\]\|Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|run_backward" | tee "$OUT/bench.log" | tail -30
+fi
+if [[ " $STAGES " == *" profile "* ]]; then
+  stage profile
+  timeout ${PROFILE_TIMEOUT:-150} python3 tools/profile_step.py ${PROFILE_ARGS:---workloads many-1000 many-500 --backends auto} 2>&1 \
+    | grep -v "Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|is_fx_tracing" > "$OUT/profile.log"; grep -A8 "^==" "$OUT/profile.log"
 fi
 stage done
