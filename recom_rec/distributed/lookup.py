@@ -7,7 +7,11 @@ all-to-all / reduce-scatter). ``FusedPooledEmbeddingsLookup`` replaces torchrec'
 "tables" are the rank's shards (table-wise: whole tables; column-wise: column slices; row-wise:
 row blocks, whose ids torchrec's bucketization already made local), so every local shard of a
 rank is pooled by one fused launch (one per weight dtype), with the optimizer fused into the
-backward when the plan's compute kernel is ``FUSED``.
+backward when the plan's compute kernel is ``FUSED``. Shards planned with the parameter-server
+kernel (``ps_placement.PS_KERNEL``) go into a local module of their own whose tables are
+PS-backed (a cache in the fused buffer, rows in the store); like the unsharded module's PS tables
+they stay out of ``state_dict`` (the store holds them: ``recom_rec.ps.flush``), and loading a
+weight for them writes it into the store.
 """
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -31,6 +35,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..modules.embedding_modules import EmbeddingBagCollection
 from ..optim.keyed import FusedEmbeddingOptimizer
+from .ps_placement import PS_KERNEL, ps_config, shard_table_name
 
 # fbgemm's EmbOptimType names -> our fused optimizers (recom_rec.optim.spec).
 _EMB_OPT_TO_OURS = {
@@ -137,11 +142,18 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
             out_start.append(col)
             col += t.local_cols * len(t.feature_names)
         self._fused_optimizers = nn.ModuleList()
+        self._ps_tables: List[int] = []  # indices of the shards in the parameter-server tier
         for b, ((kernel, _), members) in enumerate(buckets.items()):
             configs = []
+            in_ps = kernel == str(EmbeddingComputeKernel(PS_KERNEL))  # bucket keys hold str(enum)
+            ps = {}
             for i in members:
                 t = self._tables[i]
                 name = f"t{i}"
+                if in_ps:
+                    name = shard_table_name(t.name, *self._offsets(i))
+                    ps[name] = ps_config(fused[i], t.local_rows)
+                    self._ps_tables.append(i)
                 self._table_slot[i] = (b, name)
                 configs.append(EmbeddingBagConfig(
                     num_embeddings=t.local_rows, embedding_dim=t.local_cols, name=name,
@@ -154,9 +166,14 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
                     col_sources.extend(range(out_start[i] + j * t.local_cols,
                                              out_start[i] + (j + 1) * t.local_cols))
             module = EmbeddingBagCollection(configs, is_weighted=self._is_weighted, device=device,
-                                            backend=backend, validate_inputs=False)
-            opt = optimizer_from_fused_params(fused[members[0]]) if kernel == str(EmbeddingComputeKernel.FUSED) else None
-            if opt is not None:
+                                            backend=backend, validate_inputs=False, ps=ps or None)
+            fuses = kernel == str(EmbeddingComputeKernel.FUSED) or in_ps
+            opt = optimizer_from_fused_params(fused[members[0]]) if fuses else None
+            if opt is not None and in_ps:
+                # The rows' optimizer state travels with them through the store; the cache's
+                # per-slot state is not a per-table tensor a KeyedOptimizer could checkpoint.
+                module.enable_fused_optimizer(opt[0], **opt[1])
+            elif opt is not None:
                 inner = module.enable_fused_optimizer(opt[0], **opt[1])
                 # Keyed as torchrec's fused TBEs key theirs ("<table>.weight"; the sharded
                 # module prefixes "embedding_bags.").
@@ -170,9 +187,9 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
                     state[p] = inner.state[p]
                 self._fused_optimizers.append(_FusedOptimizerHolder(
                     FusedEmbeddingOptimizer(inner.spec, params, state, module._fused_hyper)))
-            if kernel == str(EmbeddingComputeKernel.FUSED):
+            if fuses:
                 for i in members:
-                    p = module.embedding_bags[f"t{i}"].weight
+                    p = module.embedding_bags[self._table_slot[i][1]].weight
                     # torchrec's convention: tables updated in the backward are left out of
                     # dense optimizers (in_backward_optimizer_filter).
                     p._in_backward_optimizers = [EmptyFusedOptimizer()]
@@ -217,9 +234,9 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
         if destination is None:
             destination = OrderedDict()
             destination._metadata = OrderedDict()  # type: ignore[attr-defined]
-        params = [self.local_weight(i) if keep_vars else self.local_weight(i).detach()
-                  for i in range(len(self._tables))]
-        return get_state_dict(self._tables, params, self._pg, destination, prefix)
+        kept = [i for i in range(len(self._tables)) if i not in self._ps_tables]
+        params = [self.local_weight(i) if keep_vars else self.local_weight(i).detach() for i in kept]
+        return get_state_dict([self._tables[i] for i in kept], params, self._pg, destination, prefix)
 
     def named_parameters_by_table(self) -> Iterator[Tuple[str, nn.Parameter]]:
         """(table name, the local shard's Parameter); the sharded module registers these as
@@ -228,7 +245,8 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
         ``TableBatchedEmbeddingSlice`` over their (adjacent) storage, as torchrec does."""
         shards: "OrderedDict[str, List[int]]" = OrderedDict()
         for i, t in enumerate(self._tables):
-            shards.setdefault(t.name, []).append(i)
+            if i not in self._ps_tables:  # a cache, not the shard: no Parameter to expose
+                shards.setdefault(t.name, []).append(i)
         for name, members in shards.items():
             if len(members) == 1:
                 yield name, self.local_weight(members[0])
@@ -260,16 +278,35 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
             num_embeddings=-1, embedding_dim=first.embedding_dim,
         )
 
+    def _offsets(self, i: int) -> Tuple[int, int]:
+        """(first row, first column) of local shard ``i`` in its table."""
+        t = self._tables[i]
+        if t.local_metadata is not None:
+            return int(t.local_metadata.shard_offsets[0]), int(t.local_metadata.shard_offsets[1])
+        return 0, 0
+
     def copy_from_unsharded(self, weights: Dict[str, torch.Tensor]) -> None:
-        """Fills the local shards from the full tables (``weights[name]`` is ``[rows, dim]``)."""
+        """Fills the local shards from the full tables (``weights[name]`` is ``[rows, dim]``);
+        parameter-server shards are written into their store."""
         with torch.no_grad():
             for i, t in enumerate(self._tables):
                 full = weights[t.name]
-                if t.local_metadata is not None:
-                    r0, c0 = t.local_metadata.shard_offsets[:2]
+                r0, c0 = self._offsets(i)
+                shard = full[r0:r0 + t.local_rows, c0:c0 + t.local_cols]
+                if i in self._ps_tables:
+                    self.load_ps_shard(i, shard)
                 else:
-                    r0, c0 = 0, 0
-                self.local_weight(i).copy_(full[r0:r0 + t.local_rows, c0:c0 + t.local_cols])
+                    self.local_weight(i).copy_(shard)
+
+    def ps_shards(self) -> List[Tuple[int, str, int, int, int, int]]:
+        """(index, table, first row, first column, rows, columns) of the parameter-server shards."""
+        return [(i, self._tables[i].name, *self._offsets(i), self._tables[i].local_rows, self._tables[i].local_cols)
+                for i in self._ps_tables]
+
+    def load_ps_shard(self, i: int, weight: torch.Tensor) -> None:
+        """Writes ``weight`` (the shard's ``[rows, columns]``) into the shard's store."""
+        b, name = self._table_slot[i]
+        self._local_modules[b].load_state_dict({f"embedding_bags.{name}.weight": weight}, strict=False)
 
     def flush(self) -> None:
         pass

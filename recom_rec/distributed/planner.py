@@ -15,6 +15,12 @@ torchrec's estimators model fbgemm's TBE. Ours differ where the kernels differ:
   full dense gradient of the shard, which the optimizer then reads and applies over the whole
   shard: that traffic is added to the backward.
 
+* the parameter-server tier (``ps_placement.PS_KERNEL``, offered when the sharder has a
+  ``ps_url``): HBM holds the shard's cache (``ps_cache_load_factor`` of its rows, with their
+  optimizer state), host memory the whole shard when the store is the embedded ``memory://``;
+  compute is the fused kernel's times ``PS_STEP_COST``, the measured cost of the tier (so the
+  planner picks it only for tables that do not fit in HBM).
+
 ``build_plan(model, sharders, world_size, ...)`` builds a ``ShardingPlan`` with these estimators
 and prints it.
 """
@@ -33,6 +39,11 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 
 from ..modules.embedding_modules import EmbeddingBagCollection
 from .lookup import optimizer_from_fused_params
+from .ps_placement import PS_KERNEL, cache_rows, store_in_host_memory
+
+# A PS-backed training step over an all-in-HBM one: 6.56 / 2.81 ms on the H100's `ps` workload
+# (memory://, 5% cache; docs/perf-notes.md, "PS v2 on the H100").
+PS_STEP_COST = 2.3
 
 # fp32 optimizer-state floats per (row, element) of a shard.
 _STATE_FLOATS = {"sgd": (0, 0), "rowwise_adagrad": (1, 0), "adagrad": (0, 1), "adam": (0, 2)}
@@ -50,7 +61,7 @@ def _torchrec_optimizer_class(option: ShardingOption):
 def our_optimizer(option: ShardingOption, sharder_fused_params: Optional[Dict]) -> Optional[str]:
     """Which fused optimizer our kernel will run for this option (None: no optimizer state)."""
     if option.sharding_type == ShardingType.DATA_PARALLEL.value or \
-            option.compute_kernel != EmbeddingComputeKernel.FUSED.value:
+            option.compute_kernel not in (EmbeddingComputeKernel.FUSED.value, PS_KERNEL):
         return None
     cls = _torchrec_optimizer_class(option)
     if cls is not None:
@@ -70,6 +81,23 @@ def _sharder_data(sharder_data_map, kwargs):
     return sharder_data_map if sharder_data_map is not None else kwargs.get("sharder_map")
 
 
+class _CostedAsFused:
+    """Our PS-tier (and, for perf, dense) options estimated by torchrec as its fused kernel, whose
+    cost model it has; the kernel is restored afterwards."""
+
+    def __init__(self, options: List[ShardingOption]) -> None:
+        self.options = options
+        self.kernels = [o.compute_kernel for o in options]
+
+    def __enter__(self):
+        for o in self.options:
+            o.compute_kernel = EmbeddingComputeKernel.FUSED.value
+
+    def __exit__(self, *exc):
+        for o, k in zip(self.options, self.kernels):
+            o.compute_kernel = k
+
+
 def _device_field(compute_device: str) -> str:
     return "ddr" if compute_device == "cpu" else "hbm"
 
@@ -85,7 +113,8 @@ class FusedEmbeddingStorageEstimator(ShardEstimator):
 
     def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None, **kwargs) -> None:
         sharder_data_map = _sharder_data(sharder_data_map, kwargs)
-        self._base.estimate(sharding_options, sharder_data_map)
+        with _CostedAsFused([o for o in sharding_options if _is_ours(o) and o.compute_kernel == PS_KERNEL]):
+            self._base.estimate(sharding_options, sharder_data_map)
         field = _device_field(self._topology.compute_device)
         for option in sharding_options:
             if not _is_ours(option):
@@ -106,8 +135,16 @@ class FusedEmbeddingStorageEstimator(ShardEstimator):
                 torchrec_tensor = numel * element
                 torchrec_part = torchrec_tensor + math.ceil(torchrec_tensor * torchrec_multiplier)
                 per_row, per_elem = _STATE_FLOATS.get(ours, (0, 0)) if ours else (0, 0)
-                our_part = numel * element + 4 * (per_row * rows + per_elem * numel)
                 storage = shard.storage or Storage(hbm=0, ddr=0)
+                if option.compute_kernel == PS_KERNEL:
+                    # The cache (rows and their state) on the device; the rows and state of the
+                    # whole shard in the store, as fp32 (host memory when it is memory://).
+                    cached = cache_rows(fused_params or {}, rows)
+                    our_part = cached * cols * element + 4 * (per_row * cached + per_elem * cached * cols)
+                    if store_in_host_memory(fused_params or {}):
+                        storage.ddr = int(storage.ddr + 4 * (numel + per_row * rows + per_elem * numel))
+                else:
+                    our_part = numel * element + 4 * (per_row * rows + per_elem * numel)
                 value = max(0, getattr(storage, field) - torchrec_part) + our_part
                 setattr(storage, field, int(value))
                 shard.storage = storage
@@ -129,13 +166,16 @@ class FusedEmbeddingPerfEstimator(ShardEstimator):
                  and o.compute_kernel == EmbeddingComputeKernel.DENSE.value
                  and o.sharding_type != ShardingType.DATA_PARALLEL.value]
         dense_ids = {id(o) for o in dense}
-        for option in dense:  # cost our dense kernel's lookup as the fused one, then add the dense gradient
-            option.compute_kernel = EmbeddingComputeKernel.FUSED.value
-        try:
+        in_ps = [o for o in sharding_options if _is_ours(o) and o.compute_kernel == PS_KERNEL]
+        # Our dense kernel's lookup is costed as the fused one, plus the dense gradient below;
+        # the PS tier's as the fused one times PS_STEP_COST.
+        with _CostedAsFused(dense + in_ps):
             self._base.estimate(sharding_options, sharder_data_map)
-        finally:
-            for option in dense:
-                option.compute_kernel = EmbeddingComputeKernel.DENSE.value
+        for option in in_ps:
+            for shard in option.shards:
+                if shard.perf is not None:
+                    shard.perf.fwd_compute *= PS_STEP_COST
+                    shard.perf.bwd_compute *= PS_STEP_COST
         bw = self._topology.ddr_mem_bw if self._topology.compute_device == "cpu" else self._topology.hbm_mem_bw
         for option in sharding_options:
             if not _is_ours(option):
@@ -198,11 +238,11 @@ def build_plan(
 
 
 def format_plan(plan: ShardingPlan) -> str:
-    lines = [f"{'module':<12} {'table':<12} {'sharding':<16} {'kernel':<8} {'ranks':<10} shard sizes"]
+    lines = [f"{'module':<12} {'table':<12} {'sharding':<16} {'kernel':<17} {'ranks':<10} shard sizes"]
     for module_path, module_plan in plan.plan.items():
         for table, ps in module_plan.items():
             sizes = [list(s.shard_sizes) for s in ps.sharding_spec.shards] if ps.sharding_spec else []
             ranks = ",".join(str(r) for r in (ps.ranks or []))
-            lines.append(f"{module_path:<12} {table:<12} {ps.sharding_type:<16} {ps.compute_kernel:<8} "
+            lines.append(f"{module_path:<12} {table:<12} {ps.sharding_type:<16} {ps.compute_kernel:<17} "
                          f"{ranks:<10} {sizes}")
     return "\n".join(lines)

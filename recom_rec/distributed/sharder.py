@@ -3,7 +3,9 @@
 ``ShardedFusedEmbeddingBagCollection`` is torchrec's ``ShardedEmbeddingBagCollection`` (input
 distribution, output distribution, sharding plans, state_dict hooks, fused optimizer plumbing)
 with one substitution: each sharding type's lookup is a ``FusedPooledEmbeddingsLookup`` that
-pools all of the rank's local shards in our fused kernel.
+pools all of the rank's local shards in our fused kernel. With ``ps_url`` the sharder also offers
+the parameter-server tier as a compute kernel (``ps_placement``), which the planner picks for
+tables that do not fit in HBM.
 """
 from typing import Any, Dict, List, Optional, Type
 
@@ -18,10 +20,12 @@ from torchrec.distributed.embeddingbag import (
 from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.modules.embedding_configs import PoolingType
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
 
 from ..modules.embedding_modules import EmbeddingBagCollection
 from .lookup import FusedPooledEmbeddingsLookup
+from .ps_placement import PS_KERNEL, ps_enabled, ps_fused_params
 
 
 def _unwrap(lookup: nn.Module) -> nn.Module:
@@ -53,8 +57,12 @@ class ShardedFusedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     f"recom_rec: weighted MEAN tables {bad} cannot be sharded row-wise: torchrec's row-wise "
                     "mean pooling divides weighted bags by their sum of weights, our kernel (fbgemm's "
                     "rule) by their length; shard them table-wise or column-wise")
-        # Read by _create_lookups, which the parent's __init__ calls.
+        # Read by _create_lookups and reset_parameters, which the parent's __init__ calls.
         object.__setattr__(self, "_recom_backend", backend or getattr(module, "backend", "auto"))
+        # Parameter-server shards are not in the state_dict (their store holds them, as for the
+        # unsharded module's PS tables); a weight loaded for one is written into its store.
+        object.__setattr__(self, "_ps_table_names", {name for name, ps in table_name_to_parameter_sharding.items()
+                                                     if ps.compute_kernel == PS_KERNEL})
         super().__init__(
             module=module,
             table_name_to_parameter_sharding=table_name_to_parameter_sharding,
@@ -70,6 +78,8 @@ class ShardedFusedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                        for c in module.embedding_bag_configs()}
             for lookup in self._lookups:
                 _unwrap(lookup).copy_from_unsharded(weights)
+        if self._ps_table_names:
+            self._register_load_state_dict_pre_hook(_load_ps_shards, with_module=True)
 
     def _create_lookups(self) -> None:
         for sharding_type, sharding in zip(self._sharding_types, self._embedding_shardings):
@@ -86,9 +96,52 @@ class ShardedFusedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 backend=self._recom_backend,
             ))
 
+    def ps_tiers(self):
+        """The parameter-server tiers of this rank's shards (``recom_rec.ps.flush`` and
+        ``tiers_of`` find them through this: torchrec keeps the lookups in a plain list)."""
+        from ..ps import tiers_of
+
+        return [t for lookup in self._lookups for t in tiers_of(_unwrap(lookup))]
+
+    def reset_parameters(self) -> None:
+        # Parameter-server shards have no weight here: their never-seen rows come from the tier's
+        # deterministic init rule (recom_rec.ps), the others from the unsharded module's weights.
+        configs = self._embedding_bag_configs
+        self._embedding_bag_configs = [c for c in configs if c.name not in self._ps_table_names]
+        try:
+            super().reset_parameters()
+        finally:
+            self._embedding_bag_configs = configs
+
     @property
     def unsharded_module_type(self) -> Type[EmbeddingBagCollection]:
         return EmbeddingBagCollection
+
+
+def _shard_region(value, r0: int, c0: int, rows: int, cols: int, key: str) -> torch.Tensor:
+    """The ``[rows, cols]`` block at (r0, c0) of a loaded weight: a full tensor, or a
+    ShardedTensor one of whose local shards covers it."""
+    if isinstance(value, ShardedTensor):
+        for shard in value.local_shards():
+            (sr, sc), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            if sr <= r0 and sc <= c0 and r0 + rows <= sr + nr and c0 + cols <= sc + nc:
+                return shard.tensor[r0 - sr:r0 - sr + rows, c0 - sc:c0 - sc + cols]
+        raise ValueError(f"{key}: no local shard of the loaded ShardedTensor covers rows {r0}..{r0 + rows} x "
+                         f"columns {c0}..{c0 + cols} of this rank's parameter-server shard; load a full "
+                         "tensor (e.g. an unsharded checkpoint) for it")
+    return value[r0:r0 + rows, c0:c0 + cols]
+
+
+def _load_ps_shards(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                    error_msgs) -> None:
+    for lookup in module._lookups:
+        lookup = _unwrap(lookup)
+        for i, table, r0, c0, rows, cols in getattr(lookup, "ps_shards", lambda: [])():
+            key = f"{prefix}embedding_bags.{table}.weight"
+            if key in state_dict:
+                lookup.load_ps_shard(i, _shard_region(state_dict[key], r0, c0, rows, cols, key))
+    for table in module._ps_table_names:
+        state_dict.pop(f"{prefix}embedding_bags.{table}.weight", None)
 
 
 class EmbeddingBagCollectionSharder(_TorchrecEBCSharder):
@@ -102,6 +155,13 @@ class EmbeddingBagCollectionSharder(_TorchrecEBCSharder):
     ``fused_params`` as torchrec's sharders take them, e.g.
     ``{"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}``; supported optimizers:
     EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD, ADAM.
+
+    ``ps_url`` (e.g. ``"memory://tier"`` or ``"redis://host:6379/0?prefix=model"``) adds the
+    parameter-server tier as a compute kernel (``customized_kernel`` in plans) for every sharding
+    type but data-parallel: a shard planned on it keeps ``ps_cache_load_factor`` of its rows in a
+    cache in HBM (it must hold a batch's distinct ids) and all of them in the store. The planner
+    (``recom_rec.distributed.planner``) estimates it so that it is chosen for tables that do not
+    fit in HBM.
     """
 
     def __init__(
@@ -109,7 +169,12 @@ class EmbeddingBagCollectionSharder(_TorchrecEBCSharder):
         fused_params: Optional[Dict[str, Any]] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
         backend: Optional[str] = None,
+        ps_url: Optional[str] = None,
+        ps_cache_load_factor: float = 0.2,
+        ps_eviction: str = "lru",
     ) -> None:
+        if ps_url is not None:
+            fused_params = {**(fused_params or {}), **ps_fused_params(ps_url, ps_cache_load_factor, ps_eviction)}
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
         self._backend = backend
 
@@ -145,7 +210,8 @@ class EmbeddingBagCollectionSharder(_TorchrecEBCSharder):
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         if sharding_type == ShardingType.DATA_PARALLEL.value:
             return [EmbeddingComputeKernel.DENSE.value]
-        return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
+        kernels = [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
+        return kernels + [PS_KERNEL] if ps_enabled(self.fused_params) else kernels
 
     @property
     def module_type(self) -> Type[EmbeddingBagCollection]:

@@ -1,0 +1,153 @@
+"""Worker processes for the parameter-server placement test: the planner puts a table that does
+not fit in HBM into the PS tier; the sharded model trains like the unsharded one."""
+import os
+import traceback
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ShardingEnv
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+import recom_rec
+from recom_rec.distributed import EmbeddingBagCollectionSharder
+from recom_rec.distributed.planner import build_plan
+from recom_rec.distributed.ps_placement import PS_KERNEL, shard_table_name
+from tests.distributed._workers import _wait, exit_worker
+
+LR = 0.1
+BATCH = 3  # per rank
+STEPS = 4
+BIG_ROWS = 200_000
+CAP = 2_000_000  # bytes of device memory per rank: the big table (6.4 MB as fp32) does not fit, its cache does
+# A store outside the host's memory budget, as a user's own store would be (the embedded memory://
+# store counts against host memory, which is the CPU's device memory here): in-process for the test.
+REMOTE = "remote"
+
+
+def register_remote_store() -> None:
+    from recom_rec.ps import register_store
+    from recom_rec.ps.stores.memory import MemoryStore
+
+    register_store(REMOTE, lambda url: MemoryStore(url.split("://", 1)[1]), replace=True)
+
+
+def tables() -> List[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name="t0", num_embeddings=20, embedding_dim=4, feature_names=["f0"]),
+        EmbeddingBagConfig(name="big", num_embeddings=BIG_ROWS, embedding_dim=8, feature_names=["f1"]),
+        EmbeddingBagConfig(name="t2", num_embeddings=13, embedding_dim=12, feature_names=["f2"]),
+    ]
+
+
+class Model(nn.Module):
+    def __init__(self, device="cpu") -> None:
+        super().__init__()
+        self.ebc = recom_rec.EmbeddingBagCollection(tables(), device=device)
+
+    def forward(self, kjt):
+        return self.ebc(kjt)
+
+
+def sharder(rank: int) -> EmbeddingBagCollectionSharder:
+    return EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR},
+                                         # 10 cache slots per 100,000-row shard: rows are evicted
+                                         # to the store and pulled back between steps
+                                         ps_url=f"{REMOTE}://ps-placement-{rank}", ps_cache_load_factor=1e-4)
+
+
+def batch(step: int, world: int) -> List[Dict[str, List[int]]]:
+    g = torch.Generator().manual_seed(1000 + step)
+    limits = {"f0": 20, "f1": BIG_ROWS, "f2": 13}
+    return [{k: torch.randint(0, n, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
+             for k, n in limits.items()} for _ in range(BATCH * world)]
+
+
+def to_kjt(samples) -> KeyedJaggedTensor:
+    keys = ["f0", "f1", "f2"]
+    values = [i for k in keys for s in samples for i in s[k]]
+    lengths = [len(s[k]) for k in keys for s in samples]
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.tensor(values, dtype=torch.int64),
+                                               lengths=torch.tensor(lengths, dtype=torch.int64))
+
+
+def loss_of(kt) -> torch.Tensor:
+    # Per key: a sharded module may order its output keys differently.
+    total = 0.0
+    for key in sorted(kt.keys()):
+        v = kt[key]
+        total = total + (v * torch.arange(1, v.shape[1] + 1, dtype=torch.float32)).sum() + 0.1 * v.pow(2).sum()
+    return total
+
+
+def _shard(model, rank: int, world: int):
+    plan = build_plan(model, [sharder(rank)], world_size=world, batch_size=BATCH, compute_device="cpu",
+                      ddr_cap=CAP, print_plan=rank == 0)
+    kernels = {t: p.compute_kernel for t, p in plan.plan["ebc"].items()}
+    assert kernels == {"t0": "fused", "big": PS_KERNEL, "t2": "fused"}, kernels
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    return DistributedModelParallel(model, env=env, plan=plan, sharders=[sharder(rank)], device=torch.device("cpu"))
+
+
+def _ps_lookups(dmp):
+    from recom_rec.distributed.sharder import _unwrap
+
+    return [_unwrap(lookup) for lookup in dmp.module.ebc._lookups if getattr(_unwrap(lookup), "ps_shards", None)]
+
+
+def check(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = Model()
+    ref = Model()
+    ref.load_state_dict(model.state_dict())
+    ref.ebc.enable_fused_optimizer("sgd", lr=LR)
+    dmp = _shard(model, rank, world)
+    assert "ebc.embedding_bags.big.weight" not in dmp.state_dict()  # the store holds it
+    for step in range(STEPS):
+        samples = batch(step, world)
+        out = _wait(dmp(to_kjt(samples[rank * BATCH:(rank + 1) * BATCH])))
+        want = ref(to_kjt(samples))
+        for key in want.keys():
+            torch.testing.assert_close(out[key], want[key][rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step} key {key}: {m}")
+        loss_of(out).backward()
+        (loss_of(want) / world).backward()
+    # The shards' caches were too small for the run: rows left for the store and came back.
+    stats = [t.cache.stats for tier in recom_rec.ps.tiers_of(dmp) for t in tier.tables.values()]
+    assert sum(s["pushed"] for s in stats) > 0, stats
+    # After a flush the store holds the trained rows of this rank's shards of the big table.
+    recom_rec.ps.flush(dmp)
+    shards = [s for lookup in _ps_lookups(dmp) for s in lookup.ps_shards()]
+    assert shards, "no parameter-server shard on this rank"
+    full = ref.ebc.embedding_bags["big"].weight.detach()
+    for lookup in _ps_lookups(dmp):
+        for _, table, r0, c0, rows, cols in lookup.ps_shards():
+            got = recom_rec.ps.export_table(lookup, shard_table_name(table, r0, c0))
+            torch.testing.assert_close(got, full[r0:r0 + rows, c0:c0 + cols], rtol=1e-5, atol=1e-6)
+    # An unsharded checkpoint loads into a fresh sharded model (its big table into the store).
+    torch.manual_seed(1)
+    fresh = _shard(Model(), rank, world)
+    fresh.load_state_dict({f"ebc.{k}": v for k, v in ref.ebc.state_dict().items() if k.startswith("embedding_bags")})
+    samples = batch(STEPS, world)
+    with torch.no_grad():
+        out = _wait(fresh(to_kjt(samples[rank * BATCH:(rank + 1) * BATCH])))
+        want = ref(to_kjt(samples))
+    for key in want.keys():
+        torch.testing.assert_close(out[key], want[key][rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-6)
+
+
+def run(rank: int, world: int, port: int) -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    register_remote_store()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        check(rank, world)
+    except Exception:
+        traceback.print_exc()
+        dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    exit_worker()

@@ -1,0 +1,56 @@
+"""The planner's parameter-server tier: a table that does not fit in HBM is planned on the PS
+kernel (when the sharder has a store), trains under DistributedModelParallel exactly like the
+unsharded module, stays out of the state_dict (its store holds it) and loads from a checkpoint."""
+import pytest
+import torch.multiprocessing as mp
+from torch import nn
+from torchrec import EmbeddingBagConfig
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+import recom_rec
+from recom_rec.distributed import EmbeddingBagCollectionSharder
+from recom_rec.distributed.planner import build_plan
+from recom_rec.distributed.ps_placement import PS_KERNEL
+from tests.distributed._ps_workers import CAP, REMOTE, run, tables
+from tests.distributed._workers import free_port
+
+
+class _Meta(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = recom_rec.EmbeddingBagCollection(tables(), device="meta")
+
+
+def _kernels(device, cap, ps_url):
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1},
+                                            ps_url=ps_url, ps_cache_load_factor=0.25)
+    caps = {"hbm_cap": cap, "ddr_cap": 1 << 34} if device == "cuda" else {"ddr_cap": cap}
+    plan = build_plan(_Meta(), [sharder], world_size=2, batch_size=3, compute_device=device, print_plan=False, **caps)
+    return {t: p.compute_kernel for t, p in plan.plan["ebc"].items()}
+
+
+def test_planner_puts_only_the_table_that_does_not_fit_into_the_ps_tier():
+    # GPU plan: HBM holds the cache, host memory the embedded store.
+    assert _kernels("cuda", CAP, "memory://plan") == {"t0": "fused", "big": PS_KERNEL, "t2": "fused"}
+    # When it fits, the faster fused kernel wins.
+    assert _kernels("cuda", 50 * CAP, "memory://plan") == {"t0": "fused", "big": "fused", "t2": "fused"}
+    # CPU plan with a store elsewhere: the cache in host memory.
+    assert _kernels("cpu", CAP, f"{REMOTE}://plan") == {"t0": "fused", "big": PS_KERNEL, "t2": "fused"}
+
+
+@pytest.mark.parametrize("device,ps_url", [("cuda", None), ("cpu", "memory://plan")])
+def test_no_plan_when_nothing_fits(device, ps_url):
+    # No store, or (CPU plan) an embedded store that needs the same host memory as the table.
+    with pytest.raises(Exception, match="(?i)storage|fit|memory|plan"):
+        _kernels(device, CAP, ps_url)
+
+
+def test_sharder_rejects_bad_ps_settings():
+    with pytest.raises(ValueError, match="ps_cache_load_factor"):
+        EmbeddingBagCollectionSharder(ps_url="memory://x", ps_cache_load_factor=0)
+    with pytest.raises(ValueError, match="url"):
+        EmbeddingBagCollectionSharder(ps_url="not-a-url")
+
+
+def test_world_2_ps_shards_train_like_the_unsharded_module():
+    mp.spawn(run, args=(2, free_port()), nprocs=2, join=True)
