@@ -4,7 +4,7 @@ unsharded module, stays out of the state_dict (its store holds it) and loads fro
 import pytest
 import torch.multiprocessing as mp
 from torch import nn
-from torchrec import EmbeddingBagConfig
+from torchrec.distributed.planner.types import PlannerError
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 import recom_rec
@@ -41,7 +41,7 @@ def test_planner_puts_only_the_table_that_does_not_fit_into_the_ps_tier():
 @pytest.mark.parametrize("device,ps_url", [("cuda", None), ("cpu", "memory://plan")])
 def test_no_plan_when_nothing_fits(device, ps_url):
     # No store, or (CPU plan) an embedded store that needs the same host memory as the table.
-    with pytest.raises(Exception, match="(?i)storage|fit|memory|plan"):
+    with pytest.raises(PlannerError):
         _kernels(device, CAP, ps_url)
 
 
