@@ -169,22 +169,22 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
                                             backend=backend, validate_inputs=False, ps=ps or None)
             fuses = kernel == str(EmbeddingComputeKernel.FUSED) or in_ps
             opt = optimizer_from_fused_params(fused[members[0]]) if fuses else None
-            if opt is not None and in_ps:
-                # The rows' optimizer state travels with them through the store; the cache's
-                # per-slot state is not a per-table tensor a KeyedOptimizer could checkpoint.
-                module.enable_fused_optimizer(opt[0], **opt[1])
-            elif opt is not None:
+            if opt is not None:
                 inner = module.enable_fused_optimizer(opt[0], **opt[1])
                 # Keyed as torchrec's fused TBEs key theirs ("<table>.weight"; the sharded
-                # module prefixes "embedding_bags.").
+                # module prefixes "embedding_bags."). Parameter-server shards take part for
+                # their hyper-parameters (lr schedules) but bring no state: theirs travels with
+                # each row through the store, and the cache's per-slot state is not a table
+                # tensor a checkpoint could hold.
                 params, state = {}, {}
                 for i in members:
-                    p = module.embedding_bags[f"t{i}"].weight
+                    p = module.embedding_bags[self._table_slot[i][1]].weight
                     key = f"{self._tables[i].name}.weight"
                     if key in params:  # a second column shard of the same table on this rank
                         key = f"{key}.shard{i}"
                     params[key] = p
-                    state[p] = inner.state[p]
+                    if not in_ps:
+                        state[p] = inner.state[p]
                 self._fused_optimizers.append(_FusedOptimizerHolder(
                     FusedEmbeddingOptimizer(inner.spec, params, state, module._fused_hyper)))
             if fuses:

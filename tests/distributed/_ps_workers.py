@@ -106,7 +106,14 @@ def check(rank: int, world: int) -> None:
     ref.ebc.enable_fused_optimizer("sgd", lr=LR)
     dmp = _shard(model, rank, world)
     assert "ebc.embedding_bags.big.weight" not in dmp.state_dict()  # the store holds it
+    assert "ebc.embedding_bags.big.weight" in set(dmp.fused_optimizer.params)
+    # Its checkpoint works; the PS shards' optimizer state is in the store with their rows.
+    assert "ebc.embedding_bags.big.weight" not in dmp.fused_optimizer.state_dict()["state"]
     for step in range(STEPS):
+        if step == STEPS - 1:  # an lr schedule reaches the PS shards through torchrec's optimizer
+            for optimizer in (dmp.fused_optimizer, ref.ebc.fused_optimizer):
+                for group in optimizer.param_groups:
+                    group["lr"] = LR / 2
         samples = batch(step, world)
         out = _wait(dmp(to_kjt(samples[rank * BATCH:(rank + 1) * BATCH])))
         want = ref(to_kjt(samples))
