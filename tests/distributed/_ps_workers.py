@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 import recom_rec
@@ -22,7 +23,7 @@ LR = 0.1
 BATCH = 3  # per rank
 STEPS = 4
 BIG_ROWS = 200_000
-CAP = 2_000_000  # bytes of device memory per rank: the big table (6.4 MB as fp32) does not fit, its cache does
+CAP = 2_000_000  # bytes of device memory per rank: the big table (9.6 MB as fp32) does not fit, its cache does
 # A store outside the host's memory budget, as a user's own store would be (the embedded memory://
 # store counts against host memory, which is the CPU's device memory here): in-process for the test.
 REMOTE = "remote"
@@ -38,7 +39,7 @@ def register_remote_store() -> None:
 def tables() -> List[EmbeddingBagConfig]:
     return [
         EmbeddingBagConfig(name="t0", num_embeddings=20, embedding_dim=4, feature_names=["f0"]),
-        EmbeddingBagConfig(name="big", num_embeddings=BIG_ROWS, embedding_dim=8, feature_names=["f1"]),
+        EmbeddingBagConfig(name="big", num_embeddings=BIG_ROWS, embedding_dim=12, feature_names=["f1"]),
         EmbeddingBagConfig(name="t2", num_embeddings=13, embedding_dim=12, feature_names=["f2"]),
     ]
 
@@ -52,11 +53,11 @@ class Model(nn.Module):
         return self.ebc(kjt)
 
 
-def sharder(rank: int) -> EmbeddingBagCollectionSharder:
+def sharder(rank: int, placement: str) -> EmbeddingBagCollectionSharder:
     return EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR},
                                          # 10 cache slots per 100,000-row shard: rows are evicted
                                          # to the store and pulled back between steps
-                                         ps_url=f"{REMOTE}://ps-placement-{rank}", ps_cache_load_factor=1e-4)
+                                         ps_url=f"{REMOTE}://ps-{placement}-{rank}", ps_cache_load_factor=1e-4)
 
 
 def batch(step: int, world: int) -> List[Dict[str, List[int]]]:
@@ -83,13 +84,20 @@ def loss_of(kt) -> torch.Tensor:
     return total
 
 
-def _shard(model, rank: int, world: int):
-    plan = build_plan(model, [sharder(rank)], world_size=world, batch_size=BATCH, compute_device="cpu",
-                      ddr_cap=CAP, print_plan=rank == 0)
+def _shard(model, rank: int, world: int, placement: str):
+    if placement == "planner":
+        plan = build_plan(model, [sharder(rank, placement)], world_size=world, batch_size=BATCH, compute_device="cpu",
+                          ddr_cap=CAP, print_plan=rank == 0)
+    else:  # by hand: the big table's columns in three PS shards, two of them on rank 0
+        plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+            model.ebc, {"t0": table_wise(rank=0, compute_kernel="fused"),
+                        "big": column_wise(ranks=[0, 1 % world, 0], compute_kernel=PS_KERNEL),
+                        "t2": table_wise(rank=world - 1, compute_kernel="fused")},
+            sharder=sharder(rank, placement), local_size=world, world_size=world, device_type="cpu")})
     kernels = {t: p.compute_kernel for t, p in plan.plan["ebc"].items()}
     assert kernels == {"t0": "fused", "big": PS_KERNEL, "t2": "fused"}, kernels
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    return DistributedModelParallel(model, env=env, plan=plan, sharders=[sharder(rank)], device=torch.device("cpu"))
+    return DistributedModelParallel(model, env=env, plan=plan, sharders=[sharder(rank, placement)], device=torch.device("cpu"))
 
 
 def _ps_lookups(dmp):
@@ -98,13 +106,13 @@ def _ps_lookups(dmp):
     return [_unwrap(lookup) for lookup in dmp.module.ebc._lookups if getattr(_unwrap(lookup), "ps_shards", None)]
 
 
-def check(rank: int, world: int) -> None:
+def check(rank: int, world: int, placement: str) -> None:
     torch.manual_seed(0)
     model = Model()
     ref = Model()
     ref.load_state_dict(model.state_dict())
     ref.ebc.enable_fused_optimizer("sgd", lr=LR)
-    dmp = _shard(model, rank, world)
+    dmp = _shard(model, rank, world, placement)
     assert "ebc.embedding_bags.big.weight" not in dmp.state_dict()  # the store holds it
     assert "ebc.embedding_bags.big.weight" in set(dmp.fused_optimizer.params)
     # Its checkpoint works; the PS shards' optimizer state is in the store with their rows.
@@ -136,7 +144,7 @@ def check(rank: int, world: int) -> None:
             torch.testing.assert_close(got, full[r0:r0 + rows, c0:c0 + cols], rtol=1e-5, atol=1e-6)
     # An unsharded checkpoint loads into a fresh sharded model (its big table into the store).
     torch.manual_seed(1)
-    fresh = _shard(Model(), rank, world)
+    fresh = _shard(Model(), rank, world, placement)
     fresh.load_state_dict({f"ebc.{k}": v for k, v in ref.ebc.state_dict().items() if k.startswith("embedding_bags")})
     samples = batch(STEPS, world)
     with torch.no_grad():
@@ -146,12 +154,13 @@ def check(rank: int, world: int) -> None:
         torch.testing.assert_close(out[key], want[key][rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-6)
 
 
-def run(rank: int, world: int, port: int) -> None:
+def run(rank: int, world: int, port: int, placements: List[str]) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     register_remote_store()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        check(rank, world)
+        for placement in placements:
+            check(rank, world, placement)
     except Exception:
         traceback.print_exc()
         dist.destroy_process_group()

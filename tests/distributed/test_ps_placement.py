@@ -53,4 +53,6 @@ def test_sharder_rejects_bad_ps_settings():
 
 
 def test_world_2_ps_shards_train_like_the_unsharded_module():
-    mp.spawn(run, args=(2, free_port()), nprocs=2, join=True)
+    # The planner's row-wise PS shards, then column-wise PS shards placed by hand (two column
+    # slices of the table on one rank, each its own cache and store name).
+    mp.spawn(run, args=(2, free_port(), ["planner", "column_wise"]), nprocs=2, join=True)
