@@ -136,7 +136,7 @@ def _load_ps_shards(module, state_dict, prefix, local_metadata, strict, missing_
                     error_msgs) -> None:
     for lookup in module._lookups:
         lookup = _unwrap(lookup)
-        for i, table, r0, c0, rows, cols in getattr(lookup, "ps_shards", lambda: [])():
+        for i, table, r0, c0, rows, cols in lookup.ps_shards():
             key = f"{prefix}embedding_bags.{table}.weight"
             if key in state_dict:
                 lookup.load_ps_shard(i, _shard_region(state_dict[key], r0, c0, rows, cols, key))

@@ -121,16 +121,20 @@ def _cuda_pieces(row_key, order, src, scale, feature, grad_output, feature_meta,
                               partials, partial_stride, out, state1, state2, hyper, step, opt, max_dim)
 
 
+def _backward_kernels(out: torch.Tensor, max_dim: int) -> dict:
+    """The CUDA planning and piece kernels for pooled_triton._run_backward, where they cover ``out``."""
+    cuda = supports(out, max_dim)
+    return {"pieces": _cuda_pieces if cuda else None, "planner": _cuda_plan if cuda else None}
+
+
 def backward(grad_output, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_numel,
              dtype, max_dim, num_lookups=-1, num_rows=-1):
     grad = torch.zeros(total_numel, dtype=dtype, device=grad_output.device)
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return grad
-    cuda = supports(grad, max_dim)
     pooled_triton._run_backward(grad_output, grad, [], None, None, values, offsets, per_sample_weights,
-                                feature_meta, key_index, batch_size, max_dim,
-                                pooled_triton._row_bound(num_rows, total_numel), -1, num_lookups,
-                                pieces=_cuda_pieces if cuda else None, planner=_cuda_plan if cuda else None)
+                                feature_meta, key_index, batch_size, max_dim, num_rows, -1, num_lookups,
+                                **_backward_kernels(grad, max_dim))
     return grad
 
 
@@ -138,8 +142,6 @@ def fused_update(grad_output, flat, states, state_is_row, hyper, step, values, o
                  feature_meta, key_index, batch_size, max_dim, kind, num_lookups=-1, num_rows=-1) -> None:
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return
-    cuda = supports(flat, max_dim)
     pooled_triton._run_backward(grad_output, flat, states, hyper, step, values, offsets, per_sample_weights,
-                                feature_meta, key_index, batch_size, max_dim,
-                                pooled_triton._row_bound(num_rows, flat.numel()), kind, num_lookups,
-                                pieces=_cuda_pieces if cuda else None, planner=_cuda_plan if cuda else None)
+                                feature_meta, key_index, batch_size, max_dim, num_rows, kind, num_lookups,
+                                **_backward_kernels(flat, max_dim))

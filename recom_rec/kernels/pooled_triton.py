@@ -470,19 +470,16 @@ def _triton_plan(values, offsets, per_sample_weights, feature_meta, key_index, b
     return row_key, order, src, scale, feature, piece_list, split_rows, counts
 
 
-def _row_bound(num_rows: int, numel: int) -> int:
-    """An upper bound of the group's row keys: its row count when the caller knows it, else its
-    element count (which may push the keys to 64 bits: twice the sort's passes and key traffic)."""
-    return num_rows if num_rows >= 0 else numel
-
-
 def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, row_count, opt, num_lookups, pieces=None, planner=None):
+                  key_index, batch_size, max_dim, num_rows, opt, num_lookups, pieces=None, planner=None):
     """The backward of one group: plan, then sum every row's lookups and finish the rows. ``pieces``
     replaces the Triton piece kernel and ``planner`` the Triton planning (the CUDA backend's,
-    pooled_cuda._cuda_pieces and pooled_cuda._cuda_plan)."""
+    pooled_cuda._cuda_pieces and pooled_cuda._cuda_plan). ``num_rows`` (-1: unknown) bounds the row
+    keys; unknown, the bound is ``out``'s element count, which may push the keys to 64 bits (twice
+    the sort's passes and key traffic)."""
     grad_output = grad_output.contiguous()
     device = grad_output.device
+    row_count = num_rows if num_rows >= 0 else out.numel()
     row_key, order, src, scale, feature, piece_list, split_rows, counts = (planner or _triton_plan)(
         values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count,
         grad_output.shape[1], num_lookups)
@@ -531,7 +528,7 @@ def backward(
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return grad
     _run_backward(grad_output, grad, [], None, None, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, _row_bound(num_rows, total_numel), -1, num_lookups)
+                  key_index, batch_size, max_dim, num_rows, -1, num_lookups)
     return grad
 
 
@@ -542,4 +539,4 @@ def fused_update(
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return
     _run_backward(grad_output, flat, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, _row_bound(num_rows, flat.numel()), kind, num_lookups)
+                  key_index, batch_size, max_dim, num_rows, kind, num_lookups)

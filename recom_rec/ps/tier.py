@@ -435,13 +435,13 @@ def _load_post_hook(module, incompatible_keys):
 def tiers_of(model) -> List[PSTier]:
     """The PS tiers of ``model``'s modules, including those a module keeps outside its submodule
     tree and reports with ``ps_tiers()`` (a sharded module's per-rank lookups)."""
-    tiers = []
+    tiers = {}
     for m in model.modules():
         if getattr(m, "_ps", None) is not None:
-            tiers.append(m._ps)
+            tiers[id(m._ps)] = m._ps
         if callable(getattr(m, "ps_tiers", None)):
-            tiers.extend(t for t in m.ps_tiers() if all(t is not seen for seen in tiers))
-    return tiers
+            tiers.update((id(t), t) for t in m.ps_tiers())
+    return list(tiers.values())
 
 
 def flush(model) -> int:

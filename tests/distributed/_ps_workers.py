@@ -1,7 +1,5 @@
 """Worker processes for the parameter-server placement test: the planner puts a table that does
 not fit in HBM into the PS tier; the sharded model trains like the unsharded one."""
-import os
-import traceback
 from typing import Dict, List
 
 import torch
@@ -17,7 +15,7 @@ import recom_rec
 from recom_rec.distributed import EmbeddingBagCollectionSharder
 from recom_rec.distributed.planner import build_plan
 from recom_rec.distributed.ps_placement import PS_KERNEL, shard_table_name
-from tests.distributed._workers import _wait, exit_worker
+from tests.distributed._workers import _wait, in_process_group
 
 LR = 0.1
 BATCH = 3  # per rank
@@ -100,10 +98,10 @@ def _shard(model, rank: int, world: int, placement: str):
     return DistributedModelParallel(model, env=env, plan=plan, sharders=[sharder(rank, placement)], device=torch.device("cpu"))
 
 
-def _ps_lookups(dmp):
+def _rank_lookups(dmp):
     from recom_rec.distributed.sharder import _unwrap
 
-    return [_unwrap(lookup) for lookup in dmp.module.ebc._lookups if getattr(_unwrap(lookup), "ps_shards", None)]
+    return [_unwrap(lookup) for lookup in dmp.module.ebc._lookups]
 
 
 def check(rank: int, world: int, placement: str) -> None:
@@ -135,10 +133,10 @@ def check(rank: int, world: int, placement: str) -> None:
     assert sum(s["pushed"] for s in stats) > 0, stats
     # After a flush the store holds the trained rows of this rank's shards of the big table.
     recom_rec.ps.flush(dmp)
-    shards = [s for lookup in _ps_lookups(dmp) for s in lookup.ps_shards()]
+    shards = [s for lookup in _rank_lookups(dmp) for s in lookup.ps_shards()]
     assert shards, "no parameter-server shard on this rank"
     full = ref.ebc.embedding_bags["big"].weight.detach()
-    for lookup in _ps_lookups(dmp):
+    for lookup in _rank_lookups(dmp):
         for _, table, r0, c0, rows, cols in lookup.ps_shards():
             got = recom_rec.ps.export_table(lookup, shard_table_name(table, r0, c0))
             torch.testing.assert_close(got, full[r0:r0 + rows, c0:c0 + cols], rtol=1e-5, atol=1e-6)
@@ -155,15 +153,10 @@ def check(rank: int, world: int, placement: str) -> None:
 
 
 def run(rank: int, world: int, port: int, placements: List[str]) -> None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
     register_remote_store()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+
+    def work() -> None:
         for placement in placements:
             check(rank, world, placement)
-    except Exception:
-        traceback.print_exc()
-        dist.destroy_process_group()
-        raise
-    dist.destroy_process_group()
-    exit_worker()
+
+    in_process_group(rank, world, port, "gloo", work)

@@ -9,7 +9,7 @@ import random
 import socket
 import sys
 import traceback
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -170,6 +170,22 @@ def exit_worker() -> None:
     os._exit(0)
 
 
+def in_process_group(rank: int, world: int, port: int, backend: str, work: Callable[[], None]) -> None:
+    """Runs ``work`` in a process group of ``world`` workers (TCP rendezvous on ``port``), then
+    ends the worker (see exit_worker); a failure is printed and re-raised for spawn to report."""
+    if backend != "nccl":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        work()
+    except Exception:
+        traceback.print_exc()
+        dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    exit_worker()
+
+
 def run_cases(rank: int, world: int, port: int, cases: List[Tuple[str, str]], tmpdir: str = "",
               backend: str = "gloo") -> None:
     """Entry point of a spawned worker: one process group (gloo on the CPU, NCCL on GPU ``rank``),
@@ -179,21 +195,15 @@ def run_cases(rank: int, world: int, port: int, cases: List[Tuple[str, str]], tm
     if backend == "nccl":
         DEV = torch.device("cuda", rank)
         torch.cuda.set_device(DEV)
-    else:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+
+    def work() -> None:
         for case, optimizer_via in cases:
             if optimizer_via == "checkpoint":
                 check_checkpoint(rank, world, case, os.path.join(tmpdir, case))
             else:
                 check_parity(rank, world, case, optimizer_via)
-    except Exception:
-        traceback.print_exc()
-        dist.destroy_process_group()
-        raise
-    dist.destroy_process_group()
-    exit_worker()
+
+    in_process_group(rank, world, port, backend, work)
 
 
 def _shard(model: "Model", case: str, world: int) -> DistributedModelParallel:
