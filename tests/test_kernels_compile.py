@@ -23,11 +23,14 @@ _INSTANTIATE = r'''
 namespace {{
 template __global__ void pooled_forward_kernel<{w}, {i}>(const {w}*, const {i}*, const {i}*, const float*,
     const int64_t*, const int64_t*, float*, int64_t, int64_t);
-template __global__ void piece_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const int32_t*, const int64_t*,
-    const float*, const int32_t*, const float*, int64_t, const int64_t*, const int64_t*, const int32_t*, int64_t,
-    float*, int64_t, {w}*, float*, float*, const float*, const int64_t*, int);
-template __global__ void expand_kernel<{i}, {i}>(const {i}*, const {i}*, const float*, const int64_t*,
-    const int64_t*, const int64_t*, {i}*, int64_t*, float*, int32_t*, int32_t*, int64_t, int64_t);
+template __global__ void piece_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const int32_t*, Payload, const float*,
+    PieceArgs, {w}*);
+template __global__ void split_row_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const int32_t*, Payload, PieceArgs,
+    {w}*);
+template __global__ void expand_kernel<{i}, {i}, true>(const {i}*, const {i}*, const float*, const int64_t*,
+    const int64_t*, const int64_t*, {i}*, int64_t*, float*, int32_t*, int32_t*, float*, int64_t, int64_t);
+template __global__ void expand_kernel<{i}, {i}, false>(const {i}*, const {i}*, const float*, const int64_t*,
+    const int64_t*, const int64_t*, {i}*, int64_t*, float*, int32_t*, int32_t*, float*, int64_t, int64_t);
 template __global__ void plan_kernel<{i}>(const {i}*, int64_t, int64_t*, int64_t*, int32_t*);
 }}
 '''

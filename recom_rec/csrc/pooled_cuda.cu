@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(256) pooled_forward_kernel(
   }
 }
 
-// ---- backward: the piece kernel -------------------------------------------------------------
+// ---- backward: the piece and split-row kernels ----------------------------------------------
 struct Hyper {
   float lr, eps, beta1, beta2, wd, decoupled;
 };
@@ -165,25 +165,173 @@ __device__ __forceinline__ float& comp(float4& v, int e) {
   return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
 }
 
+// Which columns of a row one lane of a group of G covers. It holds V float4 chunks: chunk k is
+// columns 4 * (sl + k * G) .. + 3 of a row whose addresses are 16-byte aligned ("vec"), else
+// element e of chunk k is column sl + (4 * k + e) * G. V = 1 covers dims up to 128 (G = 32) with
+// few registers; V = 4 covers 512. Partial sums use the same columns, so any kernel reads back
+// what another wrote.
+struct RowLanes {
+  bool vec;
+  int sl, G;
+  int64_t dim;
+  // Column of element e of chunk k, or -1 past the row's end.
+  __device__ __forceinline__ int at(int k, int e) const {
+    const int c = vec ? 4 * (sl + k * G) + e : sl + (4 * k + e) * G;
+    return c < dim ? c : -1;
+  }
+  template <typename T>
+  __device__ __forceinline__ void store(T* dst, int k, float4 v) const {
+    if (vec) {
+      if (at(k, 0) >= 0) store4(dst + at(k, 0), v);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (at(k, e) >= 0) dst[at(k, e)] = from_f<T>(comp(v, e));
+    }
+  }
+  template <typename T>
+  __device__ __forceinline__ float4 load_rw(const T* src, int k) const {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (vec) {
+      if (at(k, 0) >= 0) v = load4_rw(src + at(k, 0));
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (at(k, e) >= 0) comp(v, e) = to_f(src[at(k, e)]);
+    }
+    return v;
+  }
+  // Adds chunk k of gradient row g, scaled. In the vec layout the row's address is checked too:
+  // features that share a table can sit at output columns of different alignment, and the piece's
+  // layout follows its first lookup's feature.
+  __device__ __forceinline__ void add(float4& acc, const float* g, int k, float s) const {
+    if (vec) {
+      const int c = at(k, 0);
+      if (c >= 0) {
+        const float* q = g + c;
+        if ((reinterpret_cast<uintptr_t>(q) & 15) == 0) {
+          acc = fma4(load4(q), s, acc);
+        } else {
+          acc.x += __ldg(q) * s; acc.y += __ldg(q + 1) * s; acc.z += __ldg(q + 2) * s; acc.w += __ldg(q + 3) * s;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (at(k, e) >= 0) comp(acc, e) += __ldg(g + at(k, e)) * s;
+    }
+  }
+};
+
+// A table's rows (weights, states, partial sums) take the 4-wide layout when their addresses are
+// 16-byte aligned: dim and base multiples of 4. Gradient rows are checked as they are read (see
+// RowLanes::add), so the layout is the same for every piece of a row.
+__device__ __forceinline__ RowLanes row_lanes(int64_t dim, int64_t base, int sl, int G) {
+  return RowLanes{dim % 4 == 0 && base % 4 == 0, sl, G, dim};
+}
+
+// Finishes a row from its summed gradient `acc` and its weights `w` (read by the caller, early):
+// the optimizer (OPT >= 0) or the gradient written as the row (OPT < 0). Every lane of the warp
+// calls it (row-wise Adagrad's shuffles); `finish` says whether this group's row is done here.
+template <typename W, int OPT, int V>
+__device__ __forceinline__ void finish_row(float4 (&acc)[V], float4 (&w)[V], const RowLanes& L, bool finish,
+                                           W* out, int64_t row_at, int64_t key, float* s1, float* s2,
+                                           const Hyper& h, float t) {
+  W* row = out + row_at;
+  if (OPT < 0) {
+    if (finish) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) L.store(row, k, acc[k]);
+    }
+    return;
+  }
+  const float wd = h.wd * (1.f - h.decoupled);  // coupled weight decay joins the gradient
+  float sq = 0.f;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    acc[k] = fma4(w[k], wd, acc[k]);
+    sq += acc[k].x * acc[k].x + acc[k].y * acc[k].y + acc[k].z * acc[k].z + acc[k].w * acc[k].w;
+  }
+  float row_acc = 0.f;
+  if (OPT == 2) {
+    for (int off = L.G / 2; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+    if (finish) {
+      row_acc = s1[key] + sq / (float)L.dim;
+      if (L.sl == 0) s1[key] = row_acc;  // every lane of the group has read it above
+    }
+  }
+  if (!finish) return;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    float4 nw;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = L.at(k, L.vec ? 0 : e);
+      const int64_t a = row_at + c + (L.vec ? e : 0);
+      comp(nw, e) = c >= 0 ? apply1<OPT>(comp(w[k], e), comp(acc[k], e), s1, s2, a, row_acc, h, t) : 0.f;
+    }
+    L.store(row, k, nw);
+  }
+}
+
+// Where the sort's payload `o` takes its gradient row from, and its scale. Two payload forms:
+// - packed (packed_batch = B > 0): o = feature * B + bag. The gradient row is computed from the
+//   feature's output column, the scale is 1 (sum) or the bag's 1/L from `bag_scale` (mean): no
+//   gather through the payload but `bag_scale` for mean pooling. Used without sample weights.
+// - indexed (packed_batch = 0): o indexes the expand arrays src, scale, feature.
+struct Payload {
+  int32_t packed_batch;  // 32-bit: o / B is an integer division in the chain of every lookup
+  int64_t total_dim;
+  const int64_t* meta;
+  const float* bag_scale;
+  const int64_t* src;
+  const float* scale;
+  const int32_t* feature;
+  __device__ __forceinline__ int32_t feature_of(int32_t o) const {
+    return packed_batch ? o / packed_batch : feature[o];
+  }
+  __device__ __forceinline__ int64_t source(int32_t o, float& s) const {
+    if (packed_batch) {
+      const int32_t f = o / packed_batch;
+      const int64_t b = o - f * packed_batch;
+      const int64_t* m = meta + (int64_t)f * META_W;
+      s = __ldg(m + 3) == 1 ? bag_scale[o] : 1.f;
+      return b * total_dim + __ldg(m + 2);
+    }
+    s = scale[o];
+    return src[o];
+  }
+};
+
+struct PieceArgs {
+  const int64_t* pieces;  // (start << 2 | split << 1 | first)
+  const int64_t* split_rows;
+  const int32_t* counts;  // pieces, split rows (on the device)
+  int64_t n;
+  float* partials;
+  int64_t partial_stride;
+  float* s1;
+  float* s2;
+  const float* hyper;
+  const int64_t* step;
+  const int64_t* meta;
+  int G;
+};
+
 // One group of G lanes per piece (a run of at most PIECE sorted lookups of one row), groups
 // looping over the piece list, whose length is on the device. A group sums its piece's scaled
 // gradient rows in sorted order (the row's input order: deterministic) with four lookups' loads in
 // flight; a piece that is a whole row applies the optimizer (OPT >= 0) or writes the row's
 // gradient (OPT < 0); a piece of a split row leaves its sum in its partial slot for the split-row
-// kernel. Control flow stays warp-uniform around the shuffles (row-wise Adagrad's row sum).
-//
-// A lane holds V float4 accumulators: chunk k is columns 4 * (sl + k * G) .. + 3 of a row whose
-// addresses are 16-byte aligned ("vec"), else element e of chunk k is column sl + (4 * k + e) * G.
-// V = 1 covers dims up to 128 (G = 32) with few registers; V = 4 covers 512.
+// kernel. The row's weights are read before its gradient rows, so both loads are in flight
+// together (the chain is piece -> key and payload -> gradient and weight rows). Control flow stays
+// warp-uniform around the shuffles (row-wise Adagrad's row sum).
 template <typename W, typename K, int OPT, int V>
-__global__ void __launch_bounds__(256) piece_kernel(
-    const K* __restrict__ row_key, const int32_t* __restrict__ order, const int64_t* __restrict__ src,
-    const float* __restrict__ scale, const int32_t* __restrict__ feature, const float* __restrict__ grad,
-    int64_t total_dim, const int64_t* __restrict__ meta, const int64_t* __restrict__ pieces,
-    const int32_t* __restrict__ counts, int64_t n, float* __restrict__ partials, int64_t partial_stride,
-    W* __restrict__ out, float* __restrict__ s1, float* __restrict__ s2, const float* __restrict__ hyper,
-    const int64_t* __restrict__ step, int G) {
-  const int64_t num = counts[0];
+__global__ void __launch_bounds__(256) piece_kernel(const K* __restrict__ row_key, const int32_t* __restrict__ order,
+                                                    Payload pay, const float* __restrict__ grad, PieceArgs a,
+                                                    W* __restrict__ out) {
+  const int64_t num = a.counts[0];
+  const int G = a.G;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int sub = lane / G, sl = lane % G;
   const int groups_per_warp = 32 / G;
@@ -191,18 +339,20 @@ __global__ void __launch_bounds__(256) piece_kernel(
   Hyper h{0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   float t = 0.f;
   if (OPT >= 0) {
-    h = Hyper{hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5]};
-    if (OPT == 3) t = (float)step[0];
+    h = Hyper{a.hyper[0], a.hyper[1], a.hyper[2], a.hyper[3], a.hyper[4], a.hyper[5]};
+    if (OPT == 3) t = (float)a.step[0];
   }
+  const int64_t n = a.n;
   const int64_t warps_total = (int64_t)gridDim.x * (blockDim.x >> 5);
   for (int64_t r0 = ((int64_t)blockIdx.x * (blockDim.x >> 5) + warp) * groups_per_warp; r0 < num;
        r0 += warps_total * groups_per_warp) {
     const int64_t r = r0 + sub;
     const bool active = r < num;
-    const int64_t packed = active ? pieces[r] : 0;
+    const int64_t packed = active ? a.pieces[r] : 0;
     const int64_t start = packed >> 2;
     const bool split = (packed & 2) != 0;
     const K key = row_key[start];
+    const int32_t o_first = order[start];
     // The piece's length: the run of `key` from start, at most PIECE (the keys are sorted).
     int len = 0;
     for (int j0 = 0; j0 < PIECE; j0 += G) {
@@ -212,136 +362,151 @@ __global__ void __launch_bounds__(256) piece_kernel(
       len += __popc(bal);
       if (__all_sync(0xffffffffu, bal != gmask)) break;
     }
-    const int32_t f = active ? feature[order[start]] : 0;
-    const int64_t* m = meta + (int64_t)f * META_W;
-    const int64_t dim = active ? m[0] : 1, base = m[1], col = m[2], row_base = m[5];
-    const bool vec = vec_ok(dim, base, col, total_dim);
-    // Offset of element e of chunk k within a row, or -1 past the row's end.
-    auto at = [&](int k, int e) -> int {
-      const int c = vec ? 4 * (sl + k * G) + e : sl + (4 * k + e) * G;
-      return c < dim ? c : -1;
-    };
-    float4 acc[V];
+    const int32_t f = active ? pay.feature_of(o_first) : 0;
+    const int64_t* m = a.meta + (int64_t)f * META_W;
+    const RowLanes L = row_lanes(active ? m[0] : 1, m[1], sl, G);
+    const bool finish = active && !split;
+    const int64_t row_at = m[1] + ((int64_t)key - m[5]) * L.dim;
+    float4 acc[V], w[V];
 #pragma unroll
-    for (int k = 0; k < V; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    auto add_row = [&](const float* g, float s) {
-#pragma unroll
-      for (int k = 0; k < V; ++k) {
-        if (vec) {
-          if (at(k, 0) >= 0) acc[k] = fma4(load4(g + at(k, 0)), s, acc[k]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (at(k, e) >= 0) comp(acc[k], e) += __ldg(g + at(k, e)) * s;
-        }
-      }
-    };
+    for (int k = 0; k < V; ++k) {
+      acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      w[k] = (OPT >= 0 && finish) ? L.load_rw(out + row_at, k) : acc[k];
+    }
     // Sum the piece: lookups in sorted order, four sources resolved before the rows are read.
     int j = 0;
     for (; j + 4 <= len; j += 4) {
-      const int64_t o0 = order[start + j], o1 = order[start + j + 1], o2 = order[start + j + 2],
-                    o3 = order[start + j + 3];
-      const int64_t q0 = src[o0], q1 = src[o1], q2 = src[o2], q3 = src[o3];
-      const float c0 = scale[o0], c1 = scale[o1], c2 = scale[o2], c3 = scale[o3];
-      if (vec && V == 1) {  // the common case, with all four rows' loads issued first
-        if (at(0, 0) >= 0) {
-          const int c = at(0, 0);
+      float c0, c1, c2, c3;
+      const int64_t q0 = pay.source(j == 0 ? o_first : order[start + j], c0);
+      const int64_t q1 = pay.source(order[start + j + 1], c1);
+      const int64_t q2 = pay.source(order[start + j + 2], c2);
+      const int64_t q3 = pay.source(order[start + j + 3], c3);
+      const int c = L.at(0, 0);
+      const bool aligned = ((reinterpret_cast<uintptr_t>(grad + q0 + c) | reinterpret_cast<uintptr_t>(grad + q1 + c) |
+                             reinterpret_cast<uintptr_t>(grad + q2 + c) | reinterpret_cast<uintptr_t>(grad + q3 + c)) &
+                            15) == 0;
+      if (L.vec && V == 1 && aligned) {  // the common case, with all four rows' loads issued first
+        if (c >= 0) {
           const float4 g0 = load4(grad + q0 + c), g1 = load4(grad + q1 + c);
           const float4 g2 = load4(grad + q2 + c), g3 = load4(grad + q3 + c);
           acc[0] = fma4(g0, c0, acc[0]); acc[0] = fma4(g1, c1, acc[0]);
           acc[0] = fma4(g2, c2, acc[0]); acc[0] = fma4(g3, c3, acc[0]);
         }
       } else {
-        add_row(grad + q0, c0); add_row(grad + q1, c1); add_row(grad + q2, c2); add_row(grad + q3, c3);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          L.add(acc[k], grad + q0, k, c0); L.add(acc[k], grad + q1, k, c1);
+          L.add(acc[k], grad + q2, k, c2); L.add(acc[k], grad + q3, k, c3);
+        }
       }
     }
     for (; j < len; ++j) {
-      const int64_t o = order[start + j];
-      add_row(grad + src[o], scale[o]);
-    }
-    // Writes chunk k's four values into a row laid out like the table's (a partial or a table row).
-    auto store_chunk = [&](auto* dst, int k, float4 v) {
-      using T = typename std::remove_pointer<decltype(dst)>::type;
-      if (vec) {
-        if (at(k, 0) >= 0) store4(dst + at(k, 0), v);
-      } else {
+      float c;
+      const int64_t q = pay.source(j == 0 ? o_first : order[start + j], c);
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (at(k, e) >= 0) dst[at(k, e)] = from_f<T>(comp(v, e));
-      }
-    };
+      for (int k = 0; k < V; ++k) L.add(acc[k], grad + q, k, c);
+    }
     if (split) {  // a piece of a long row: leave its sum for the split-row kernel
-      float* dst = partials + (2 * (start / PIECE) + (packed & 1)) * partial_stride;
+      float* dst = a.partials + (2 * (start / PIECE) + (packed & 1)) * a.partial_stride;
 #pragma unroll
-      for (int k = 0; k < V; ++k) store_chunk(dst, k, acc[k]);
+      for (int k = 0; k < V; ++k) L.store(dst, k, acc[k]);
     }
-    const bool finish = active && !split;
-    const int64_t row_at = base + ((int64_t)key - row_base) * dim;
-    W* row = out + row_at;
-    if (OPT < 0) {  // the row's gradient
-      if (finish) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) store_chunk(row, k, acc[k]);
-      }
-      continue;
-    }
-    // Weights (and coupled weight decay) first; row-wise Adagrad needs the row's sum of g^2.
-    const float wd = h.wd * (1.f - h.decoupled);
-    float4 w[V];
-    float sq = 0.f;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      w[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (finish) {
-        if (vec) {
-          if (at(k, 0) >= 0) w[k] = load4_rw(row + at(k, 0));
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (at(k, e) >= 0) comp(w[k], e) = to_f(row[at(k, e)]);
-        }
-      }
-      acc[k] = fma4(w[k], wd, acc[k]);
-      sq += acc[k].x * acc[k].x + acc[k].y * acc[k].y + acc[k].z * acc[k].z + acc[k].w * acc[k].w;
-    }
-    float row_acc = 0.f;
-    if (OPT == 2) {
-      for (int off = G / 2; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-      if (finish) {
-        row_acc = s1[key] + sq / (float)dim;
-        if (sl == 0) s1[key] = row_acc;  // every lane of the group has read it above
-      }
-    }
-    if (!finish) continue;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      float4 nw;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = at(k, vec ? 0 : e);
-        const int64_t a = row_at + c + (vec ? e : 0);
-        comp(nw, e) = c >= 0 ? apply1<OPT>(comp(w[k], e), comp(acc[k], e), s1, s2, a, row_acc, h, t) : 0.f;
-      }
-      store_chunk(row, k, nw);
-    }
+    finish_row<W, OPT, V>(acc, w, L, finish, out, row_at, (int64_t)key, a.s1, a.s2, h, t);
   }
 }
 
+// Rows of more than PIECE lookups (hot ids, tiny tables): one group of G lanes per row adds the
+// row's pieces' partial sums in piece order (deterministic) and finishes the row. Same sums as
+// pooled_triton._split_row_kernel, which the Triton backend runs instead.
+template <typename W, typename K, int OPT, int V>
+__global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ row_key,
+                                                        const int32_t* __restrict__ order, Payload pay, PieceArgs a,
+                                                        W* __restrict__ out) {
+  const int64_t num = a.counts[1];
+  const int G = a.G;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane / G, sl = lane % G;
+  const int groups_per_warp = 32 / G;
+  Hyper h{0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float t = 0.f;
+  if (OPT >= 0) {
+    h = Hyper{a.hyper[0], a.hyper[1], a.hyper[2], a.hyper[3], a.hyper[4], a.hyper[5]};
+    if (OPT == 3) t = (float)a.step[0];
+  }
+  const int64_t warps_total = (int64_t)gridDim.x * (blockDim.x >> 5);
+  for (int64_t r0 = ((int64_t)blockIdx.x * (blockDim.x >> 5) + warp) * groups_per_warp; r0 < num;
+       r0 += warps_total * groups_per_warp) {
+    const int64_t r = r0 + sub;
+    const bool active = r < num;
+    const int64_t start = active ? a.split_rows[r] : 0;
+    const K key = row_key[start];
+    // The row's end: the upper bound of key in (start + PIECE, n].
+    int64_t lo = start + PIECE + 1, hi = a.n;
+    while (active && lo < hi) {
+      const int64_t mid = (lo + hi) >> 1;
+      if (row_key[mid] <= key) lo = mid + 1; else hi = mid;
+    }
+    const int64_t count = active ? (lo - start + PIECE - 1) / PIECE : 0;
+    const int32_t f = active ? pay.feature_of(order[start]) : 0;
+    const int64_t* m = a.meta + (int64_t)f * META_W;
+    const RowLanes L = row_lanes(active ? m[0] : 1, m[1], sl, G);
+    const int64_t row_at = m[1] + ((int64_t)key - m[5]) * L.dim;
+    float4 acc[V], w[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      w[k] = (OPT >= 0 && active) ? L.load_rw(out + row_at, k) : acc[k];
+    }
+    // Partial j of the row; a row read 20k times (dlrm-kaggle's 3-row tables) has 700 of them, so
+    // UNROLL partials are loaded before they are added (in order).
+    auto partial = [&](int64_t j) {
+      return a.partials + (2 * ((start + j * PIECE) / PIECE) + (j == 0 ? 1 : 0)) * a.partial_stride;
+    };
+    constexpr int UNROLL = V == 1 ? 8 : 2;
+    int64_t j = 0;
+    for (; j + UNROLL <= count; j += UNROLL) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        float4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) v[u] = L.load_rw(partial(j + u), k);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          acc[k].x += v[u].x; acc[k].y += v[u].y; acc[k].z += v[u].z; acc[k].w += v[u].w;
+        }
+      }
+    }
+    for (; j < count; ++j) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float4 v = L.load_rw(partial(j), k);
+        acc[k].x += v.x; acc[k].y += v.y; acc[k].z += v.z; acc[k].w += v.w;
+      }
+    }
+    finish_row<W, OPT, V>(acc, w, L, active, out, row_at, (int64_t)key, a.s1, a.s2, h, t);
+  }
+}
 
 // ---- backward planning: expand, sort, plan (the Triton backend's _expand/_plan kernels) -------
 constexpr int EXPAND_BAGS = 1024;  // bags per expand block (their offsets sit in shared memory)
-constexpr int PLAN_BLOCK = 1024;   // sorted positions per plan block, a thread each
+constexpr int PLAN_THREADS = 256;  // plan block: PLAN_ITEMS consecutive sorted positions a thread
+constexpr int PLAN_ITEMS = 4;
+constexpr int PLAN_BLOCK = PLAN_THREADS * PLAN_ITEMS;
 
 // One entry per lookup at `at` = its position in values (+ the feature's shift when features do
-// not read each key once): the row key it reads, where its gradient row starts in grad_output,
-// its scale (sample weight x 1/L for mean pooling), its feature, and its own index (the payload the
-// sort carries). A thread per lookup; its bag from a binary search of the block's bag offsets.
-template <typename I, typename K>
+// not read each key once): the row key it reads and the payload the sort carries with it. A thread
+// per lookup; its bag from a binary search of the block's bag offsets.
+// - PACKED: the payload is feature * batch_size + bag (see Payload); a mean-pooled bag's 1/L goes
+//   to bag_scale[payload]. Nothing else is written: 8 bytes a lookup.
+// - else: the payload is the entry's own index, and the entry's gradient source (where its row
+//   starts in grad_output), scale (sample weight x 1/L for mean pooling) and feature are written
+//   for the backward to gather through the sorted payload.
+template <typename I, typename K, bool PACKED>
 __global__ void __launch_bounds__(256) expand_kernel(
     const I* __restrict__ values, const I* __restrict__ offsets, const float* __restrict__ weights,
     const int64_t* __restrict__ meta, const int64_t* __restrict__ key_index, const int64_t* __restrict__ feature_base,
     K* __restrict__ row_key, int64_t* __restrict__ src, float* __restrict__ scale, int32_t* __restrict__ feature,
-    int32_t* __restrict__ index, int64_t batch_size, int64_t total_dim) {
+    int32_t* __restrict__ index, float* __restrict__ bag_scale, int64_t batch_size, int64_t total_dim) {
   __shared__ int64_t offs[EXPAND_BAGS + 1];
   const int f = blockIdx.x;
   const int64_t b0 = (int64_t)blockIdx.y * EXPAND_BAGS;
@@ -365,13 +530,19 @@ __global__ void __launch_bounds__(256) expand_kernel(
       const int64_t len = offs[j + 1] - offs[j];
       s = 1.f / (float)(len > 1 ? len : 1);
     }
-    if (weights) s *= weights[pos];
     const int64_t at = pos + shift;
     row_key[at] = (K)(row_base + (int64_t)values[pos]);
-    src[at] = (b0 + j) * total_dim + col;
-    scale[at] = s;
-    feature[at] = f;
-    index[at] = (int32_t)at;
+    if (PACKED) {
+      const int64_t payload = (int64_t)f * batch_size + b0 + j;
+      index[at] = (int32_t)payload;
+      if (pooling == 1 && pos == offs[j]) bag_scale[payload] = s;  // the bag's first lookup
+    } else {
+      if (weights) s *= weights[pos];
+      src[at] = (b0 + j) * total_dim + col;
+      scale[at] = s;
+      feature[at] = f;
+      index[at] = (int32_t)at;
+    }
   }
 }
 
@@ -379,55 +550,93 @@ struct MaxOp {
   __device__ __forceinline__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; }
 };
 
+// Where the row holding sorted position p (> 0, with key[p - 1] == key[p]) starts, by one warp
+// (every lane calls it): the 32 positions before p in one round (most rows are short), then a
+// 32-way search, one round of loads per factor 32. A binary search by one thread cost a dependent
+// load per halving in every block that opens inside a row (zipf's hot rows: most blocks).
+template <typename K>
+__device__ int64_t row_start_before(const K* __restrict__ key, int64_t p, int lane) {
+  const K k0 = key[p];
+  const int64_t q = p - 1 - lane;
+  const unsigned less = __ballot_sync(0xffffffffu, q < 0 || key[q] < k0);
+  if (less) return p - (__ffs(less) - 1);  // lane j saw the previous row: the row starts at p - j
+  int64_t lo = 0, hi = p - 32;             // key[hi] == k0; the start is in [lo, hi]
+  while (lo < hi) {
+    const int64_t step = (hi - lo + 30) / 31;  // lane 31 reaches hi (clamped): some lane sees key >= k0
+    const int64_t probe = lo + lane * step < hi ? lo + lane * step : hi;
+    const unsigned ge = __ballot_sync(0xffffffffu, key[probe] >= k0);
+    const int j = __ffs(ge) - 1;
+    if (j == 0) return lo;
+    const int64_t prev = lo + (int64_t)(j - 1) * step;
+    hi = lo + (int64_t)j * step < hi ? lo + (int64_t)j * step : hi;
+    lo = prev + 1;
+  }
+  return lo;
+}
+
 // Cuts the sorted keys into pieces exactly as pooled_triton._plan_kernel: a piece starts where a
 // row starts and every PIECE lookups into it; pieces (start << 2 | split << 1 | first) and the
-// starts of rows longer than PIECE are appended to two lists (counts[0], counts[1]).
+// starts of rows longer than PIECE are appended to two lists (counts[0], counts[1], bumped by one
+// 64-bit atomic a block). A thread holds PLAN_ITEMS consecutive positions.
 template <typename K>
-__global__ void __launch_bounds__(PLAN_BLOCK) plan_kernel(const K* __restrict__ key, int64_t n,
-                                                          int64_t* __restrict__ pieces, int64_t* __restrict__ split_rows,
-                                                          int32_t* __restrict__ counts) {
-  using Scan32 = cub::BlockScan<int32_t, PLAN_BLOCK>;
+__global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const K* __restrict__ key, int64_t n,
+                                                            int64_t* __restrict__ pieces,
+                                                            int64_t* __restrict__ split_rows,
+                                                            int32_t* __restrict__ counts) {
+  using Scan32 = cub::BlockScan<int32_t, PLAN_THREADS>;
   __shared__ typename Scan32::TempStorage tmp;
   __shared__ int64_t opens_at;  // start of the row the block opens in, when it began earlier
-  __shared__ int32_t base;
+  __shared__ unsigned long long base;
   const int64_t block0 = (int64_t)blockIdx.x * PLAN_BLOCK;
-  const int64_t p = block0 + threadIdx.x;
-  const bool live = p < n;
-  const K k = live ? key[p] : K(0);
-  const bool first = live && (p == 0 || key[p - 1] != k);
-  const bool long_from_here = live && p + PIECE < n && key[p + PIECE] == k;
-  if (threadIdx.x == 0) {
+  const int64_t p0 = block0 + (int64_t)threadIdx.x * PLAN_ITEMS;
+  if (threadIdx.x < 32) {
     int64_t lo = -1;
-    if (block0 > 0 && block0 < n && key[block0 - 1] == key[block0]) {  // one search, shared
-      const K k0 = key[block0];
-      int64_t l = 0, h = block0;
-      while (l < h) {
-        const int64_t mid = (l + h) >> 1;
-        if (key[mid] < k0) l = mid + 1; else h = mid;
-      }
-      lo = l;
-    }
-    opens_at = lo;
+    if (block0 > 0 && block0 < n && key[block0 - 1] == key[block0])
+      lo = row_start_before(key, block0, threadIdx.x);
+    if (threadIdx.x == 0) opens_at = lo;
   }
-  // The last row start at or before p within the block (offsets in the block: a 32-bit scan).
-  int32_t last_first;
-  Scan32(tmp).InclusiveScan(first ? (int32_t)threadIdx.x : -1, last_first, MaxOp());
+  bool live[PLAN_ITEMS], first[PLAN_ITEMS], longer[PLAN_ITEMS];
+  int32_t last_first[PLAN_ITEMS];
+#pragma unroll
+  for (int i = 0; i < PLAN_ITEMS; ++i) {
+    const int64_t p = p0 + i;
+    live[i] = p < n;
+    const K k = live[i] ? key[p] : K(0);
+    first[i] = live[i] && (p == 0 || key[p - 1] != k);
+    longer[i] = live[i] && p + PIECE < n && key[p + PIECE] == k;
+    last_first[i] = first[i] ? (int32_t)(p - block0) : -1;
+  }
+  // The last row start at or before each position within the block (offsets in the block).
+  Scan32(tmp).InclusiveScan(last_first, last_first, MaxOp());
   __syncthreads();
-  const int64_t run_start = last_first >= 0 ? block0 + last_first : opens_at;
-  const int64_t depth = p - run_start;
-  const bool start = live && depth % PIECE == 0;
-  const bool split = start && (depth >= PIECE || long_from_here);
-  const bool row = first && long_from_here;
-  int32_t slot, total;
-  Scan32(tmp).ExclusiveSum((int32_t)start, slot, total);
-  if (threadIdx.x == 0) base = atomicAdd(counts, total);
+  int32_t flags[PLAN_ITEMS];  // piece start in the low 16 bits, split-row start in the high
+  int64_t packed[PLAN_ITEMS];
+  bool is_start[PLAN_ITEMS], is_row[PLAN_ITEMS];
+#pragma unroll
+  for (int i = 0; i < PLAN_ITEMS; ++i) {
+    const int64_t p = p0 + i;
+    const int64_t run_start = last_first[i] >= 0 ? block0 + last_first[i] : opens_at;
+    const int64_t depth = p - run_start;
+    const bool start = live[i] && depth % PIECE == 0;
+    const bool split = start && (depth >= PIECE || longer[i]);
+    const bool row = first[i] && longer[i];
+    is_start[i] = start;
+    is_row[i] = row;
+    flags[i] = (start ? 1 : 0) | (row ? 1 << 16 : 0);
+    packed[i] = p * 4 + (split ? 2 : 0) + (first[i] ? 1 : 0);
+  }
+  int32_t total;
+  Scan32(tmp).ExclusiveSum(flags, flags, total);
+  if (threadIdx.x == 0)
+    base = atomicAdd(reinterpret_cast<unsigned long long*>(counts),
+                     (unsigned long long)(total & 0xffff) | ((unsigned long long)(total >> 16) << 32));
   __syncthreads();
-  if (start) pieces[base + slot] = p * 4 + (split ? 2 : 0) + (first ? 1 : 0);
-  __syncthreads();  // base and the scan storage are reused below
-  Scan32(tmp).ExclusiveSum((int32_t)row, slot, total);
-  if (threadIdx.x == 0) base = atomicAdd(counts + 1, total);
-  __syncthreads();
-  if (row) split_rows[base + slot] = p;
+  const int64_t piece_base = (int64_t)(base & 0xffffffffull), row_base = (int64_t)(base >> 32);
+#pragma unroll
+  for (int i = 0; i < PLAN_ITEMS; ++i) {
+    if (is_start[i]) pieces[piece_base + (flags[i] & 0xffff)] = packed[i];
+    if (is_row[i]) split_rows[row_base + (flags[i] >> 16)] = p0 + i;
+  }
 }
 
 #ifndef RECOM_REC_KERNELS_ONLY
@@ -484,31 +693,39 @@ at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, cons
 }
 
 // The backward's plan of a group (see the kernels above): returns sorted row keys, the sort's
-// order (int32 lookup indices), each lookup's gradient source, scale and feature (in expand
-// order), the piece list, the split-row list and their two counts (on the device: no sync).
-// `feature_base` is absent when every key is read by one feature (a lookup's index is then its
-// position in values); `key_bits` bounds the row keys (the group's rows), `key64` their width.
+// payloads (int32), the expand arrays src, scale and feature (empty when the payload is packed),
+// the piece list, the split-row list, their two counts (on the device: no sync) and the packed
+// payloads' bag scales. `packed` (the caller's choice: no sample weights, features x batch below
+// 2^31) selects the packed payload, feature * batch_size + bag. `feature_base` is absent when
+// every key is read by one feature (a lookup's index is then its position in values); `key_bits`
+// bounds the row keys (the group's rows), `key64` their width.
 std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor& offsets,
                                       const c10::optional<at::Tensor>& psw, const at::Tensor& meta,
                                       const at::Tensor& key_index, const c10::optional<at::Tensor>& feature_base,
-                                      int64_t batch_size, int64_t total_dim, int64_t n, int64_t key_bits, bool key64) {
+                                      int64_t batch_size, int64_t total_dim, int64_t n, int64_t key_bits, bool key64,
+                                      bool packed) {
   c10::cuda::CUDAGuard guard(values.device());
   TORCH_CHECK(n < (int64_t)INT32_MAX, "recom_rec cuda backend: a group's backward takes at most 2^31 - 1 lookups");
   TORCH_CHECK(values.scalar_type() == offsets.scalar_type(), "values and offsets must share a dtype");
+  const int64_t F = meta.size(0);
+  TORCH_CHECK(!packed || (!psw.has_value() && F * batch_size < (int64_t)INT32_MAX),
+              "recom_rec cuda backend: packed payloads take no sample weights and under 2^31 feature-bags");
   const auto dev = values.options();
   const auto key_dtype = key64 ? at::kLong : at::kInt;
+  const int64_t per_lookup = packed ? 0 : n;
   auto row_key = at::empty({n}, dev.dtype(key_dtype));
-  auto src = at::empty({n}, dev.dtype(at::kLong));
-  auto scale = at::empty({n}, dev.dtype(at::kFloat));
-  auto feature = at::empty({n}, dev.dtype(at::kInt));
+  auto src = at::empty({per_lookup}, dev.dtype(at::kLong));
+  auto scale = at::empty({per_lookup}, dev.dtype(at::kFloat));
+  auto feature = at::empty({per_lookup}, dev.dtype(at::kInt));
+  auto bag_scale = at::empty({packed ? F * batch_size : 0}, dev.dtype(at::kFloat));
   auto index = at::empty({n}, dev.dtype(at::kInt));
   auto sorted_key = at::empty({n}, dev.dtype(key_dtype));
   auto order = at::empty({n}, dev.dtype(at::kInt));
   auto pieces = at::empty({n}, dev.dtype(at::kLong));
   auto split_rows = at::empty({n / (PIECE + 1) + 1}, dev.dtype(at::kLong));
   auto counts = at::zeros({2}, dev.dtype(at::kInt));
-  const int64_t F = meta.size(0);
-  if (n == 0 || F == 0 || batch_size == 0) return {sorted_key, order, src, scale, feature, pieces, split_rows, counts};
+  std::vector<at::Tensor> result{sorted_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale};
+  if (n == 0 || F == 0 || batch_size == 0) return result;
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
   const int64_t* fb = feature_base.has_value() ? feature_base->data_ptr<int64_t>() : nullptr;
@@ -518,10 +735,11 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
     using K = decltype(kt);
     using I = decltype(it);
     using U = typename std::make_unsigned<K>::type;  // keys are non-negative: sort them unsigned
-    expand_kernel<I, K><<<grid, 256, 0, stream>>>(
+    auto expand = packed ? expand_kernel<I, K, true> : expand_kernel<I, K, false>;
+    expand<<<grid, 256, 0, stream>>>(
         values.data_ptr<I>(), offsets.data_ptr<I>(), w, meta.data_ptr<int64_t>(), key_index.data_ptr<int64_t>(), fb,
         reinterpret_cast<K*>(row_key.data_ptr()), src.data_ptr<int64_t>(), scale.data_ptr<float>(),
-        feature.data_ptr<int32_t>(), index.data_ptr<int32_t>(), batch_size, total_dim);
+        feature.data_ptr<int32_t>(), index.data_ptr<int32_t>(), bag_scale.data_ptr<float>(), batch_size, total_dim);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const U* keys_in = reinterpret_cast<const U*>(row_key.data_ptr());
     U* keys_out = reinterpret_cast<U*>(sorted_key.data_ptr());
@@ -532,7 +750,7 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
     C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data_ptr(), temp_bytes, keys_in, keys_out,
                                                    index.data_ptr<int32_t>(), order.data_ptr<int32_t>(), (int)n, 0,
                                                    bits, stream));
-    plan_kernel<K><<<(unsigned)((n + PLAN_BLOCK - 1) / PLAN_BLOCK), PLAN_BLOCK, 0, stream>>>(
+    plan_kernel<K><<<(unsigned)((n + PLAN_BLOCK - 1) / PLAN_BLOCK), PLAN_THREADS, 0, stream>>>(
         reinterpret_cast<const K*>(sorted_key.data_ptr()), n, pieces.data_ptr<int64_t>(),
         split_rows.data_ptr<int64_t>(), counts.data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -544,39 +762,58 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
   } else {
     if (v64) run(int32_t{}, int64_t{}); else run(int32_t{}, int32_t{});
   }
-  return {sorted_key, order, src, scale, feature, pieces, split_rows, counts};
+  return result;
 }
 
-// The backward's piece kernel (see piece_kernel). `opt` < 0 writes row gradients into `out`.
+// The backward's piece and split-row kernels (see piece_kernel) on a plan_backward result.
+// `opt` < 0 writes row gradients into `out`.
 void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::Tensor& src, const at::Tensor& scale,
-                  const at::Tensor& feature, const at::Tensor& grad, const at::Tensor& meta, const at::Tensor& pieces,
+                  const at::Tensor& feature, const at::Tensor& bag_scale, int64_t packed_batch, const at::Tensor& grad,
+                  const at::Tensor& meta, const at::Tensor& pieces, const at::Tensor& split_rows,
                   const at::Tensor& counts, int64_t n, const at::Tensor& partials, int64_t partial_stride,
                   const at::Tensor& out, const at::Tensor& state1, const at::Tensor& state2, const at::Tensor& hyper,
-                  const at::Tensor& step, int64_t opt, int64_t max_dim) {
+                  const at::Tensor& step, int64_t opt, int64_t max_dim, int64_t lanes) {
   c10::cuda::CUDAGuard guard(out.device());
-  const int G = group_lanes((int)((max_dim + 3) / 4));
+  // Lanes per piece: by default enough for the widest row in one float4 a lane (V = 1, up to 128
+  // columns) or four (V = 4). `lanes` > 0 asks for fewer lanes with four float4 each (V = 4,
+  // 16 * lanes >= max_dim): more pieces per warp when most rows are narrower than the widest.
+  TORCH_CHECK(lanes == 0 || (lanes <= 32 && (lanes & (lanes - 1)) == 0 && 16 * lanes >= max_dim),
+              "piece lanes must be a power of two <= 32 covering max_dim in four float4s, got ", lanes);
+  const int G = lanes > 0 ? (int)lanes : group_lanes((int)((max_dim + 3) / 4));
+  const bool four = lanes > 0 || max_dim > 128;
   // A persistent grid: a few waves of resident blocks (as pooled_triton._programs), never more
-  // than there are pieces for; the kernel reads the piece count on the device.
+  // than there are pieces (split rows) for; the kernels read the counts on the device.
   constexpr int threads = 256, waves = 8;
   const int64_t groups_per_block = threads / G;
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(sms * waves, (n + groups_per_block - 1) / groups_per_block));
+  auto grid_for = [&](int64_t items) {
+    return (unsigned)std::max<int64_t>(1, std::min<int64_t>(sms * waves, (items + groups_per_block - 1) / groups_per_block));
+  };
   auto stream = at::cuda::getCurrentCUDAStream();
+  TORCH_CHECK(packed_batch >= 0 && packed_batch < (int64_t)INT32_MAX, "packed_batch out of range");
+  const Payload pay{(int32_t)packed_batch, grad.size(1), meta.data_ptr<int64_t>(), bag_scale.data_ptr<float>(),
+                    src.data_ptr<int64_t>(), scale.data_ptr<float>(), feature.data_ptr<int32_t>()};
+  const PieceArgs args{pieces.data_ptr<int64_t>(), split_rows.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), n,
+                       partials.data_ptr<float>(), partial_stride,
+                       state1.scalar_type() == at::kFloat ? state1.data_ptr<float>() : nullptr,
+                       state2.scalar_type() == at::kFloat ? state2.data_ptr<float>() : nullptr,
+                       hyper.scalar_type() == at::kFloat ? hyper.data_ptr<float>() : nullptr,
+                       step.scalar_type() == at::kLong ? step.data_ptr<int64_t>() : nullptr,
+                       meta.data_ptr<int64_t>(), G};
   dispatch_weight(out.scalar_type(), [&](auto wt) {
     using W = decltype(wt);
     auto launch = [&](auto kt, auto opt_c) {
       using K = decltype(kt);
       constexpr int OPT = decltype(opt_c)::value;
-      auto kernel = max_dim <= 128 ? piece_kernel<W, K, OPT, 1> : piece_kernel<W, K, OPT, 4>;
-      kernel<<<(unsigned)blocks, threads, 0, stream>>>(
-          reinterpret_cast<const K*>(row_key.data_ptr()), order.data_ptr<int32_t>(), src.data_ptr<int64_t>(),
-          scale.data_ptr<float>(), feature.data_ptr<int32_t>(), grad.data_ptr<float>(), grad.size(1),
-          meta.data_ptr<int64_t>(), pieces.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), n,
-          partials.data_ptr<float>(), partial_stride, wptr<W>(out),
-          state1.scalar_type() == at::kFloat ? state1.data_ptr<float>() : nullptr,
-          state2.scalar_type() == at::kFloat ? state2.data_ptr<float>() : nullptr,
-          hyper.scalar_type() == at::kFloat ? hyper.data_ptr<float>() : nullptr,
-          step.scalar_type() == at::kLong ? step.data_ptr<int64_t>() : nullptr, G);
+      const K* keys = reinterpret_cast<const K*>(row_key.data_ptr());
+      auto pk = four ? piece_kernel<W, K, OPT, 4> : piece_kernel<W, K, OPT, 1>;
+      pk<<<grid_for(n), threads, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, grad.data_ptr<float>(), args,
+                                             wptr<W>(out));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      auto sk = four ? split_row_kernel<W, K, OPT, 4> : split_row_kernel<W, K, OPT, 1>;
+      sk<<<grid_for(split_rows.numel()), threads, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args,
+                                                                wptr<W>(out));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto with_key = [&](auto opt_c) {
       if (row_key.scalar_type() == at::kInt) launch(int32_t{}, opt_c);
@@ -591,12 +828,11 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
       default: TORCH_CHECK(false, "unknown optimizer kind ", opt);
     }
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pooled_forward", &pooled_forward, "fused pooled embedding forward (CUDA)");
-  m.def("piece_update", &piece_update, "backward piece kernel with the fused optimizer (CUDA)");
+  m.def("piece_update", &piece_update, "backward piece and split-row kernels with the fused optimizer (CUDA)");
   m.def("plan_backward", &plan_backward, "backward plan: expand, sort, pieces (CUDA)");
 }
 #endif

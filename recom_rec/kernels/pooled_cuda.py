@@ -3,8 +3,8 @@
 architecture (``RECOM_REC_CUDA_CACHE``, by default ``~/.cache/recom_rec/cuda``).
 
 Forward: the CUDA kernel. Backward: the planning (expand, a CUB sort, plan: the Triton backend's
-kernels ported, one host call), then the CUDA piece kernel, then the Triton split-row kernel; both
-backends cut and sum a row's lookups the same way.
+kernels ported, one host call), then the CUDA piece and split-row kernels; both backends cut a
+row's lookups into the same pieces and sum them in the same order.
 
 A group the CUDA kernels do not cover (a dim above ``MAX_DIM``, a weight buffer that is not
 16-byte aligned) runs on the Triton backend instead.
@@ -23,6 +23,9 @@ import torch
 from . import pooled_triton
 
 MAX_DIM = 512  # the piece kernel's widest variant: 4 float4 accumulators per lane x 32 lanes
+# Experiment knob (tools/profile_step.py): lanes per piece of the backward, 0 = sized by the
+# widest row (see piece_update in the source).
+PIECE_LANES = int(os.environ.get("RECOM_REC_PIECE_LANES", "0"))
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "pooled_cuda.cu"
 _build_lock = threading.Lock()
 
@@ -104,25 +107,34 @@ def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
 def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim,
                num_lookups):
     """pooled_triton._triton_plan in one call to the extension: the expand and plan kernels ported,
-    and a CUB sort of just the key bits the rows need (torch.sort: all 32/64 bits, 64-bit order)."""
+    and a CUB sort of just the key bits the rows need (torch.sort: all 32/64 bits, 64-bit order).
+    Without sample weights the sort carries each lookup's (feature, bag) packed in 32 bits, so
+    the piece kernel computes its gradient row instead of gathering it through the sort's order
+    (the plan's last item: the batch size it is packed with, or 0 when it carries indices)."""
     key_index = key_index.to(torch.int64).contiguous()
     positional, feature_base, n = pooled_triton.lookup_bases(offsets, key_index, batch_size, num_lookups)
     if offsets.dtype != values.dtype:
         offsets = offsets.to(values.dtype)
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
-    return _extension().plan_backward(values.contiguous(), offsets.contiguous(), psw, feature_meta.contiguous(),
+    packed = psw is None and feature_meta.shape[0] * batch_size < 2**31 - 1
+    plan = _extension().plan_backward(values.contiguous(), offsets.contiguous(), psw, feature_meta.contiguous(),
                                       key_index, None if positional else feature_base.contiguous(), batch_size,
-                                      total_dim, n, max(1, (row_count - 1).bit_length()), row_count >= 2**31)
+                                      total_dim, n, max(1, (row_count - 1).bit_length()), row_count >= 2**31, packed)
+    return (*plan, batch_size if packed else 0)
 
 
-def _cuda_pieces(row_key, order, src, scale, feature, grad_output, feature_meta, pieces, counts, n, partials,
-                 partial_stride, out, state1, state2, hyper, step, opt, max_dim):
-    _extension().piece_update(row_key, order, src, scale, feature, grad_output, feature_meta, pieces, counts, n,
-                              partials, partial_stride, out, state1, state2, hyper, step, opt, max_dim)
+def _cuda_pieces(plan, grad_output, feature_meta, n, partials, partial_stride, out, state1, state2, hyper, step,
+                 opt, max_dim):
+    """The piece and split-row kernels on a _cuda_plan."""
+    row_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, packed_batch = plan
+    _extension().piece_update(row_key, order, src, scale, feature, bag_scale, packed_batch, grad_output,
+                              feature_meta, pieces, split_rows, counts, n, partials, partial_stride, out, state1,
+                              state2, hyper, step, opt, max_dim, PIECE_LANES if 16 * PIECE_LANES >= max_dim else 0)
 
 
 def _backward_kernels(out: torch.Tensor, max_dim: int) -> dict:
-    """The CUDA planning and piece kernels for pooled_triton._run_backward, where they cover ``out``."""
+    """The CUDA planning and piece (and split-row) kernels for pooled_triton._run_backward, where they
+    cover ``out``."""
     cuda = supports(out, max_dim)
     return {"pieces": _cuda_pieces if cuda else None, "planner": _cuda_plan if cuda else None}
 

@@ -472,18 +472,17 @@ def _triton_plan(values, offsets, per_sample_weights, feature_meta, key_index, b
 
 def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
                   key_index, batch_size, max_dim, num_rows, opt, num_lookups, pieces=None, planner=None):
-    """The backward of one group: plan, then sum every row's lookups and finish the rows. ``pieces``
-    replaces the Triton piece kernel and ``planner`` the Triton planning (the CUDA backend's,
-    pooled_cuda._cuda_pieces and pooled_cuda._cuda_plan). ``num_rows`` (-1: unknown) bounds the row
-    keys; unknown, the bound is ``out``'s element count, which may push the keys to 64 bits (twice
-    the sort's passes and key traffic)."""
+    """The backward of one group: plan, then sum every row's lookups and finish the rows.
+    ``planner`` replaces the Triton planning and ``pieces`` (taking the plan) the Triton piece and
+    split-row kernels: the CUDA backend's pooled_cuda._cuda_plan and _cuda_pieces. ``num_rows``
+    (-1: unknown) bounds the row keys; unknown, the bound is ``out``'s element count, which may push
+    the keys to 64 bits (twice the sort's passes and key traffic)."""
     grad_output = grad_output.contiguous()
     device = grad_output.device
     row_count = num_rows if num_rows >= 0 else out.numel()
-    row_key, order, src, scale, feature, piece_list, split_rows, counts = (planner or _triton_plan)(
-        values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count,
-        grad_output.shape[1], num_lookups)
-    n = row_key.numel()
+    plan = (planner or _triton_plan)(values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
+                                     row_count, grad_output.shape[1], num_lookups)
+    n = plan[0].numel()
     if n == 0:
         return
     block_d = _block_d(max_dim)
@@ -492,17 +491,17 @@ def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sa
     state2 = states[1] if len(states) > 1 else out
     hyper = hyper if hyper is not None else partials
     step = step if step is not None else partials
-    if pieces is not None:
-        pieces(row_key, order, src, scale, feature, grad_output, feature_meta, piece_list, counts, n, partials,
-               block_d, out, state1, state2, hyper, step, opt, max_dim)
-    else:
-        block_r, unroll, num_warps = piece_launch(block_d)
-        _piece_kernel[(_programs(device, triton.cdiv(n, block_r)),)](
-            row_key, order, src, scale, feature, grad_output, feature_meta, piece_list, counts, n, partials,
-            out, state1, state2, hyper, step,
-            META_W=META_WIDTH, PIECE=PIECE, BLOCK_R=block_r, UNROLL=unroll, BLOCK_D=block_d, OPT=opt,
-            num_warps=num_warps,
-        )
+    if pieces is not None:  # the planner's own piece and split-row kernels
+        pieces(plan, grad_output, feature_meta, n, partials, block_d, out, state1, state2, hyper, step, opt, max_dim)
+        return
+    row_key, order, src, scale, feature, piece_list, split_rows, counts = plan
+    block_r, unroll, num_warps = piece_launch(block_d)
+    _piece_kernel[(_programs(device, triton.cdiv(n, block_r)),)](
+        row_key, order, src, scale, feature, grad_output, feature_meta, piece_list, counts, n, partials,
+        out, state1, state2, hyper, step,
+        META_W=META_WIDTH, PIECE=PIECE, BLOCK_R=block_r, UNROLL=unroll, BLOCK_D=block_d, OPT=opt,
+        num_warps=num_warps,
+    )
     _split_row_kernel[(_programs(device, split_rows.numel()),)](
         row_key, order, feature, feature_meta, split_rows, counts, n, partials, out, state1, state2, hyper, step,
         META_W=META_WIDTH, PIECE=PIECE, BLOCK_R=1, BLOCK_K=split_block_k(block_d), BLOCK_D=block_d, OPT=opt,
