@@ -223,11 +223,13 @@ struct RowLanes {
   }
 };
 
-// A table's rows (weights, states, partial sums) take the 4-wide layout when their addresses are
-// 16-byte aligned: dim and base multiples of 4. Gradient rows are checked as they are read (see
-// RowLanes::add), so the layout is the same for every piece of a row.
-__device__ __forceinline__ RowLanes row_lanes(int64_t dim, int64_t base, int sl, int G) {
-  return RowLanes{dim % 4 == 0 && base % 4 == 0, sl, G, dim};
+// A table's rows (weights, states, partial sums) can take the 4-wide layout when their addresses
+// are 16-byte aligned: dim and base multiples of 4. The piece kernel also wants its gradient rows
+// aligned (`grad_vec`: grad_output's start, its width and the feature's column): where they are
+// not, lane-per-column scalar loads stay coalesced, and four scalar loads a lane would not. Either
+// layout writes partial sums by column, so the pieces of one row may differ.
+__device__ __forceinline__ RowLanes row_lanes(int64_t dim, int64_t base, bool grad_vec, int sl, int G) {
+  return RowLanes{dim % 4 == 0 && base % 4 == 0 && grad_vec, sl, G, dim};
 }
 
 // Finishes a row from its summed gradient `acc` and its weights `w` (read by the caller, early):
@@ -281,6 +283,7 @@ __device__ __forceinline__ void finish_row(float4 (&acc)[V], float4 (&w)[V], con
 // - indexed (packed_batch = 0): o indexes the expand arrays src, scale, feature.
 struct Payload {
   int32_t packed_batch;  // 32-bit: o / B is an integer division in the chain of every lookup
+  bool grad_vec;         // grad_output's start and width allow 16-byte rows
   int64_t total_dim;
   const int64_t* meta;
   const float* bag_scale;
@@ -364,7 +367,7 @@ __global__ void __launch_bounds__(256) piece_kernel(const K* __restrict__ row_ke
     }
     const int32_t f = active ? pay.feature_of(o_first) : 0;
     const int64_t* m = a.meta + (int64_t)f * META_W;
-    const RowLanes L = row_lanes(active ? m[0] : 1, m[1], sl, G);
+    const RowLanes L = row_lanes(active ? m[0] : 1, m[1], pay.grad_vec && m[2] % 4 == 0, sl, G);
     const bool finish = active && !split;
     const int64_t row_at = m[1] + ((int64_t)key - m[5]) * L.dim;
     float4 acc[V], w[V];
@@ -449,7 +452,7 @@ __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ ro
     const int64_t count = active ? (lo - start + PIECE - 1) / PIECE : 0;
     const int32_t f = active ? pay.feature_of(order[start]) : 0;
     const int64_t* m = a.meta + (int64_t)f * META_W;
-    const RowLanes L = row_lanes(active ? m[0] : 1, m[1], sl, G);
+    const RowLanes L = row_lanes(active ? m[0] : 1, m[1], true, sl, G);
     const int64_t row_at = m[1] + ((int64_t)key - m[5]) * L.dim;
     float4 acc[V], w[V];
 #pragma unroll
@@ -791,7 +794,8 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
   };
   auto stream = at::cuda::getCurrentCUDAStream();
   TORCH_CHECK(packed_batch >= 0 && packed_batch < (int64_t)INT32_MAX, "packed_batch out of range");
-  const Payload pay{(int32_t)packed_batch, grad.size(1), meta.data_ptr<int64_t>(), bag_scale.data_ptr<float>(),
+  const bool grad_vec = reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0 && grad.size(1) % 4 == 0;
+  const Payload pay{(int32_t)packed_batch, grad_vec, grad.size(1), meta.data_ptr<int64_t>(), bag_scale.data_ptr<float>(),
                     src.data_ptr<int64_t>(), scale.data_ptr<float>(), feature.data_ptr<int32_t>()};
   const PieceArgs args{pieces.data_ptr<int64_t>(), split_rows.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), n,
                        partials.data_ptr<float>(), partial_stride,
