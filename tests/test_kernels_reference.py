@@ -74,6 +74,23 @@ def test_mixed_dims_and_empty_bags(backend, dims, weighted):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_batch_of_one_with_a_group_at_an_odd_column(backend, weighted):
+    # Two dtype groups: the fp16 group's columns start at column 3. With one sample, its slice of
+    # the output gradient is contiguous but starts 12 bytes in, so a kernel reading gradient rows
+    # 4-wide must check the address, not just the dims (a random case hit this on the H100).
+    from torchrec import EmbeddingBagConfig, PoolingType
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=3, num_embeddings=7, feature_names=["f0"]),
+              EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=9, feature_names=["f1"],
+                                 data_type=DataType.FP16, pooling=PoolingType.MEAN),
+              EmbeddingBagConfig(name="t2", embedding_dim=16, num_embeddings=5, feature_names=["f2", "f3"],
+                                 data_type=DataType.FP16)]
+    kjt = make_kjt(tables, batch_size=1, max_len=6, seed=3, is_weighted=weighted, zero_fraction=0.0)
+    from ebc_cases import Case
+    _check_forward_backward(Case(tables, kjt, weighted), backend)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_all_bags_empty(backend):
     from torchrec import EmbeddingBagConfig, PoolingType
     tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=5, feature_names=["f"],
