@@ -24,6 +24,9 @@ def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
     peers = {(r["workload"], r["peer"], r["phase"]) for r in data["results"] if "ms" in r}
     assert ("many-1000", "recom_rec", "forward") in peers and ("many-1000", "fbgemm", "sgd") in peers
     assert ("ps", "in-device table", "sgd") in peers
+    assert "staging ms" in text, text
+    staging = [r["staging_ms"] for r in data["results"] if r["peer"] == "ps memory://bench"]
+    assert staging and staging[0] > 0
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,16 +1,18 @@
-// Fused pooled embedding lookups in CUDA C++ (backend="cuda"): the forward, and the backward's
-// piece kernel with the optimizer fused in. Same contract as recom_rec/kernels/pooled_triton.py:
-// one flat weight buffer per group, `feature_meta` rows of META_W int64 (dim, element base, output
-// column, pooling, rows, row base, table), a KJT's values/offsets. The backward's plan (sorted row
-// keys, pieces, split rows) is the Triton backend's, in one host call here: the expand and plan
-// kernels ported, and a CUB radix sort of only the key bits the group's rows need, carrying 32-bit
-// lookup indices (torch.sort sorts all 32 or 64 bits and carries 64-bit ones).
+// Fused pooled embedding lookups in CUDA C++ (backend="cuda"): the forward, and the backward with
+// the optimizer fused in. Same contract as recom_rec/kernels/pooled_triton.py: one flat weight
+// buffer per group, `feature_meta` rows of META_W int64 (dim, element base, output column,
+// pooling, rows, row base, table), a KJT's values/offsets. The backward's plan (sorted row keys,
+// pieces of at most PIECE lookups, split rows) cuts rows as the Triton backend does, in one host
+// call here: expand and plan kernels, and a CUB radix sort of only the key bits the group's rows
+// need, carrying a 32-bit payload (the lookup's feature and bag, or its index with sample weights).
 //
 // Why a second implementation: Triton runs the lanes of a program in lock-step over a fixed
 // [bags x BLOCK_D] tile, so a dim-8 table in a launch whose widest table is 128 wastes 15/16 of its
 // lanes, and the backward's dependent loads (piece -> key -> order -> source -> gradient row) are
-// serialised per program. Here each bag (forward) or piece (backward) gets a group of G lanes sized
-// by its own table's dim at run time, 16-byte accesses, and four lookups' loads in flight at once.
+// serialised per program. Here the forward gives each bag a group of lanes sized by its own
+// table's dim at run time; the backward gives each piece a group sized by the group's widest dim,
+// computes its lookups' gradient rows from the sort's payload, and keeps four lookups' loads in
+// flight, with 16-byte accesses where the addresses allow.
 #ifndef RECOM_REC_KERNELS_ONLY  // defined by tests that compile the kernels without torch's headers
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -419,8 +421,8 @@ __global__ void __launch_bounds__(256) piece_kernel(const K* __restrict__ row_ke
 }
 
 // Rows of more than PIECE lookups (hot ids, tiny tables): one group of G lanes per row adds the
-// row's pieces' partial sums in piece order (deterministic) and finishes the row. Same sums as
-// pooled_triton._split_row_kernel, which the Triton backend runs instead.
+// row's pieces' partial sums in piece order (deterministic) and finishes the row. The Triton
+// backend's pooled_triton._split_row_kernel adds the same partials in tiles of BLOCK_K.
 template <typename W, typename K, int OPT, int V>
 __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ row_key,
                                                         const int32_t* __restrict__ order, Payload pay, PieceArgs a,
