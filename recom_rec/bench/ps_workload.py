@@ -57,23 +57,24 @@ def _time_steps(model, batches, device, prefetch: int = 0) -> float:
 
 def _staging_ms(model, batches, device) -> float:
     """The tier's own cost per batch (id lookup, pulls, evictions with their pushes, row copies),
-    each batch staged alone between device syncs and released without training. Set beside the
-    step times it tells whether the PS step is the in-device step plus this (serialised) or less
+    each batch prepared alone between device syncs, without training (its rows are marked dirty
+    as a training batch's are, so evictions push as they do in training). Set beside the step
+    times it tells whether the PS step is the in-device step plus this (serialised) or less
     (overlapped)."""
     tiers = ps_tier.tiers_of(model)
-    for tier in tiers:
-        tier.release_sync()  # the timed run's last batch
     total = 0.0
-    for kjt in batches[WARMUP:]:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        staged = [tier.stage(kjt) for tier in tiers]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        total += time.perf_counter() - start
-        for tier, (_, handle) in zip(tiers, staged):
-            tier.release(handle)
+    with torch.enable_grad():
+        for kjt in batches[WARMUP:]:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for tier in tiers:
+                tier.prepare(kjt)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            total += time.perf_counter() - start
+    for tier in tiers:
+        tier.release_sync()
     return total / STEPS * 1e3
 
 
