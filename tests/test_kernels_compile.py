@@ -22,7 +22,7 @@ _INSTANTIATE = r'''
 #include "{source}"
 namespace {{
 template __global__ void pooled_forward_kernel<{w}, {i}>(const {w}*, const {i}*, const {i}*, const float*,
-    const int64_t*, const int64_t*, float*, int64_t, int64_t);
+    const int64_t*, const int64_t*, float*, int64_t, int64_t, bool);
 template __global__ void piece_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const int32_t*, Payload, const float*,
     PieceArgs, {w}*);
 template __global__ void split_row_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const int32_t*, Payload, PieceArgs,

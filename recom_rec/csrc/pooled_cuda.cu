@@ -81,18 +81,24 @@ __device__ __forceinline__ bool vec_ok(int64_t dim, int64_t base, int64_t col, i
 }
 
 // ---- forward ---------------------------------------------------------------------------------
-// Grid (features, blocks of bags). Every group of G lanes pools one bag: G = lanes for the
-// feature's dim, so narrow tables pack several bags per warp. A bag's ids are summed in input
-// order in fp32 (the same order as the Triton kernel: equal results in fp32).
+// Grid (features, blocks of bags), or (blocks of bags, features) when `bag_major`: blocks are
+// scheduled x-fastest, so feature-major runs every feature's first bags at once (the output rows
+// of those bags are written together) and bag-major runs one feature's bags at once (its table's
+// repeated rows are read while they are in L2). Every group of G lanes pools one bag: G = lanes
+// for the feature's dim, so narrow tables pack several bags per warp. A bag's ids are summed in
+// input order in fp32 (the same order as the Triton kernel: equal results in fp32).
 template <typename W, typename I>
 __global__ void __launch_bounds__(256) pooled_forward_kernel(
     const W* __restrict__ flat, const I* __restrict__ values, const I* __restrict__ offsets,
     const float* __restrict__ psw, const int64_t* __restrict__ meta, const int64_t* __restrict__ key_index,
-    float* __restrict__ out, int64_t batch_size, int64_t total_dim) {
-  const int64_t* m = meta + (int64_t)blockIdx.x * META_W;
+    float* __restrict__ out, int64_t batch_size, int64_t total_dim, bool bag_major) {
+  const unsigned feature = bag_major ? blockIdx.y : blockIdx.x;
+  const int64_t bag_block = bag_major ? blockIdx.x : blockIdx.y;
+  const int64_t bag_blocks = bag_major ? gridDim.x : gridDim.y;
+  const int64_t* m = meta + (int64_t)feature * META_W;
   const int64_t dim = m[0], base = m[1], col = m[2];
   const bool mean = m[3] == 1;
-  const int64_t key = key_index[blockIdx.x];
+  const int64_t key = key_index[feature];
   const bool vec = vec_ok(dim, base, col, total_dim);
   const int chunks = vec ? (int)(dim / 4) : (int)dim;
   const int G = group_lanes(chunks);
@@ -100,8 +106,8 @@ __global__ void __launch_bounds__(256) pooled_forward_kernel(
   const int sub = lane / G, sl = lane % G;
   const int bags_per_warp = 32 / G;
   const int bags_per_block = bags_per_warp * (blockDim.x >> 5);
-  for (int64_t b = (int64_t)blockIdx.y * bags_per_block + warp * bags_per_warp + sub; b < batch_size;
-       b += (int64_t)gridDim.y * bags_per_block) {
+  for (int64_t b = bag_block * bags_per_block + warp * bags_per_warp + sub; b < batch_size;
+       b += bag_blocks * bags_per_block) {
     const int64_t bag = key * batch_size + b;
     const int64_t start = offsets[bag], end = offsets[bag + 1];
     const float inv = (mean && end > start) ? 1.0f / (float)(end - start) : 1.0f;
@@ -666,7 +672,7 @@ W* wptr(const at::Tensor& t) { return reinterpret_cast<W*>(t.data_ptr()); }
 // <= 512 and converted offsets to values' dtype and per-sample weights to fp32.
 at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, const at::Tensor& offsets,
                           const c10::optional<at::Tensor>& psw, const at::Tensor& meta, const at::Tensor& key_index,
-                          int64_t batch_size, int64_t total_dim, int64_t max_dim) {
+                          int64_t batch_size, int64_t total_dim, int64_t max_dim, bool bag_major) {
   c10::cuda::CUDAGuard guard(flat.device());
   auto out = at::empty({batch_size, total_dim}, flat.options().dtype(at::kFloat));
   const int64_t F = meta.size(0);
@@ -676,8 +682,10 @@ at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, cons
   // Bags per block for the widest table; narrower features stride over more bags per block.
   const int g = group_lanes((int)((max_dim + 3) / 4));
   const int64_t bags_per_block = (32 / g) * (threads / 32);
-  const int64_t blocks_y = std::min<int64_t>((batch_size + bags_per_block - 1) / bags_per_block, 65535);
-  dim3 grid((unsigned)F, (unsigned)blocks_y);
+  const int64_t bag_blocks = (batch_size + bags_per_block - 1) / bags_per_block;
+  TORCH_CHECK(!bag_major || F <= 65535, "bag-major forward takes at most 65535 features a group");
+  const dim3 grid = bag_major ? dim3((unsigned)std::min<int64_t>(bag_blocks, INT32_MAX), (unsigned)F)
+                              : dim3((unsigned)F, (unsigned)std::min<int64_t>(bag_blocks, 65535));
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
   dispatch_weight(flat.scalar_type(), [&](auto wt) {
@@ -685,12 +693,12 @@ at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, cons
     if (values.scalar_type() == at::kLong) {
       pooled_forward_kernel<W, int64_t><<<grid, threads, 0, stream>>>(
           wptr<W>(flat), values.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), w, meta.data_ptr<int64_t>(),
-          key_index.data_ptr<int64_t>(), out.data_ptr<float>(), batch_size, total_dim);
+          key_index.data_ptr<int64_t>(), out.data_ptr<float>(), batch_size, total_dim, bag_major);
     } else {
       TORCH_CHECK(values.scalar_type() == at::kInt, "values must be int32 or int64");
       pooled_forward_kernel<W, int32_t><<<grid, threads, 0, stream>>>(
           wptr<W>(flat), values.data_ptr<int32_t>(), offsets.data_ptr<int32_t>(), w, meta.data_ptr<int64_t>(),
-          key_index.data_ptr<int64_t>(), out.data_ptr<float>(), batch_size, total_dim);
+          key_index.data_ptr<int64_t>(), out.data_ptr<float>(), batch_size, total_dim, bag_major);
     }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -26,6 +26,9 @@ MAX_DIM = 512  # the piece kernel's widest variant: 4 float4 accumulators per la
 # Experiment knob (tools/profile_step.py): lanes per piece of the backward, 0 = sized by the
 # widest row (see piece_update in the source).
 PIECE_LANES = int(os.environ.get("RECOM_REC_PIECE_LANES", "0"))
+# Experiment knob: "bags" launches the forward bag-major (one feature's bags at once: its repeated
+# rows stay in L2) instead of feature-major (see pooled_forward_kernel in the source).
+FORWARD_BAG_MAJOR = os.environ.get("RECOM_REC_FORWARD_ORDER", "features") == "bags"
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "pooled_cuda.cu"
 _build_lock = threading.Lock()
 
@@ -101,7 +104,8 @@ def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
     return _extension().pooled_forward(flat, values.contiguous(), offsets.contiguous(), psw,
                                        feature_meta.contiguous(), key_index.to(torch.int64).contiguous(),
-                                       batch_size, total_dim, max_dim)
+                                       batch_size, total_dim, max_dim,
+                                       FORWARD_BAG_MAJOR and feature_meta.shape[0] <= 65535)
 
 
 def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim,
