@@ -55,12 +55,24 @@ def _time_steps(model, batches, device, prefetch: int = 0) -> float:
     return (time.perf_counter() - start) / STEPS * 1e3
 
 
+def _ps_model(device, rows, url, cache_rows):
+    """A PS-backed model whose table starts empty in its store, so every run pulls, initialises
+    and pushes the same rows (a run after another would find the earlier run's rows stored)."""
+    model = _model(device, rows, ps={"big": ps_tier.PSConfig(url=url, cache_rows=cache_rows)})
+    for tier in ps_tier.tiers_of(model):
+        for t in tier.tables.values():
+            t.store.clear(t.name)
+    return model
+
+
 def _staging_ms(model, batches, device) -> float:
-    """The tier's own cost per batch (id lookup, pulls, evictions with their pushes, row copies),
-    each batch prepared alone between device syncs, without training (its rows are marked dirty
-    as a training batch's are, so evictions push as they do in training). Set beside the step
-    times it tells whether the PS step is the in-device step plus this (serialised) or less
-    (overlapped)."""
+    """The tier's own cost per batch in the timed run: a fresh model trains the warm-up batches,
+    then each timed batch is prepared alone (rows marked dirty as a training batch's are) between
+    device syncs, without training: the same pulls, first-time initialisations, evictions and
+    pushes as the timed run. Beside the step times it tells whether the PS step is the in-device
+    step plus this (serialised) or less (overlapped)."""
+    for kjt in batches[:WARMUP]:
+        model(kjt).values().sum().backward()
     tiers = ps_tier.tiers_of(model)
     total = 0.0
     with torch.enable_grad():
@@ -92,11 +104,16 @@ def run_ps_workload(device: torch.device, urls: List[str], small: bool) -> List[
     if device.type == "cuda":
         torch.cuda.empty_cache()
     for url, prefetch in [(u, p) for u in urls for p in (0, 1)]:
-        model = _model(device, rows, ps={"big": ps_tier.PSConfig(url=url, cache_rows=cache_rows)})
+        model = _ps_model(device, rows, url, cache_rows)
         ms = _time_steps(model, batches, device, prefetch)
-        stats = dict([t.cache.stats for tier in ps_tier.tiers_of(model) for t in tier.tables.values()][0])
+        stats = [t.cache.stats for tier in ps_tier.tiers_of(model) for t in tier.tables.values()][0]
         seconds = ms * 1e-3 * (STEPS + WARMUP)
-        staging = _staging_ms(model, batches, device) if not prefetch else None
+        staging = None
+        if not prefetch:
+            ps_tier.flush(model)
+            del model
+            model = _ps_model(device, rows, url, cache_rows)
+            staging = _staging_ms(model, batches, device)
         results.append({
             "workload": "ps", "peer": f"ps {ps_tier.redact_url(url)}" + (" prefetch" if prefetch else ""),
             "phase": "sgd", "ms": ms,
