@@ -12,5 +12,5 @@ setup(
     # torch, torchrec and fbgemm-gpu are deliberately not listed: their CUDA or CPU builds must
     # be chosen by the user (see the Makefile), and listing them would make pip pull CUDA wheels.
     install_requires=["numpy", "tqdm"],
-    extras_require={"redis": ["redis>=4"], "plot": ["matplotlib"]},
+    extras_require={"redis": ["redis>=4", "hiredis"], "plot": ["matplotlib"]},
 )

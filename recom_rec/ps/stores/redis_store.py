@@ -107,8 +107,12 @@ class RedisStore(RowStore):
     # ------------------------------------------------------------------ RowStore hooks
 
     def _get(self, table, ids, width, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        keys = self._keys(table, ids)
-        values = self._retrying("get", lambda: self._mget(keys))
+        if self._cluster:
+            keys = self._keys(table, ids)
+            values = self._retrying("get", lambda: self._mget(keys))
+        else:
+            keys = _key_array(self._head(table), ids)
+            values = self._retrying("get", lambda: self._mget_packed(keys))
         row_bytes = width * torch.empty(0, dtype=dtype).element_size()
         found = torch.tensor([v is not None for v in values], dtype=torch.bool)
         rows = torch.zeros(len(keys), width, dtype=dtype)
@@ -126,6 +130,11 @@ class RedisStore(RowStore):
         return rows, found
 
     def _put(self, table, ids, rows) -> None:
+        if not self._cluster:
+            keys = _key_array(self._head(table), ids)
+            values = rows.contiguous().view(torch.uint8).numpy().reshape(len(keys), -1)
+            self._retrying("put", lambda: self._mset_packed(keys, values))
+            return
         keys = self._keys(table, ids)
         data = rows.view(torch.uint8).numpy().tobytes()
         row_bytes = len(data) // len(keys)
@@ -213,6 +222,39 @@ class RedisStore(RowStore):
             end = start + CHUNK
             pipe.mset(dict(zip(keys[start:end], values[start:end])))
         pipe.execute()
+
+    # Single server: the chunks' MGET / MSET commands are packed into one RESP buffer with numpy
+    # (every key, and every row, of a call has the same length) and sent on one pooled
+    # connection, as a pipeline would send them. redis-py's per-argument packing in Python cost
+    # more than the round trip itself (~2.5 ms of a 3,400-row put + get on the 2-core CPU).
+
+    def _mget_packed(self, keys: np.ndarray) -> list:
+        chunks = [keys[a:a + CHUNK] for a in range(0, len(keys), CHUNK)]
+        command = b"".join(_resp_command(b"MGET", [chunk]) for chunk in chunks)
+        return [v for reply in self._send_packed(command, len(chunks)) for v in reply]
+
+    def _mset_packed(self, keys: np.ndarray, values: np.ndarray) -> None:
+        chunks = range(0, len(keys), CHUNK)
+        command = b"".join(_resp_command(b"MSET", [keys[a:a + CHUNK], values[a:a + CHUNK]]) for a in chunks)
+        self._send_packed(command, len(chunks))  # an error reply raises: returning means acked
+
+    def _send_packed(self, command: bytes, replies: int) -> list:
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([command])
+            out = []
+            for _ in range(replies):
+                reply = conn.read_response()
+                if isinstance(reply, ResponseError):
+                    raise reply
+                out.append(reply)
+            return out
+        except BaseException:
+            conn.disconnect()  # replies may be left unread on it
+            raise
+        finally:
+            pool.release(conn)
 
     def _del(self, keys: List[bytes]) -> None:
         if self._cluster:
@@ -384,6 +426,30 @@ def _escape_glob(raw: bytes) -> bytes:
             out += b"\\"
         out.append(byte)
     return bytes(out)
+
+
+def _key_array(head: bytes, ids: torch.Tensor) -> np.ndarray:
+    """Keys of ``ids`` as a ``[n, len(head) + 8]`` uint8 array (see the module docstring)."""
+    packed = ids.numpy().astype("<i8", copy=False)
+    keys = np.empty((len(packed), len(head) + 8), dtype=np.uint8)
+    keys[:, :len(head)] = np.frombuffer(head, dtype=np.uint8)
+    keys[:, len(head):] = packed.view(np.uint8).reshape(-1, 8)
+    return keys
+
+
+def _resp_command(name: bytes, columns: Sequence[np.ndarray]) -> bytes:
+    """The RESP encoding of ``name`` followed, item by item, by one argument from each column
+    (``[n, width]`` uint8 arrays: every argument of a column has its width): MGET k1 k2 ... or
+    MSET k1 v1 k2 v2 ...; built as one array instead of per argument."""
+    n = len(columns[0])
+    parts = []
+    for col in columns:
+        header = b"$%d\r\n" % col.shape[1]
+        parts += [np.broadcast_to(np.frombuffer(header, dtype=np.uint8), (n, len(header))), col,
+                  np.broadcast_to(np.frombuffer(b"\r\n", dtype=np.uint8), (n, 2))]
+    body = np.concatenate(parts, axis=1) if n else np.empty((0, 0), dtype=np.uint8)
+    head = b"*%d\r\n$%d\r\n%s\r\n" % (1 + n * len(columns), len(name), name)
+    return head + body.tobytes()
 
 
 def _chunks(items: list) -> List[list]:
