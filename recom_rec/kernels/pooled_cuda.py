@@ -3,8 +3,9 @@
 architecture (``RECOM_REC_CUDA_CACHE``, by default ``~/.cache/recom_rec/cuda``).
 
 Forward: the CUDA kernel. Backward: the planning (expand, a CUB sort, plan: the Triton backend's
-kernels ported, one host call), then the CUDA piece and split-row kernels; both backends cut a
-row's lookups into the same pieces and sum them in the same order.
+kernels ported, one host call), then the CUDA piece and split-row kernels. Both backends cut a
+row's lookups into the same pieces and sum each piece in input order (deterministic); a row of
+many pieces has its partial sums added in piece order here, in tiles by the Triton kernel.
 
 A group the CUDA kernels do not cover (a dim above ``MAX_DIM``, a weight buffer that is not
 16-byte aligned) runs on the Triton backend instead.
