@@ -38,18 +38,20 @@ def _model(device, rows, ps=None):
     return m
 
 
+def _train_step(model, kjt) -> None:
+    model(kjt).values().sum().backward()
+
+
 def _time_steps(model, batches, device, prefetch: int = 0) -> float:
-    def step(kjt):
-        model(kjt).values().sum().backward()
     for kjt in batches[:WARMUP]:
-        step(kjt)
+        _train_step(model, kjt)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     # With prefetch, a background thread stages the next batches' rows while this one trains.
     timed = ps_tier.wrap(batches[WARMUP:], model, prefetch=prefetch) if prefetch else batches[WARMUP:]
     for kjt in timed:
-        step(kjt)
+        _train_step(model, kjt)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / STEPS * 1e3
@@ -72,7 +74,7 @@ def _staging_ms(model, batches, device) -> float:
     pushes as the timed run. Beside the step times it tells whether the PS step is the in-device
     step plus this (serialised) or less (overlapped)."""
     for kjt in batches[:WARMUP]:
-        model(kjt).values().sum().backward()
+        _train_step(model, kjt)
     tiers = ps_tier.tiers_of(model)
     total = 0.0
     with torch.enable_grad():

@@ -329,6 +329,30 @@ struct PieceArgs {
   int G;
 };
 
+// The fused optimizer's hyper-parameters, and Adam's step in `t` (OPT < 0: none).
+template <int OPT>
+__device__ __forceinline__ Hyper read_hyper(const PieceArgs& a, float& t) {
+  t = 0.f;
+  if (OPT < 0) return Hyper{0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (OPT == 3) t = (float)a.step[0];
+  return Hyper{a.hyper[0], a.hyper[1], a.hyper[2], a.hyper[3], a.hyper[4], a.hyper[5]};
+}
+
+// The warp's groups of G lanes over a list whose length is on the device: group `sub` of the
+// warp takes item r0 + sub, and every warp of the grid strides over the list together, so the
+// loop stays warp-uniform around the shuffles.
+struct LaneGroups {
+  int G, sub, sl;
+  int64_t first, stride;
+  __device__ __forceinline__ explicit LaneGroups(int g) : G(g) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, per_warp = 32 / g;
+    sub = lane / g;
+    sl = lane % g;
+    first = ((int64_t)blockIdx.x * (blockDim.x >> 5) + warp) * per_warp;
+    stride = (int64_t)gridDim.x * (blockDim.x >> 5) * per_warp;
+  }
+};
+
 // One group of G lanes per piece (a run of at most PIECE sorted lookups of one row), groups
 // looping over the piece list, whose length is on the device. A group sums its piece's scaled
 // gradient rows in sorted order (the row's input order: deterministic) with four lookups' loads in
@@ -341,23 +365,14 @@ template <typename W, typename K, int OPT, int V>
 __global__ void __launch_bounds__(256) piece_kernel(const K* __restrict__ row_key, const int32_t* __restrict__ order,
                                                     Payload pay, const float* __restrict__ grad, PieceArgs a,
                                                     W* __restrict__ out) {
-  const int64_t num = a.counts[0];
-  const int G = a.G;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int sub = lane / G, sl = lane % G;
-  const int groups_per_warp = 32 / G;
-  const unsigned gmask = G == 32 ? 0xffffffffu : (((1u << G) - 1u) << (sub * G));
-  Hyper h{0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  float t = 0.f;
-  if (OPT >= 0) {
-    h = Hyper{a.hyper[0], a.hyper[1], a.hyper[2], a.hyper[3], a.hyper[4], a.hyper[5]};
-    if (OPT == 3) t = (float)a.step[0];
-  }
-  const int64_t n = a.n;
-  const int64_t warps_total = (int64_t)gridDim.x * (blockDim.x >> 5);
-  for (int64_t r0 = ((int64_t)blockIdx.x * (blockDim.x >> 5) + warp) * groups_per_warp; r0 < num;
-       r0 += warps_total * groups_per_warp) {
-    const int64_t r = r0 + sub;
+  const int64_t num = a.counts[0], n = a.n;
+  const LaneGroups lg(a.G);
+  const int G = lg.G, sl = lg.sl;
+  const unsigned gmask = G == 32 ? 0xffffffffu : (((1u << G) - 1u) << (lg.sub * G));
+  float t;
+  const Hyper h = read_hyper<OPT>(a, t);
+  for (int64_t r0 = lg.first; r0 < num; r0 += lg.stride) {
+    const int64_t r = r0 + lg.sub;
     const bool active = r < num;
     const int64_t packed = active ? a.pieces[r] : 0;
     const int64_t start = packed >> 2;
@@ -434,20 +449,11 @@ __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ ro
                                                         const int32_t* __restrict__ order, Payload pay, PieceArgs a,
                                                         W* __restrict__ out) {
   const int64_t num = a.counts[1];
-  const int G = a.G;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int sub = lane / G, sl = lane % G;
-  const int groups_per_warp = 32 / G;
-  Hyper h{0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  float t = 0.f;
-  if (OPT >= 0) {
-    h = Hyper{a.hyper[0], a.hyper[1], a.hyper[2], a.hyper[3], a.hyper[4], a.hyper[5]};
-    if (OPT == 3) t = (float)a.step[0];
-  }
-  const int64_t warps_total = (int64_t)gridDim.x * (blockDim.x >> 5);
-  for (int64_t r0 = ((int64_t)blockIdx.x * (blockDim.x >> 5) + warp) * groups_per_warp; r0 < num;
-       r0 += warps_total * groups_per_warp) {
-    const int64_t r = r0 + sub;
+  const LaneGroups lg(a.G);
+  float t;
+  const Hyper h = read_hyper<OPT>(a, t);
+  for (int64_t r0 = lg.first; r0 < num; r0 += lg.stride) {
+    const int64_t r = r0 + lg.sub;
     const bool active = r < num;
     const int64_t start = active ? a.split_rows[r] : 0;
     const K key = row_key[start];
@@ -460,7 +466,7 @@ __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ ro
     const int64_t count = active ? (lo - start + PIECE - 1) / PIECE : 0;
     const int32_t f = active ? pay.feature_of(order[start]) : 0;
     const int64_t* m = a.meta + (int64_t)f * META_W;
-    const RowLanes L = row_lanes(active ? m[0] : 1, m[1], true, sl, G);
+    const RowLanes L = row_lanes(active ? m[0] : 1, m[1], true, lg.sl, lg.G);
     const int64_t row_at = m[1] + ((int64_t)key - m[5]) * L.dim;
     float4 acc[V], w[V];
 #pragma unroll

@@ -48,9 +48,8 @@ def _variants():
             "partial_ptr": "*fp32", **common,
         }, {"META_W": 8, "PIECE": k.PIECE, "BLOCK_R": block_r, "UNROLL": unroll, "BLOCK_D": block_d, "OPT": opt}, \
             {"num_warps": num_warps}
-        # The CUDA backend's plan hands the split-row kernel 32-bit sort indices.
         yield k._split_row_kernel, {
-            **sorted_lookups, "order_ptr": "*i32" if key == "i32" else "*i64", "feature_ptr": "*i32", "meta_ptr": "*i64", "split_row_ptr": "*i64",
+            **sorted_lookups, "feature_ptr": "*i32", "meta_ptr": "*i64", "split_row_ptr": "*i64",
             "counts_ptr": "*i32", "n": "i32", "partial_ptr": "*fp32", **common,
         }, {"META_W": 8, "PIECE": k.PIECE, "BLOCK_R": 1, "BLOCK_K": k.split_block_k(block_d),
             "BLOCK_D": block_d, "OPT": opt}, {"num_warps": 4}

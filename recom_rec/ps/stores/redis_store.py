@@ -130,16 +130,14 @@ class RedisStore(RowStore):
         return rows, found
 
     def _put(self, table, ids, rows) -> None:
-        if not self._cluster:
+        raw = rows.contiguous().view(torch.uint8).numpy().reshape(len(ids), -1)  # a row's bytes per line
+        if self._cluster:
+            keys = self._keys(table, ids)
+            values = [row.tobytes() for row in raw]
+            self._retrying("put", lambda: self._mset(keys, values))
+        else:
             keys = _key_array(self._head(table), ids)
-            values = rows.contiguous().view(torch.uint8).numpy().reshape(len(keys), -1)
-            self._retrying("put", lambda: self._mset_packed(keys, values))
-            return
-        keys = self._keys(table, ids)
-        data = rows.view(torch.uint8).numpy().tobytes()
-        row_bytes = len(data) // len(keys)
-        values = [data[i * row_bytes : (i + 1) * row_bytes] for i in range(len(keys))]
-        self._retrying("put", lambda: self._mset(keys, values))
+            self._retrying("put", lambda: self._mset_packed(keys, raw))
 
     def _delete(self, table, ids) -> None:
         keys = self._keys(table, ids)
@@ -184,9 +182,7 @@ class RedisStore(RowStore):
         return f"{self._prefix}:{table}:".encode()
 
     def _keys(self, table: str, ids: torch.Tensor) -> List[bytes]:
-        head = self._head(table)
-        packed = ids.numpy().astype("<i8", copy=False).tobytes()
-        return [head + packed[i : i + 8] for i in range(0, len(packed), 8)]
+        return [key.tobytes() for key in _key_array(self._head(table), ids)]
 
     def _scan_keys(self, head: bytes):
         """Keys of exactly ``head`` + 8 id bytes (the length check rejects foreign keys that
