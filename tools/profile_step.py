@@ -12,6 +12,7 @@ import torch
 from recom_rec.bench.peers import make_peer
 from recom_rec.bench.timing import time_ms
 from recom_rec.bench.workloads import get_workload
+from recom_rec.kernels.pooled_cuda import FORWARD_ORDER_TUNER
 
 
 def host_issue_ms(fn, steps: int = 20) -> float:
@@ -23,6 +24,13 @@ def host_issue_ms(fn, steps: int = 20) -> float:
     host = (time.perf_counter() - t0) * 1e3 / steps
     torch.cuda.synchronize()
     return host
+
+
+def new_launch_orders(seen: set) -> str:
+    """The CUDA forward's launch orders decided since the last call (one per group shape)."""
+    new = {s: o for s, o in FORWARD_ORDER_TUNER.decisions().items() if s not in seen}
+    seen.update(new)
+    return ", ".join(f"{s.num_features} features x {s.batch_size} dim {s.max_dim}: {o}" for s, o in new.items())
 
 
 def kernel_table(fn, steps: int = 5, top: int = 14) -> str:
@@ -69,6 +77,7 @@ def main():
     p.add_argument("--host", action="store_true", help="print a cProfile of the step's host side")
     args = p.parse_args()
     dev = torch.device("cuda")
+    seen_orders = set()
     for wname in args.workloads:
         w = get_workload(wname, False)
         kjt = w.make_input(dev)
@@ -85,6 +94,9 @@ def main():
             host = host_issue_ms(step)
             print(f"== {wname} {name} {args.optimizer}: step {ms:.3f} ms (host issue {host:.3f} ms); "
                   f"forward {fms:.3f} ms (host {fhost:.3f} ms)", flush=True)
+            orders = new_launch_orders(seen_orders)
+            if orders:
+                print(f"    forward launch order: {orders}", flush=True)
             print(kernel_table(step), flush=True)
             if args.host:
                 print(host_profile(step), flush=True)

@@ -71,6 +71,20 @@ def _graph_replay(peer, kjt, device):
     return graph.replay
 
 
+def _new_launch_orders() -> str:
+    """The CUDA forward's launch orders the tuner decided since the last call (one per group
+    shape; they were measured during the warm-up and the first timed runs)."""
+    from ..kernels.pooled_cuda import FORWARD_ORDER_TUNER
+
+    decided = FORWARD_ORDER_TUNER.decisions()
+    new = [order for shape, order in decided.items() if shape not in _SEEN_SHAPES]
+    _SEEN_SHAPES.update(decided)
+    return "+".join(new)
+
+
+_SEEN_SHAPES: set = set()
+
+
 def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
     rows = []
     fbgemm_opt = "sgd" if optimizer == "none" else optimizer  # fbgemm always fuses an optimizer
@@ -97,6 +111,8 @@ def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
                 peer.train_step(kjt, grad)
         try:
             row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
+            if phase == "forward" and pname.startswith("recom_rec") and device.type == "cuda":
+                row["launch_order"] = _new_launch_orders()
             if phase in ("forward", "forward-graph"):
                 row["gbs"] = w.lookup_bytes() / (row["ms"] * 1e-3) / 1e9
                 row["ceiling_share"] = row["gbs"] / ceiling

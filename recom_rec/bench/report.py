@@ -37,6 +37,9 @@ def format_table(meta: dict, results: List[dict], peers: List[str]) -> str:
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     lines.append(fmt.format(*head))
     lines.extend(fmt.format(*r) for r in rows)
+    orders = [f"{r['workload']} {r['launch_order']}" for r in results if r.get("launch_order")]
+    if orders:
+        lines.append("CUDA forward launch order, measured per shape: " + ", ".join(orders))
     errors = [r for r in results if "error" in r]
     for r in errors:
         lines.append(f"error: {r['workload']} {r['phase']} {r['peer']}: {r['error']}")

@@ -2,10 +2,12 @@
 ``torch.utils.cpp_extension`` on first use and cached per source, torch version and GPU
 architecture (``RECOM_REC_CUDA_CACHE``, by default ``~/.cache/recom_rec/cuda``).
 
-Forward: the CUDA kernel. Backward: the planning (expand, a CUB sort, plan: the Triton backend's
-kernels ported, one host call), then the CUDA piece and split-row kernels. Both backends cut a
-row's lookups into the same pieces and sum each piece in input order (deterministic); a row of
-many pieces has its partial sums added in piece order here, in tiles by the Triton kernel.
+Forward: the CUDA kernel, launched feature-major or bag-major, whichever measured faster for the
+launch's shape (launch_tuner.LaunchOrderTuner). Backward: the planning (expand, a CUB sort, plan:
+the Triton backend's kernels ported, one host call), then the CUDA piece and split-row kernels.
+Both backends cut a row's lookups into the same pieces and sum each piece in input order
+(deterministic); a row of many pieces has its partial sums added in piece order here, in tiles by
+the Triton kernel.
 
 A group the CUDA kernels do not cover (a dim above ``MAX_DIM``, a weight buffer that is not
 16-byte aligned) runs on the Triton backend instead.
@@ -22,14 +24,15 @@ from typing import Optional
 import torch
 
 from . import pooled_triton
+from .launch_tuner import ForwardLaunchShape, LaunchOrderTuner
 
 MAX_DIM = 512  # the piece kernel's widest variant: 4 float4 accumulators per lane x 32 lanes
 # Experiment knob (tools/profile_step.py): lanes per piece of the backward, 0 = sized by the
 # widest row (see piece_update in the source).
 PIECE_LANES = int(os.environ.get("RECOM_REC_PIECE_LANES", "0"))
-# Experiment knob: "bags" launches the forward bag-major (one feature's bags at once: its repeated
-# rows stay in L2) instead of feature-major (see pooled_forward_kernel in the source).
-FORWARD_BAG_MAJOR = os.environ.get("RECOM_REC_FORWARD_ORDER", "features") == "bags"
+# The forward's launch order per shape, measured on its first launches (RECOM_REC_FORWARD_ORDER =
+# "features" | "bags" forces one; see pooled_forward_kernel in the source for the two orders).
+FORWARD_ORDER_TUNER = LaunchOrderTuner.from_env()
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "pooled_cuda.cu"
 _build_lock = threading.Lock()
 
@@ -103,10 +106,15 @@ def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
     if offsets.dtype != values.dtype:
         offsets = offsets.to(values.dtype)
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
-    return _extension().pooled_forward(flat, values.contiguous(), offsets.contiguous(), psw,
-                                       feature_meta.contiguous(), key_index.to(torch.int64).contiguous(),
-                                       batch_size, total_dim, max_dim,
-                                       FORWARD_BAG_MAJOR and feature_meta.shape[0] <= 65535)
+    # The arguments (and a first use's build) are ready before a timed trial's first event.
+    extension = _extension()
+    values, offsets = values.contiguous(), offsets.contiguous()
+    feature_meta, key_index = feature_meta.contiguous(), key_index.to(torch.int64).contiguous()
+    shape = ForwardLaunchShape.of(flat, values, per_sample_weights, feature_meta, batch_size, total_dim, max_dim)
+    return FORWARD_ORDER_TUNER.launch(
+        shape, lambda bag_major: extension.pooled_forward(flat, values, offsets, psw, feature_meta, key_index,
+                                                          batch_size, total_dim, max_dim, bag_major),
+        flat.device)
 
 
 def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim,

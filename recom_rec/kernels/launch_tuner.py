@@ -1,0 +1,173 @@
+"""Picks the faster launch order of the CUDA forward kernel per launch shape, by measuring it.
+
+The forward kernel runs feature-major (every feature's first bags at once) or bag-major (one
+feature's bags at once, its repeated rows staying in L2); both give bit-identical results, only
+block scheduling differs. Neither wins everywhere (H100: feature-major on dlrm-kaggle and
+many-500/1000, bag-major on mixed and zipf) and zipf's win depends on the id distribution, so no
+rule on the shape decides: the first launches of each shape alternate the two orders, timed with
+CUDA events, and the shape keeps the order of the smaller median.
+
+The host never waits for a timing: events are read with ``query()`` on later launches, and a shape
+stays undecided (running feature-major, untimed) until its samples have finished. While a stream
+is capturing a CUDA graph nothing is recorded or queried (a timing event would become part of the
+graph, and the capture must stay free of host-side CUDA calls); the capture gets the shape's
+decided order, or feature-major.
+
+``RECOM_REC_FORWARD_ORDER`` = ``features`` | ``bags`` forces one order (experiments); unset or
+``auto`` tunes.
+"""
+import os
+import statistics
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, TypeVar
+
+import torch
+
+FEATURE_MAJOR = False  # the extension's ``bag_major`` flag
+BAG_MAJOR = True
+ORDER_NAMES = {FEATURE_MAJOR: "features", BAG_MAJOR: "bags"}
+DEFAULT_ORDER = FEATURE_MAJOR  # what an undecided shape runs untimed (and in a graph capture)
+MAX_BAG_MAJOR_FEATURES = 65535  # bag-major puts the features on the grid's y axis
+ORDER_ENV = "RECOM_REC_FORWARD_ORDER"
+TRIALS = 3  # finished samples per order before a shape is decided (median: one outlier is ignored)
+
+Result = TypeVar("Result")
+
+
+class ForwardLaunchShape(NamedTuple):
+    """What a forward launch's timing depends on, as the tuner's key. The lookup count is rounded
+    up to a power of two so that batches of varying lengths share a decision. The weight buffer's
+    address stands for the model: two models of one shape (uniform and Zipf ids) tune apart."""
+    weights_at: int
+    num_features: int
+    batch_size: int
+    total_dim: int
+    max_dim: int
+    lookups_bucket: int
+    weight_dtype: torch.dtype
+    index_dtype: torch.dtype
+    weighted: bool
+
+    @classmethod
+    def of(cls, flat, values, per_sample_weights, feature_meta, batch_size, total_dim, max_dim):
+        lookups = values.numel()
+        return cls(flat.data_ptr(), feature_meta.shape[0], batch_size, total_dim, max_dim, 1 << max(lookups - 1, 0).bit_length(),
+                   flat.dtype, values.dtype, per_sample_weights is not None)
+
+
+def record_timing_event(device: torch.device):
+    """A timing event recorded now on ``device``'s current stream (the one the extension launches on)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def stream_is_capturing(device: torch.device) -> bool:
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def parse_forced_order(value: Optional[str]) -> Optional[bool]:
+    """``RECOM_REC_FORWARD_ORDER``'s value as a forced order, or None to tune."""
+    if value is None or value in ("", "auto"):
+        return None
+    for order, name in ORDER_NAMES.items():
+        if value == name:
+            return order
+    raise ValueError(f"{ORDER_ENV} must be 'auto', 'features' or 'bags' (got {value!r})")
+
+
+@dataclass
+class _ShapeTrials:
+    """An undecided shape's timed launches: finished samples (ms) and those still in flight."""
+    candidates: Tuple[bool, ...]
+    samples: Dict[bool, List[float]] = field(default_factory=dict)
+    in_flight: List[Tuple[bool, object, object]] = field(default_factory=list)  # (order, start, end)
+
+    def collect_finished(self) -> None:
+        still_running = []
+        for order, start, end in self.in_flight:
+            if end.query():  # non-blocking; the end finished so the start (earlier, same stream) did
+                self.samples.setdefault(order, []).append(start.elapsed_time(end))
+            else:
+                still_running.append((order, start, end))
+        self.in_flight = still_running
+
+    def launched(self, order: bool) -> int:
+        return len(self.samples.get(order, ())) + sum(o == order for o, _, _ in self.in_flight)
+
+    def faster_order(self, trials: int) -> Optional[bool]:
+        """The order of the smaller median once every candidate has ``trials`` samples, else None
+        (a tie keeps the first candidate, feature-major)."""
+        if any(len(self.samples.get(order, ())) < trials for order in self.candidates):
+            return None
+        return min(self.candidates, key=lambda order: statistics.median(self.samples[order]))
+
+
+class LaunchOrderTuner:
+    """Per ``ForwardLaunchShape``, the launch order (the extension's ``bag_major`` flag) that
+    measured faster. ``record_event(device)`` and ``capturing(device)`` are the CUDA hooks, to be
+    replaced by fakes in tests."""
+
+    def __init__(self, trials: int = TRIALS, forced_order: Optional[str] = None,
+                 record_event: Callable = record_timing_event, capturing: Callable = stream_is_capturing):
+        self.trials = trials
+        self.forced_order = parse_forced_order(forced_order)
+        self._record_event = record_event
+        self._capturing = capturing
+        self._decided: Dict[ForwardLaunchShape, bool] = {}
+        self._trials: Dict[ForwardLaunchShape, _ShapeTrials] = {}
+        # The PS tier may run forwards from a background thread: the dicts change under this lock.
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, **kwargs) -> "LaunchOrderTuner":
+        return cls(forced_order=os.environ.get(ORDER_ENV), **kwargs)
+
+    def launch(self, shape: ForwardLaunchShape, run: Callable[[bool], Result], device: torch.device) -> Result:
+        """``run(bag_major)`` in the order chosen for ``shape``, timed while the shape is on trial."""
+        candidates = (FEATURE_MAJOR, BAG_MAJOR) if shape.num_features <= MAX_BAG_MAJOR_FEATURES else (FEATURE_MAJOR,)
+        if self.forced_order is not None:
+            return run(self.forced_order if self.forced_order in candidates else DEFAULT_ORDER)
+        decided = self._decided.get(shape)  # read without the lock: a dict lookup is atomic
+        if decided is not None:
+            return run(decided)
+        if len(candidates) == 1:
+            with self._lock:
+                self._decided[shape] = candidates[0]
+            return run(candidates[0])
+        if self._capturing(device):
+            return run(DEFAULT_ORDER)
+        with self._lock:
+            order, timed = self._next_launch(shape, candidates)
+        if not timed:
+            return run(order)
+        start = self._record_event(device)
+        result = run(order)
+        end = self._record_event(device)
+        with self._lock:
+            trials = self._trials.get(shape)
+            if trials is not None:  # else another thread decided meanwhile: this sample is not needed
+                trials.in_flight.append((order, start, end))
+        return result
+
+    def _next_launch(self, shape, candidates) -> Tuple[bool, bool]:
+        """(order, whether to time it) for an undecided shape; decides it once its samples are in."""
+        trials = self._trials.setdefault(shape, _ShapeTrials(candidates))
+        trials.collect_finished()
+        faster = trials.faster_order(self.trials)
+        if faster is not None:
+            self._decided[shape] = faster
+            del self._trials[shape]
+            return faster, False
+        # Alternate: the candidate with the fewest launches so far (finished or not) goes next.
+        order = min(candidates, key=trials.launched)
+        if trials.launched(order) < self.trials:
+            return order, True
+        return DEFAULT_ORDER, False  # every sample launched: wait for them to finish, untimed
+
+    def decisions(self) -> Dict[ForwardLaunchShape, str]:
+        """The decided shapes and their order's name ("features" or "bags")."""
+        with self._lock:
+            return {shape: ORDER_NAMES[order] for shape, order in self._decided.items()}

@@ -1,0 +1,189 @@
+"""The forward's launch-order tuner on the CPU: a fake stream whose launches take the time the test
+sets per order, and fake CUDA events that finish when the test says so."""
+import pytest
+import torch
+
+from recom_rec.kernels.launch_tuner import (BAG_MAJOR, FEATURE_MAJOR, ORDER_ENV, ForwardLaunchShape,
+                                            LaunchOrderTuner)
+
+DEVICE = torch.device("cpu")  # handed through to the fakes only
+
+
+class FakeEvent:
+    def __init__(self, stream, time_ms):
+        self.stream, self.time_ms = stream, time_ms
+
+    def query(self):
+        return self.stream.finished
+
+    def elapsed_time(self, end):
+        assert self.query() and end.query(), "elapsed_time on an unfinished event blocks the host"
+        return end.time_ms - self.time_ms
+
+    def synchronize(self):
+        raise AssertionError("the tuner must not block the host")
+
+    wait = synchronize
+
+
+class FakeStream:
+    """Launches take ``ms[order]``: a number, or a list consumed one per launch of that order (its
+    last value repeats)."""
+
+    def __init__(self, ms, finished=True):
+        self.ms = {order: list(v) if isinstance(v, (list, tuple)) else v for order, v in ms.items()}
+        self.finished = finished  # whether every recorded event has finished (the GPU caught up)
+        self.capturing = False
+        self.now = 0.0
+        self.launches = []  # the bag_major flag of each launch
+        self.events = 0
+
+    def record_event(self, device):
+        assert not self.capturing, "no event may be recorded while capturing a graph"
+        self.events += 1
+        return FakeEvent(self, self.now)
+
+    def is_capturing(self, device):
+        return self.capturing
+
+    def run(self, bag_major):
+        self.launches.append(bag_major)
+        ms = self.ms[bag_major]
+        self.now += (ms.pop(0) if len(ms) > 1 else ms[0]) if isinstance(ms, list) else ms
+        return f"pooled {bag_major}"
+
+    def tuner(self, **kwargs):
+        return LaunchOrderTuner(record_event=self.record_event, capturing=self.is_capturing, **kwargs)
+
+
+def shape(num_features=26, lookups=1000):
+    return ForwardLaunchShape(0, num_features, 512, 26 * 128, 128, lookups, torch.float32, torch.int64, False)
+
+
+def launch(tuner, stream, times, s=None):
+    for _ in range(times):
+        assert tuner.launch(s or shape(), stream.run, DEVICE).startswith("pooled")
+
+
+F, B = FEATURE_MAJOR, BAG_MAJOR
+
+
+@pytest.mark.parametrize("ms, faster", [({F: 2.0, B: 1.0}, "bags"), ({F: 1.0, B: 2.0}, "features"),
+                                        # bags' mean is larger (one slow launch) but its median smaller
+                                        ({F: 2.0, B: [9.0, 1.0, 1.0]}, "bags")])
+def test_alternates_orders_then_keeps_the_faster_median_untimed(ms, faster):
+    stream = FakeStream(ms)
+    tuner = stream.tuner(trials=3)
+    launch(tuner, stream, 6)
+    assert stream.launches == [F, B, F, B, F, B]
+    assert stream.events == 12  # a start and an end per trial
+    assert tuner.decisions() == {}  # samples are read on a later launch
+    launch(tuner, stream, 5)
+    assert tuner.decisions() == {shape(): faster}
+    assert stream.launches[6:] == [faster == "bags"] * 5
+    assert stream.events == 12  # decided: nothing more is recorded
+
+
+def test_unfinished_events_never_block_and_decide_once_finished():
+    stream = FakeStream({F: 1.0, B: 3.0}, finished=False)
+    tuner = stream.tuner(trials=3)
+    launch(tuner, stream, 20)
+    # Every trial launched, the rest wait untimed in the default order for the samples to finish.
+    assert stream.launches == [F, B] * 3 + [F] * 14
+    assert stream.events == 12
+    assert tuner.decisions() == {}
+    stream.finished = True
+    launch(tuner, stream, 2)
+    assert tuner.decisions() == {shape(): "features"}
+    assert stream.events == 12
+
+
+def test_partly_finished_samples_keep_the_shape_on_trial():
+    stream = FakeStream({F: 1.0, B: 3.0}, finished=False)
+    tuner = stream.tuner(trials=3)
+    launch(tuner, stream, 2)
+    stream.finished = True
+    launch(tuner, stream, 4)  # the first two samples are read; the trials go on
+    assert tuner.decisions() == {}
+    assert stream.launches == [F, B] * 3
+    launch(tuner, stream, 1)
+    assert tuner.decisions() == {shape(): "features"}
+
+
+def test_graph_capture_records_nothing_and_uses_the_default_then_the_decided_order():
+    stream = FakeStream({F: 2.0, B: 1.0})
+    tuner = stream.tuner(trials=3)
+    stream.capturing = True
+    launch(tuner, stream, 3)
+    assert stream.launches == [F] * 3 and stream.events == 0
+    stream.capturing = False
+    launch(tuner, stream, 7)
+    assert tuner.decisions() == {shape(): "bags"}
+    stream.capturing = True
+    launch(tuner, stream, 2)
+    assert stream.launches[-2:] == [B, B]
+    assert stream.events == 12
+
+
+@pytest.mark.parametrize("value, order", [("features", F), ("bags", B)])
+def test_env_forces_an_order(monkeypatch, value, order):
+    monkeypatch.setenv(ORDER_ENV, value)
+    stream = FakeStream({F: 1.0, B: 1.0})
+    tuner = LaunchOrderTuner.from_env(record_event=stream.record_event, capturing=stream.is_capturing)
+    launch(tuner, stream, 8)
+    assert stream.launches == [order] * 8 and stream.events == 0
+    # Bag-major cannot take more than 65535 features: a forced "bags" runs those feature-major.
+    launch(tuner, stream, 1, shape(num_features=70000))
+    assert stream.launches[-1] == F
+
+
+@pytest.mark.parametrize("value", [None, "auto"])
+def test_env_unset_or_auto_tunes(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv(ORDER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ORDER_ENV, value)
+    stream = FakeStream({F: 1.0, B: 2.0})
+    tuner = LaunchOrderTuner.from_env(record_event=stream.record_event, capturing=stream.is_capturing)
+    launch(tuner, stream, 2)
+    assert stream.launches == [F, B] and stream.events == 4
+
+
+def test_env_bad_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(ORDER_ENV, "bag-major")
+    with pytest.raises(ValueError, match=f"{ORDER_ENV} must be 'auto', 'features' or 'bags'.*'bag-major'"):
+        LaunchOrderTuner.from_env()
+
+
+def test_more_than_65535_features_run_feature_major_only():
+    stream = FakeStream({F: 5.0, B: 1.0})
+    tuner = stream.tuner(trials=3)
+    wide = shape(num_features=65536)
+    launch(tuner, stream, 4, wide)
+    assert stream.launches == [F] * 4 and stream.events == 0
+    assert tuner.decisions() == {wide: "features"}
+    launch(tuner, stream, 2, shape(num_features=65535))  # the limit itself may run bag-major
+    assert stream.launches[-2:] == [F, B]
+
+
+def test_shapes_are_tuned_separately():
+    stream = FakeStream({F: 1.0, B: 2.0})
+    tuner = stream.tuner(trials=1)
+    launch(tuner, stream, 3, shape(lookups=1024))
+    stream.ms = {F: 2.0, B: 1.0}
+    launch(tuner, stream, 3, shape(lookups=2048))
+    assert tuner.decisions() == {shape(lookups=1024): "features", shape(lookups=2048): "bags"}
+
+
+def test_launch_shape_rounds_the_lookup_count_up_to_a_power_of_two():
+    flat = torch.zeros(4)
+
+    def of(lookups, weights=None, flat=flat):
+        meta = torch.zeros(3, 4, dtype=torch.int64)
+        return ForwardLaunchShape.of(flat, torch.zeros(lookups, dtype=torch.int64), weights, meta, 8, 48, 16)
+
+    assert of(600) == of(1000) == of(1024)
+    assert of(1000, flat=torch.zeros(4)) != of(1000)  # another model's weights tune apart
+    assert of(1025) != of(1024)
+    assert of(1000).lookups_bucket == 1024 and of(1000).num_features == 3
+    assert of(1000, weights=torch.ones(1000)) != of(1000)
