@@ -1,19 +1,27 @@
 """Slot map of one PS-backed table's cache: which id sits in which slot, and which slot to evict.
 
-The id -> slot map is an :class:`~recom_rec.ps.id_index.IdIndex` (sorted arrays, one
-``searchsorted`` per batch); everything else (free/dirty/pinned masks, recency and frequency
-counters, victim choice) is a vectorised torch op over the ``cache_rows`` slots. Cost per batch:
-a few torch ops over the batch's unique ids plus O(cache_rows) tensor work when the batch misses.
+The metadata lives on the device of the table's rows (the batch's ids are there already, so a
+GPU batch is looked up without copying ids to the host and back). The id -> slot map:
+
+- on a GPU, ``id_of`` sorted once after each change (one device sort of ``cache_rows`` int64,
+  tens of microseconds), then one ``searchsorted`` per lookup: a handful of kernel launches per
+  batch instead of the dozens of small host ops an incremental index costs;
+- on the CPU, an :class:`~recom_rec.ps.id_index.IdIndex` (sorted arrays updated incrementally),
+  where re-sorting a large cache every batch would cost more than the updates.
+
+Everything else (free/dirty/pinned masks, recency and frequency counters, the slot choice) is a
+vectorised torch op over the ``cache_rows`` slots.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from .id_index import IdIndex
 
 FREE = -1
+_NEVER = torch.iinfo(torch.int64).max  # the choice key of a slot that may not be taken
 
 
 class CacheFull(RuntimeError):
@@ -21,53 +29,103 @@ class CacheFull(RuntimeError):
 
 
 class SlotCache:
-    def __init__(self, table: str, cache_rows: int, eviction: str) -> None:
+    def __init__(self, table: str, cache_rows: int, eviction: str, device=None) -> None:
         self.table = table
         self.cache_rows = cache_rows
         self.eviction = eviction
-        self.slot_of = IdIndex()
-        self.id_of = torch.full((cache_rows,), FREE, dtype=torch.int64)
-        self.dirty = torch.zeros(cache_rows, dtype=torch.bool)
-        self.pins = torch.zeros(cache_rows, dtype=torch.int32)  # batches in flight using the slot
-        self.last_used = torch.zeros(cache_rows, dtype=torch.int64)
-        self.uses = torch.zeros(cache_rows, dtype=torch.int64)
+        device = torch.device(device or "cpu")
+        self.id_of = torch.full((cache_rows,), FREE, dtype=torch.int64, device=device)
+        self.dirty = torch.zeros(cache_rows, dtype=torch.bool, device=device)
+        self.pins = torch.zeros(cache_rows, dtype=torch.int32, device=device)  # batches in flight using the slot
+        self.last_used = torch.zeros(cache_rows, dtype=torch.int64, device=device)
+        self.uses = torch.zeros(cache_rows, dtype=torch.int64, device=device)
         self.clock = 0
         self.stats = {"hits": 0, "misses": 0, "evictions": 0, "pushed": 0}
+        self._index: Optional[IdIndex] = None  # CPU: incremental
+        self._sorted: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # GPU: id_of sorted, and its slots
+        self._rebuild_index()
+
+    @property
+    def device(self) -> torch.device:
+        return self.id_of.device
+
+    def to(self, device) -> "SlotCache":
+        """Move the metadata (the module moved its rows)."""
+        device = torch.device(device)
+        if device != self.device:
+            for name in ("id_of", "dirty", "pins", "last_used", "uses"):
+                setattr(self, name, getattr(self, name).to(device))
+            self._rebuild_index()
+        return self
+
+    def _rebuild_index(self) -> None:
+        self._sorted = None
+        self._index = None
+        if self.device.type == "cpu":
+            self._index = IdIndex()
+            ids, slots = self.occupied()
+            self._index.insert(ids, slots)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.slot_of.lookup(ids)  # FREE (-1) where the id is not cached
+        """The slot of each id, FREE (-1) where the id is not cached."""
+        if self._index is not None:
+            return self._index.lookup(ids)
+        if self._sorted is None:
+            keys, slots = torch.sort(self.id_of)
+            self._sorted = (keys, slots)
+        keys, slots = self._sorted
+        pos = torch.searchsorted(keys, ids).clamp_(max=self.cache_rows - 1)
+        return torch.where(keys[pos] == ids, slots[pos], FREE)
 
     def free_slots(self) -> torch.Tensor:
         return (self.id_of == FREE).nonzero().flatten()
 
+    def choose_slots(self, count: int, exclude: torch.Tensor) -> torch.Tensor:
+        """``count`` slots for new rows: free slots first (lowest first), then occupied, unpinned
+        slots not in ``exclude`` (slot numbers, or a mask over the slots) by the eviction policy
+        (ties: the lower slot). One stable sort of a key per slot; raises CacheFull when fewer
+        than ``count`` slots qualify."""
+        if count == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if self.eviction == "lru":
+            score = self.last_used.clone()
+        else:  # lfu, ties by recency (last_used < 2**40 batches)
+            score = self.uses * (1 << 40) + self.last_used
+        score.masked_fill_(self.id_of == FREE, -1)
+        score.masked_fill_(self.pins > 0, _NEVER)
+        if exclude.dtype == torch.bool:
+            score.masked_fill_(exclude, _NEVER)
+        else:
+            score[exclude] = _NEVER
+        keys, order = torch.sort(score, stable=True)
+        if count > self.cache_rows or int(keys[count - 1]) == _NEVER:
+            able = int((keys != _NEVER).sum())
+            raise CacheFull(
+                f"table {self.table!r}: a batch needs {count} slots but only {able} of "
+                f"cache_rows={self.cache_rows} are free or can be evicted (the rest hold rows of this batch or "
+                "of batches in flight); raise cache_rows"
+            )
+        return order[:count]
+
     def choose_victims(self, count: int, exclude: torch.Tensor) -> torch.Tensor:
         """``count`` occupied, unpinned slots not in ``exclude``, by the eviction policy."""
-        candidates = (self.id_of != FREE) & (self.pins == 0)
-        candidates[exclude] = False
-        idx = candidates.nonzero().flatten()
-        if idx.numel() < count:
-            raise CacheFull(
-                f"table {self.table!r}: a batch needs {count} more slots but only {idx.numel()} of "
-                f"cache_rows={self.cache_rows} can be evicted (the rest hold rows of batches in flight); "
-                "raise cache_rows"
-            )
-        if self.eviction == "lru":
-            score = self.last_used[idx]
-        else:  # lfu, ties by recency (last_used < 2**40 batches)
-            score = self.uses[idx] * (1 << 40) + self.last_used[idx]
-        # stable sort: equal scores evict the lower slot first, so the choice is deterministic
-        order = torch.sort(score, stable=True).indices[:count]
-        return idx[order]
+        free = self.id_of == FREE
+        taken = torch.cat([exclude.to(self.device), free.nonzero().flatten()])
+        return self.choose_slots(count, taken)
 
     def drop(self, slots: torch.Tensor) -> None:
         self.stats["evictions"] += slots.numel()
-        self.slot_of.delete(self.id_of[slots])
+        if self._index is not None:
+            self._index.delete(self.id_of[slots])
+        self._sorted = None
         self.id_of[slots] = FREE
         self.dirty[slots] = False
         self.uses[slots] = 0
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        self.slot_of.insert(ids, slots)
+        if self._index is not None:
+            self._index.insert(ids, slots)
+        self._sorted = None
         self.id_of[slots] = ids
         self.dirty[slots] = False
         self.uses[slots] = 0

@@ -7,6 +7,7 @@ bit-identical to the row that never left the cache.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -16,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .cache import CacheFull, SlotCache
+from .cache import FREE, CacheFull, SlotCache
 from .config import PSConfig
 from .stores import RowStore, open_store
 
@@ -84,20 +85,23 @@ def init_rows(config, ids: torch.Tensor, seed: int = 0, dtype: Optional[torch.dt
     first used the row.
 
     torchrec's default ``init_fn`` (uniform in ``[a, b]``) is computed vectorised from a
-    splitmix64 hash of (table, seed, id, column) (about 0.1 us per element); any other
+    splitmix64 hash of (table, seed, id, column), on the ids' device (integer ops and one
+    float64 multiply-add: the same bits on the CPU and a GPU); any other
     ``init_fn`` is applied to a ``[1, dim]`` tensor per row under a generator seeded from
     ``(table, id, seed)`` (tens of microseconds per row)."""
     dtype = dtype or {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}[config.data_type.name]
     ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
+    device = ids.device
     init_fn = config.init_fn
     bounds = _uniform_bounds(init_fn)
     if bounds is not None:
         a, b = bounds
         base = _signed(_row_seed(config.name, int(seed), 0))
-        cols = torch.arange(config.embedding_dim, dtype=torch.int64) * _GOLDEN
+        cols = torch.arange(config.embedding_dim, dtype=torch.int64, device=ids.device) * _GOLDEN
         h = _splitmix(_splitmix(ids * _M2 + base).unsqueeze(1) + cols)
         u = _lsr(h, 11).to(torch.float64) * (1.0 / (1 << 53))  # [0, 1), 53 random bits
         return (a + (b - a) * u).to(dtype)
+    ids = ids.cpu()
     out = torch.empty(ids.numel(), config.embedding_dim, dtype=dtype)
     gen = torch.Generator()
     takes_generator = True
@@ -114,7 +118,7 @@ def init_rows(config, ids: torch.Tensor, seed: int = 0, dtype: Optional[torch.dt
         with _GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(s)
             init_fn(out[k:k + 1])
-    return out
+    return out.to(device)
 
 
 class _Table:
@@ -144,6 +148,7 @@ class PSTier:
         self.stores = list(stores.values())
         self._prepared: Dict[int, Tuple[KeyedJaggedTensor, KeyedJaggedTensor, Handle]] = {}
         self._sync_handle: Optional[Handle] = None
+        self._stream = None  # the tier's CUDA stream (see the per-batch section)
         self._load_prefix: Optional[str] = None
         self.prefetched = 0  # batches whose rows wrap() staged ahead of the forward
         module._register_state_dict_hook(_drop_ps_keys_hook)
@@ -198,12 +203,47 @@ class PSTier:
         for name, kind in self._states():
             n = 1 if kind == "row" else t.config.embedding_dim
             value = spec.initial_accumulator_value if name == "sum" else 0.0
-            parts.append(torch.full((ids.numel(), n), value, dtype=torch.float32))
+            parts.append(torch.full((ids.numel(), n), value, dtype=torch.float32, device=ids.device))
         return torch.cat(parts, dim=1)
 
     # ------------------------------------------------------------------ per batch
+    #
+    # On a GPU the tier's device work (id lookup, slot choice, reading evicted rows, writing
+    # pulled ones, the remap, the metadata) runs on a stream of its own, so that wrap()'s thread
+    # can stage the next batch while the training stream runs this one. The ordering that keeps
+    # results equal to a serial run:
+    # - a batch's release makes the tier's stream wait for what the training stream has issued
+    #   (the batch's backward): only then may its rows be evicted or overwritten;
+    # - prepare() makes the training stream wait for the tier's stream: the forward reads the
+    #   rows just pulled (and any metadata a caller reads afterwards is current);
+    # - metadata tensors are only changed on the tier's stream (pins changed from two streams
+    #   could lose an update).
+    # The staging of batch N+1 never touches a slot of batch N in flight (pinned), so the two
+    # streams never write the same rows.
+
+    def _side(self, device: torch.device):
+        """The tier's stream on ``device`` (None on the CPU)."""
+        if device.type != "cuda":
+            return None
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def _on_side(self, device: torch.device):
+        side = self._side(device)
+        return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+
+    def _device(self) -> torch.device:
+        return next(iter(self.module.embedding_bags[t].weight.device for t in self.tables))
+
+    def _training_waits(self, device: torch.device) -> None:
+        side = self._side(device)
+        if side is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
+
     def prepare(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The module's forward hook: the KJT with PS tables' ids replaced by cache slots."""
+        device = self._device()
         entry = self._prepared.pop(id(kjt), None)
         if entry is not None and entry[0] is kjt:
             remapped, handle = entry[1], entry[2]  # staged by wrap(); wrap() releases it
@@ -212,10 +252,13 @@ class PSTier:
             self.release_sync()  # the previous batch is done
             remapped, handle = self.stage(kjt)
             self._sync_handle = handle
-        if torch.is_grad_enabled():
-            with self.lock:  # training: the batch's rows will change
+        if torch.is_grad_enabled() and handle:
+            with self.lock, self._on_side(device):  # training: the batch's rows will change
                 for name, slots in handle.items():
                     self.tables[name].cache.dirty[slots] = True
+        self._training_waits(device)
+        if device.type == "cuda" and remapped is not kjt:
+            remapped.values().record_stream(torch.cuda.current_stream(device))  # made on the tier's stream
         return remapped
 
     def uses(self, kjt: KeyedJaggedTensor) -> bool:
@@ -223,6 +266,14 @@ class PSTier:
 
     def stage(self, kjt: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, Handle]:
         """Pin the batch's rows in the cache (pulling and evicting as needed) and remap its ids."""
+        device = self._device()
+        side = self._side(device)
+        if side is not None:  # after the batch's ids were made (and, unprefetched, the last step)
+            side.wait_stream(torch.cuda.current_stream(device))
+        with self._on_side(device):
+            return self._stage(kjt, device)
+
+    def _stage(self, kjt: KeyedJaggedTensor, device: torch.device) -> Tuple[KeyedJaggedTensor, Handle]:
         keys = kjt.keys()
         values = kjt.values()
         opk = kjt.offset_per_key()
@@ -233,12 +284,12 @@ class PSTier:
                 segs = [(opk[i], opk[i + 1]) for i, k in enumerate(keys) if k in t.features]
                 if not segs:
                     continue
-                ids = torch.cat([values[a:b] for a, b in segs]).to("cpu", torch.int64)
+                ids = torch.cat([values[a:b] for a, b in segs]).to(device, torch.int64)
                 if ids.numel() == 0:
                     continue
-                if bool((ids < 0).any()):
-                    raise ValueError(f"table {t.name!r}: PS-backed tables take ids >= 0, got {int(ids.min())}")
-                uniq, inverse = torch.unique(ids, return_inverse=True)
+                uniq, inverse = torch.unique(ids, return_inverse=True)  # sorted
+                if int(uniq[0]) < 0:
+                    raise ValueError(f"table {t.name!r}: PS-backed tables take ids >= 0, got {int(uniq[0])}")
                 slots = self._assign(t, uniq)
                 handle[t.name] = slots
                 mapped = slots[inverse].to(device=values.device, dtype=values.dtype)
@@ -260,58 +311,90 @@ class PSTier:
         return remapped, handle
 
     def _assign(self, t: _Table, uniq: torch.Tensor) -> torch.Tensor:
-        c = t.cache
+        """Slots of the sorted unique ids ``uniq``, pinned; misses pulled into free slots or the
+        policy's victims (dirty victims pushed first). Host round trips: the miss count, then
+        one copy of (slots, evicted ids, push mask, new ids) for the store I/O."""
+        c = t.cache.to(uniq.device)
+        if uniq.numel() > c.cache_rows:
+            raise CacheFull(f"table {t.name!r}: a batch uses {uniq.numel()} distinct ids, more than "
+                            f"cache_rows={c.cache_rows}")
         with self.lock:
             while True:
                 slots = c.lookup(uniq)
                 miss = slots < 0
                 n_miss = int(miss.sum())
-                if uniq.numel() > c.cache_rows:
-                    raise CacheFull(f"table {t.name!r}: a batch uses {uniq.numel()} distinct ids, more than "
-                                    f"cache_rows={c.cache_rows}")
-                free = c.free_slots()
-                need = n_miss - free.numel()
-                if need > 0:
-                    try:
-                        victims = c.choose_victims(need, slots[~miss])
-                    except CacheFull:
-                        if bool((c.pins > 0).any()):
-                            self.lock.wait()  # another batch in flight holds slots: wait for it
-                            continue
-                        raise
-                    self._evict(t, victims)
-                    free = c.free_slots()
+                if n_miss == 0:
+                    break
+                hit = slots.clamp(min=0)
+                hit_mask = torch.zeros(c.cache_rows, dtype=torch.int32, device=c.device).index_put_(
+                    (hit,), (~miss).to(torch.int32), accumulate=True) > 0
+                try:
+                    take = c.choose_slots(n_miss, hit_mask)
+                except CacheFull:
+                    if bool((c.pins > 0).any()):
+                        self.lock.wait()  # another batch in flight holds slots: wait for it
+                        continue
+                    raise
                 break
             c.stats["hits"] += uniq.numel() - n_miss
             c.stats["misses"] += n_miss
             if n_miss:
-                new_ids, new_slots = uniq[miss], free[:n_miss]
-                rows, found = t.store.get(t.name, new_ids, self.width(t), torch.float32)
+                new_ids = uniq[miss]
+                evicted = c.id_of[take]
+                push = (evicted != FREE) & c.dirty[take]
+                take_h, evicted_h, push_h, new_h = torch.stack(
+                    [take, evicted, push.to(torch.int64), new_ids]).cpu().unbind(0)
+                push_h = push_h.bool()
+                if bool(push_h.any()):  # the store acknowledges before the slots are reused
+                    t.store.put(t.name, evicted_h[push_h], self._read_rows(t, take_h[push_h]))
+                    c.stats["pushed"] += int(push_h.sum())
+                occupied_h = evicted_h != FREE
+                if bool(occupied_h.any()):
+                    c.drop(take_h[occupied_h].to(c.device))
+                rows, found = t.store.get(t.name, new_h, self.width(t), torch.float32)
+                rows = rows.to(c.device)
                 if not bool(found.all()):
-                    rows[~found] = self.initial_rows(t, new_ids[~found])
-                self._write_rows(t, new_slots, rows)
-                c.insert(new_ids, new_slots)
-                slots[miss] = new_slots
+                    fresh = (~found).nonzero().flatten()
+                    rows[fresh.to(c.device)] = self.initial_rows(t, new_ids[fresh.to(c.device)])
+                self._write_rows(t, take, rows)
+                c.insert(new_ids, take)
+                slots = slots.masked_scatter(miss, take)  # misses in ascending id order, as new_ids
             c.touch(slots)
             c.pins[slots] += 1
             return slots
 
-    def _evict(self, t: _Table, victims: torch.Tensor) -> None:
-        """Push the dirty victims (the store acknowledges), then free the slots."""
-        c = t.cache
-        dirty = victims[c.dirty[victims]]
-        if dirty.numel():
-            t.store.put(t.name, c.id_of[dirty], self._read_rows(t, dirty))
-            c.stats["pushed"] += dirty.numel()
-        c.drop(victims)
-
     def release(self, handle: Optional[Handle]) -> None:
+        """Unpin a batch's slots. On a GPU the tier's stream first waits for what the training
+        stream has issued so far (the batch's backward): its rows may be evicted after this."""
         if not handle:
             return
+        device = next(iter(handle.values())).device
+        side = self._side(device)
         with self.lock:
-            for name, slots in handle.items():
-                self.tables[name].cache.pins[slots] -= 1
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(device))
+            with self._on_side(device):
+                for name, slots in handle.items():
+                    self.tables[name].cache.pins[slots] -= 1
+            self._training_waits(device)
             self.lock.notify_all()
+
+    def join(self) -> None:
+        """Order the tier's stream and the training stream both ways."""
+        if self._stream is not None:
+            main = torch.cuda.current_stream(self._stream.device)
+            self._stream.wait_stream(main)
+            main.wait_stream(self._stream)
+
+    @contextlib.contextmanager
+    def _joined(self):
+        """Work on the tier's stream after everything issued so far, the training stream waiting
+        for it afterwards (flush, load)."""
+        device = self._device()
+        self.join()
+        with self._on_side(device):
+            yield
+        self._training_waits(device)
 
     def release_sync(self) -> None:
         """Unpin the batch the last synchronous ``prepare`` staged (it is done once the next batch
@@ -331,17 +414,26 @@ class PSTier:
     def flush(self, tables=None) -> int:
         """Push every dirty cached row (with optimizer state); returns how many were written."""
         written = 0
-        with self.lock:
+        with self.lock, self._joined():
             for t in self.tables.values():
                 if tables is not None and t.name not in tables:
                     continue
                 c = t.cache
                 dirty = c.dirty.nonzero().flatten()
                 if dirty.numel():
-                    t.store.put(t.name, c.id_of[dirty], self._read_rows(t, dirty))
+                    t.store.put(t.name, c.id_of[dirty].cpu(), self._read_rows(t, dirty))
                     c.dirty[dirty] = False  # only after the store acknowledged
                     written += dirty.numel()
         return written
+
+    def _evict(self, t: _Table, victims: torch.Tensor) -> None:
+        """Push the dirty victims (the store acknowledges), then free the slots."""
+        c = t.cache
+        dirty = victims[c.dirty[victims]]
+        if dirty.numel():
+            t.store.put(t.name, c.id_of[dirty].cpu(), self._read_rows(t, dirty))
+            c.stats["pushed"] += dirty.numel()
+        c.drop(victims)
 
     def load_table(self, name: str, weight: torch.Tensor, chunk: int = 65536) -> None:
         """Write ``weight`` (rows = ids 0..n-1) into the store, with fresh optimizer state, and
@@ -350,7 +442,7 @@ class PSTier:
         weight = weight.detach().cpu()
         if weight.dim() != 2 or weight.shape[1] != t.config.embedding_dim:
             raise ValueError(f"table {name!r}: expected a [n, {t.config.embedding_dim}] weight, got {tuple(weight.shape)}")
-        with self.lock:
+        with self.lock, self._joined():
             c = t.cache
             if bool((c.pins > 0).any()):
                 raise RuntimeError(f"table {name!r}: cannot load while batches are in flight")

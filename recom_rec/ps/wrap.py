@@ -1,10 +1,12 @@
 """``recom_rec.ps.wrap``: prepare the next batches' PS rows in a background thread."""
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Any, Iterable, Iterator, List
 
+import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .tier import tiers_of
@@ -61,7 +63,16 @@ class _Wrapped:
                 tier.unregister_prepared(kjt)
                 tier.release(handle)
 
+        # On a GPU the thread works on the first tier's stream: batches the dataloader moves to the
+        # device there are ordered before the staging, and nothing waits on the training stream.
+        device = tiers[0]._device()
+        side = tiers[0]._side(device)
+
         def worker() -> None:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                work()
+
+        def work() -> None:
             try:
                 for batch in self.dataloader:
                     if stop.is_set():
@@ -87,6 +98,7 @@ class _Wrapped:
         # prepare; the loop has moved on, so unpin it before staging ahead.
         for tier in tiers:
             tier.release_sync()
+            tier.join()  # batches made before wrap() are ordered before the thread's staging
         thread = threading.Thread(target=worker, name="recom_rec.ps.wrap", daemon=True)
         thread.start()
         previous: list = []
