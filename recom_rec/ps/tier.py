@@ -14,6 +14,7 @@ import threading
 import zlib
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -342,20 +343,24 @@ class PSTier:
                 new_ids = uniq[miss]
                 evicted = c.id_of[take]
                 push = (evicted != FREE) & c.dirty[take]
+                # One device -> host copy; the host-side masks are numpy's (a torch CPU op costs
+                # tens of microseconds of host time, a numpy op one or two).
                 take_h, evicted_h, push_h, new_h = torch.stack(
-                    [take, evicted, push.to(torch.int64), new_ids]).cpu().unbind(0)
-                push_h = push_h.bool()
-                if bool(push_h.any()):  # the store acknowledges before the slots are reused
-                    t.store.put(t.name, evicted_h[push_h], self._read_rows(t, take_h[push_h]))
+                    [take, evicted, push.to(torch.int64), new_ids]).cpu().numpy()
+                push_h = push_h.astype(bool)
+                if push_h.any():  # the store acknowledges before the slots are reused
+                    t.store.put(t.name, torch.from_numpy(evicted_h[push_h]),
+                                self._read_rows(t, torch.from_numpy(take_h[push_h])))
                     c.stats["pushed"] += int(push_h.sum())
                 occupied_h = evicted_h != FREE
-                if bool(occupied_h.any()):
-                    c.drop(take_h[occupied_h].to(c.device))
-                rows, found = t.store.get(t.name, new_h, self.width(t), torch.float32)
+                if occupied_h.any():
+                    c.drop(torch.from_numpy(take_h[occupied_h]).to(c.device))
+                rows, found = t.store.get(t.name, torch.from_numpy(new_h), self.width(t), torch.float32)
                 rows = rows.to(c.device)
-                if not bool(found.all()):
-                    fresh = (~found).nonzero().flatten()
-                    rows[fresh.to(c.device)] = self.initial_rows(t, new_ids[fresh.to(c.device)])
+                fresh = np.flatnonzero(~found.numpy())
+                if fresh.size:
+                    fresh = torch.from_numpy(fresh).to(c.device)
+                    rows[fresh] = self.initial_rows(t, new_ids[fresh])
                 self._write_rows(t, take, rows)
                 c.insert(new_ids, take)
                 slots = slots.masked_scatter(miss, take)  # misses in ascending id order, as new_ids
