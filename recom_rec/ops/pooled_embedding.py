@@ -33,13 +33,14 @@ def _cuda():
 
 def _auto_prefers_cuda(phase: str, num_features: int, total_dim: int, max_dim: int) -> bool:
     """``backend="auto"`` on a GPU, per shape, from the H100 measurements in docs/perf-notes.md
-    (v6, v7): the CUDA kernels' backward won on every workload; their forward won where a launch
-    mixes dims (a lane group per bag sized by its own dim, where Triton pads every feature to the
-    widest) and on narrow rows (many-1000, dim 16: 0.20 vs 0.21-0.24 ms), split at dim 32 (many-500
-    won, zipf lost) and lost on wide rows (dlrm-kaggle, dim 128: 0.89-0.96 vs 0.61-0.66 ms)."""
+    (v6, v7, v10): the CUDA kernels' backward won on every workload; their forward wins where a
+    launch mixes dims (a lane group per bag sized by its own dim, where Triton pads every feature
+    to the widest) and on rows up to dim 32 since its launch order is measured per shape (v10, one
+    machine: many-500 0.757 vs 0.847 ms, zipf 0.493 vs 0.575, many-1000 dim 16 as before), and
+    loses on wide rows (dlrm-kaggle, dim 128: 0.999 vs 0.717 ms)."""
     if phase != "forward":
         return True
-    return total_dim != max_dim * num_features or max_dim <= 16
+    return total_dim != max_dim * num_features or max_dim <= 32
 
 
 def _impl(backend: str, device: torch.device, phase: str = "backward", num_features: int = 0,
