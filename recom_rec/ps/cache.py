@@ -39,6 +39,11 @@ class SlotCache:
         self.pins = torch.zeros(cache_rows, dtype=torch.int32, device=device)  # batches in flight using the slot
         self.last_used = torch.zeros(cache_rows, dtype=torch.int64, device=device)
         self.uses = torch.zeros(cache_rows, dtype=torch.int64, device=device)
+        # Updates by index go through index_fill_/index_put_ with these: one op each, where
+        # `x[slots] += 1` is three (a torch op costs tens of microseconds of host time).
+        self._one_i32 = torch.ones((), dtype=torch.int32, device=device)
+        self._one_i64 = torch.ones((), dtype=torch.int64, device=device)
+        self._minus_one_i32 = -self._one_i32
         self.clock = 0
         self.stats = {"hits": 0, "misses": 0, "evictions": 0, "pushed": 0}
         self._index: Optional[IdIndex] = None  # CPU: incremental
@@ -53,7 +58,7 @@ class SlotCache:
         """Move the metadata (the module moved its rows)."""
         device = torch.device(device)
         if device != self.device:
-            for name in ("id_of", "dirty", "pins", "last_used", "uses"):
+            for name in ("id_of", "dirty", "pins", "last_used", "uses", "_one_i32", "_one_i64", "_minus_one_i32"):
                 setattr(self, name, getattr(self, name).to(device))
             self._rebuild_index()
         return self
@@ -118,22 +123,29 @@ class SlotCache:
         if self._index is not None:
             self._index.delete(self.id_of[slots])
         self._sorted = None
-        self.id_of[slots] = FREE
-        self.dirty[slots] = False
-        self.uses[slots] = 0
+        self.id_of.index_fill_(0, slots, FREE)
+        self.dirty.index_fill_(0, slots, False)
+        self.uses.index_fill_(0, slots, 0)
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         if self._index is not None:
             self._index.insert(ids, slots)
         self._sorted = None
-        self.id_of[slots] = ids
-        self.dirty[slots] = False
-        self.uses[slots] = 0
+        self.id_of.index_copy_(0, slots, ids)
+        self.dirty.index_fill_(0, slots, False)
+        self.uses.index_fill_(0, slots, 0)
 
     def touch(self, slots: torch.Tensor) -> None:
         self.clock += 1
-        self.last_used[slots] = self.clock
-        self.uses[slots] += 1
+        self.last_used.index_fill_(0, slots, self.clock)
+        self.uses.index_put_((slots,), self._one_i64, accumulate=True)
+
+    def pin(self, slots: torch.Tensor, by: int = 1) -> None:
+        """Count a batch in flight on ``slots`` (``by=-1``: the batch is done)."""
+        self.pins.index_put_((slots,), self._one_i32 if by == 1 else self._minus_one_i32, accumulate=True)
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        self.dirty.index_fill_(0, slots, True)
 
     def occupied(self) -> Tuple[torch.Tensor, torch.Tensor]:
         slots = (self.id_of != FREE).nonzero().flatten()

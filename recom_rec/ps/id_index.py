@@ -28,7 +28,8 @@ _EMPTY = np.empty(0, dtype=np.int64)
 
 
 def _np(ids: torch.Tensor) -> np.ndarray:
-    return ids.detach().to("cpu", torch.int64).contiguous().numpy().reshape(-1)
+    # ids never require grad here; detach() would be one more dispatched op per call
+    return ids.to("cpu", torch.int64).contiguous().numpy().reshape(-1)
 
 
 def _merge_sorted(a_keys, a_vals, b_keys, b_vals) -> Tuple[np.ndarray, np.ndarray]:

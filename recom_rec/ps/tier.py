@@ -256,7 +256,7 @@ class PSTier:
         if torch.is_grad_enabled() and handle:
             with self.lock, self._on_side(device):  # training: the batch's rows will change
                 for name, slots in handle.items():
-                    self.tables[name].cache.dirty[slots] = True
+                    self.tables[name].cache.mark_dirty(slots)
         self._training_waits(device)
         if device.type == "cuda" and remapped is not kjt:
             remapped.values().record_stream(torch.cuda.current_stream(device))  # made on the tier's stream
@@ -285,7 +285,8 @@ class PSTier:
                 segs = [(opk[i], opk[i + 1]) for i, k in enumerate(keys) if k in t.features]
                 if not segs:
                     continue
-                ids = torch.cat([values[a:b] for a, b in segs]).to(device, torch.int64)
+                parts = [values[a:b] for a, b in segs]
+                ids = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device, torch.int64)
                 if ids.numel() == 0:
                     continue
                 uniq, inverse = torch.unique(ids, return_inverse=True)  # sorted
@@ -326,9 +327,9 @@ class PSTier:
                 n_miss = int(miss.sum())
                 if n_miss == 0:
                     break
-                hit = slots.clamp(min=0)
-                hit_mask = torch.zeros(c.cache_rows, dtype=torch.int32, device=c.device).index_put_(
-                    (hit,), (~miss).to(torch.int32), accumulate=True) > 0
+                # the batch's cached slots, as a mask (misses, slot -1, land in the dropped entry 0)
+                hit_mask = torch.zeros(c.cache_rows + 1, dtype=torch.bool, device=c.device).index_fill_(
+                    0, slots + 1, True)[1:]
                 try:
                     take = c.choose_slots(n_miss, hit_mask)
                 except CacheFull:
@@ -365,7 +366,7 @@ class PSTier:
                 c.insert(new_ids, take)
                 slots = slots.masked_scatter(miss, take)  # misses in ascending id order, as new_ids
             c.touch(slots)
-            c.pins[slots] += 1
+            c.pin(slots)
             return slots
 
     def release(self, handle: Optional[Handle]) -> None:
@@ -380,7 +381,7 @@ class PSTier:
                 side.wait_stream(torch.cuda.current_stream(device))
             with self._on_side(device):
                 for name, slots in handle.items():
-                    self.tables[name].cache.pins[slots] -= 1
+                    self.tables[name].cache.pin(slots, -1)
             self._training_waits(device)
             self.lock.notify_all()
 
