@@ -28,8 +28,7 @@ def host_issue_ms(fn, steps: int = 20) -> float:
 
 def new_launch_orders(seen: set) -> str:
     """The CUDA forward's launch orders decided since the last call (one per group shape)."""
-    new = {s: o for s, o in FORWARD_ORDER_TUNER.decisions().items() if s not in seen}
-    seen.update(new)
+    new = FORWARD_ORDER_TUNER.decisions_since(seen)
     return ", ".join(f"{s.num_features} features x {s.batch_size} dim {s.max_dim}: {o}" for s, o in new.items())
 
 

@@ -82,13 +82,10 @@ def _new_launch_orders() -> str:
     shape; they were measured during the warm-up and the first timed runs)."""
     from ..kernels.pooled_cuda import FORWARD_ORDER_TUNER
 
-    decided = FORWARD_ORDER_TUNER.decisions()
-    new = [order for shape, order in decided.items() if shape not in _SEEN_SHAPES]
-    _SEEN_SHAPES.update(decided)
-    return "+".join(new)
+    return "+".join(FORWARD_ORDER_TUNER.decisions_since(_REPORTED_SHAPES).values())
 
 
-_SEEN_SHAPES: set = set()
+_REPORTED_SHAPES: set = set()
 
 
 def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):

@@ -171,3 +171,10 @@ class LaunchOrderTuner:
         """The decided shapes and their order's name ("features" or "bags")."""
         with self._lock:
             return {shape: ORDER_NAMES[order] for shape, order in self._decided.items()}
+
+    def decisions_since(self, seen: set) -> Dict[ForwardLaunchShape, str]:
+        """The decisions whose shapes are not in ``seen`` (reports of what a run decided);
+        adds them to ``seen``."""
+        new = {shape: order for shape, order in self.decisions().items() if shape not in seen}
+        seen.update(new)
+        return new

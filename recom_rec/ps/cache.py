@@ -87,8 +87,7 @@ class SlotCache:
 
     def choose_slots(self, count: int, exclude: torch.Tensor) -> torch.Tensor:
         """``count`` slots for new rows: free slots first (lowest first), then occupied, unpinned
-        slots not in ``exclude`` (slot numbers, or a mask over the slots) by the eviction policy
-        (ties: the lower slot). One stable sort of a key per slot; raises CacheFull when fewer
+        slots outside the mask ``exclude`` by the eviction policy (ties: the lower slot). One stable sort of a key per slot; raises CacheFull when fewer
         than ``count`` slots qualify."""
         if count == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -98,10 +97,7 @@ class SlotCache:
             score = self.uses * (1 << 40) + self.last_used
         score.masked_fill_(self.id_of == FREE, -1)
         score.masked_fill_(self.pins > 0, _NEVER)
-        if exclude.dtype == torch.bool:
-            score.masked_fill_(exclude, _NEVER)
-        else:
-            score[exclude] = _NEVER
+        score.masked_fill_(exclude, _NEVER)
         keys, order = torch.sort(score, stable=True)
         if count > self.cache_rows or int(keys[count - 1]) == _NEVER:
             able = int((keys != _NEVER).sum())
@@ -114,8 +110,8 @@ class SlotCache:
 
     def choose_victims(self, count: int, exclude: torch.Tensor) -> torch.Tensor:
         """``count`` occupied, unpinned slots not in ``exclude``, by the eviction policy."""
-        free = self.id_of == FREE
-        taken = torch.cat([exclude.to(self.device), free.nonzero().flatten()])
+        taken = self.id_of == FREE
+        taken[exclude.to(self.device)] = True
         return self.choose_slots(count, taken)
 
     def drop(self, slots: torch.Tensor) -> None:
