@@ -6,8 +6,9 @@ setup(
     description="Fused, table-batched embedding layers for torchrec models (Triton/CUDA), "
     "with a parameter-server tier and a DistributedModelParallel plugin.",
     packages=find_packages(include=["recom_rec", "recom_rec.*"]),
-    # The CUDA C++ backend is compiled on first use on the GPU machine, from the installed source.
-    package_data={"recom_rec": ["csrc/*.cu"]},
+    # Compiled on first use from the installed sources: the CUDA backend (on a GPU machine, nvcc)
+    # and the parameter-server tier's host library (any machine, the C compiler).
+    package_data={"recom_rec": ["csrc/*.cu", "csrc/*.c"]},
     python_requires=">=3.10",
     # torch, torchrec and fbgemm-gpu are deliberately not listed: their CUDA or CPU builds must
     # be chosen by the user (see the Makefile), and listing them would make pip pull CUDA wheels.

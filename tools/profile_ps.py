@@ -51,16 +51,15 @@ def section_timers(tier, device):
 
     patch(tier, "_stage", "stage (all)")
     patch(tier, "_assign", "  assign (all)")
-    patch(tier, "_read_rows", "    read evicted rows")
-    patch(tier, "_write_rows", "    write pulled rows")
-    patch(tier, "initial_rows", "    init new rows")
+    patch(tier, "_move_rows", "    move rows (all)")
+    patch(tier, "_read_rows", "      read evicted rows")
+    patch(tier, "_write_rows", "      write pulled rows")
+    patch(tier, "initial_rows", "      init new rows")
     for t in tier.tables.values():
-        patch(t.cache, "lookup", "    cache lookup")
-        patch(t.cache, "choose_slots", "    choose slots")
-        patch(t.cache, "drop", "    cache drop")
-        patch(t.cache, "insert", "    cache insert")
-        patch(t.store, "get", "    store get")
-        patch(t.store, "put", "    store put")
+        patch(t.cache, "stage", "    cache stage")
+        patch(t.cache, "commit", "    cache commit")
+        patch(t.store, "get", "      store get")
+        patch(t.store, "put", "      store put")
     try:
         yield totals
     finally:

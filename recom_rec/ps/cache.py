@@ -1,148 +1,123 @@
-"""Slot map of one PS-backed table's cache: which id sits in which slot, and which slot to evict.
+"""Slot map of one PS-backed table's cache: which id sits in which slot, which slots batches in
+flight hold, and which slot to evict. The work is done in C (recom_rec/csrc/ps_host.c, through
+:mod:`.host_lib`); the per-slot arrays are numpy arrays here, readable (and, between calls,
+writable) from Python.
 
-The metadata lives on the device of the table's rows (the batch's ids are there already, so a
-GPU batch is looked up without copying ids to the host and back). The id -> slot map:
-
-- on a GPU, ``id_of`` sorted once after each change (one device sort of ``cache_rows`` int64,
-  tens of microseconds), then one ``searchsorted`` per lookup: a handful of kernel launches per
-  batch instead of the dozens of small host ops an incremental index costs;
-- on the CPU, an :class:`~recom_rec.ps.id_index.IdIndex` (sorted arrays updated incrementally),
-  where re-sorting a large cache every batch would cost more than the updates.
-
-Everything else (free/dirty/pinned masks, recency and frequency counters, the slot choice) is a
-vectorised torch op over the ``cache_rows`` slots.
+A batch goes through :meth:`SlotCache.stage` (its ids looked up, the misses' slots reserved,
+everything it uses pinned), then the tier moves the rows (pushes the dirty victims, pulls the
+misses), then :meth:`SlotCache.commit` (the id map changes) or :meth:`SlotCache.abort` (nothing
+changes). Eviction order: free slots first (lowest first), then unpinned occupied slots that the
+batch does not use, by the policy's score, ties to the lower slot:
+- ``lru``: the last batch that used the slot;
+- ``lfu``: the batches that used the row since it entered the cache, ties by the last batch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
-import torch
+import numpy as np
 
-from .id_index import IdIndex
+from . import host_lib
+from .host_lib import ptr
 
 FREE = -1
-_NEVER = torch.iinfo(torch.int64).max  # the choice key of a slot that may not be taken
 
 
 class CacheFull(RuntimeError):
     """Not enough unpinned slots for a batch's misses."""
 
 
-class SlotCache:
-    def __init__(self, table: str, cache_rows: int, eviction: str, device=None) -> None:
-        self.table = table
-        self.cache_rows = cache_rows
-        self.eviction = eviction
-        device = torch.device(device or "cpu")
-        self.id_of = torch.full((cache_rows,), FREE, dtype=torch.int64, device=device)
-        self.dirty = torch.zeros(cache_rows, dtype=torch.bool, device=device)
-        self.pins = torch.zeros(cache_rows, dtype=torch.int32, device=device)  # batches in flight using the slot
-        self.last_used = torch.zeros(cache_rows, dtype=torch.int64, device=device)
-        self.uses = torch.zeros(cache_rows, dtype=torch.int64, device=device)
-        # Updates by index go through index_fill_/index_put_ with these: one op each, where
-        # `x[slots] += 1` is three (a torch op costs tens of microseconds of host time).
-        self._one_i32 = torch.ones((), dtype=torch.int32, device=device)
-        self._one_i64 = torch.ones((), dtype=torch.int64, device=device)
-        self._minus_one_i32 = -self._one_i32
-        self.clock = 0
-        self.stats = {"hits": 0, "misses": 0, "evictions": 0, "pushed": 0}
-        self._index: Optional[IdIndex] = None  # CPU: incremental
-        self._sorted: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # GPU: id_of sorted, and its slots
-        self._rebuild_index()
+@dataclass
+class Staged:
+    """One batch's reservation in a cache, from :meth:`SlotCache.stage`."""
+
+    pos_slot: np.ndarray  # the slot of each id position of the batch
+    slots: np.ndarray  # the batch's distinct slots (hits, then take), pinned
+    take: np.ndarray  # slots reserved for the misses
+    new_ids: np.ndarray  # the misses, distinct, in first-seen order; new_ids[k] goes to take[k]
+    evicted: np.ndarray  # the id each take slot holds now (FREE if none)
+    push: np.ndarray  # bool: that evicted row is dirty, the store must have it first
 
     @property
-    def device(self) -> torch.device:
-        return self.id_of.device
+    def misses(self) -> int:
+        return int(self.take.size)
 
-    def to(self, device) -> "SlotCache":
-        """Move the metadata (the module moved its rows)."""
-        device = torch.device(device)
-        if device != self.device:
-            for name in ("id_of", "dirty", "pins", "last_used", "uses", "_one_i32", "_one_i64", "_minus_one_i32"):
-                setattr(self, name, getattr(self, name).to(device))
-            self._rebuild_index()
-        return self
 
-    def _rebuild_index(self) -> None:
-        self._sorted = None
-        self._index = None
-        if self.device.type == "cpu":
-            self._index = IdIndex()
-            ids, slots = self.occupied()
-            self._index.insert(ids, slots)
+class SlotCache:
+    def __init__(self, table: str, cache_rows: int, eviction: str) -> None:
+        self.table = table
+        self.cache_rows = int(cache_rows)
+        self.eviction = eviction
+        self.id_of = np.full(self.cache_rows, FREE, dtype=np.int64)
+        self.dirty = np.zeros(self.cache_rows, dtype=np.uint8)
+        self.pins = np.zeros(self.cache_rows, dtype=np.int32)  # batches in flight using the slot
+        self.last_used = np.zeros(self.cache_rows, dtype=np.int64)
+        self.uses = np.zeros(self.cache_rows, dtype=np.int64)
+        self.stats = {"hits": 0, "misses": 0, "evictions": 0, "pushed": 0}
+        self._lib = host_lib.lib()
+        self._c = self._lib.ps_cache_new(self.cache_rows, int(eviction == "lfu"), ptr(self.id_of), ptr(self.dirty),
+                                         ptr(self.pins), ptr(self.last_used), ptr(self.uses))
+        if not self._c:
+            raise MemoryError(f"table {table!r}: cannot allocate a cache of {cache_rows} slots")
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """The slot of each id, FREE (-1) where the id is not cached."""
-        if self._index is not None:
-            return self._index.lookup(ids)
-        if self._sorted is None:
-            keys, slots = torch.sort(self.id_of)
-            self._sorted = (keys, slots)
-        keys, slots = self._sorted
-        pos = torch.searchsorted(keys, ids).clamp_(max=self.cache_rows - 1)
-        return torch.where(keys[pos] == ids, slots[pos], FREE)
+    def __del__(self) -> None:
+        c, self._c = getattr(self, "_c", None), None
+        if c:
+            self._lib.ps_cache_free(c)
 
-    def free_slots(self) -> torch.Tensor:
-        return (self.id_of == FREE).nonzero().flatten()
-
-    def choose_slots(self, count: int, exclude: torch.Tensor) -> torch.Tensor:
-        """``count`` slots for new rows: free slots first (lowest first), then occupied, unpinned
-        slots outside the mask ``exclude`` by the eviction policy (ties: the lower slot). One stable sort of a key per slot; raises CacheFull when fewer
-        than ``count`` slots qualify."""
-        if count == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        if self.eviction == "lru":
-            score = self.last_used.clone()
-        else:  # lfu, ties by recency (last_used < 2**40 batches)
-            score = self.uses * (1 << 40) + self.last_used
-        score.masked_fill_(self.id_of == FREE, -1)
-        score.masked_fill_(self.pins > 0, _NEVER)
-        score.masked_fill_(exclude, _NEVER)
-        keys, order = torch.sort(score, stable=True)
-        if count > self.cache_rows or int(keys[count - 1]) == _NEVER:
-            able = int((keys != _NEVER).sum())
+    def stage(self, ids: np.ndarray) -> Optional[Staged]:
+        """Reserve slots for a batch's ids (int64, duplicates allowed). None: other batches in
+        flight hold too many slots now (retry after one is released)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        n = ids.size
+        pos_slot, slots = np.empty(n, np.int64), np.empty(n, np.int64)
+        take, new_ids, evicted = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+        push, counts = np.empty(n, np.uint8), np.zeros(3, np.int64)
+        status = self._lib.ps_cache_stage(self._c, ptr(ids), n, ptr(pos_slot), ptr(slots), ptr(take), ptr(new_ids),
+                                          ptr(evicted), ptr(push), ptr(counts))
+        distinct, m, third = (int(x) for x in counts)
+        if status == host_lib.STAGE_NEGATIVE_ID:
+            raise ValueError(f"table {self.table!r}: PS-backed tables take ids >= 0, got {int(ids[distinct])}")
+        if status == host_lib.STAGE_NO_MEMORY:
+            raise MemoryError(f"table {self.table!r}: out of host memory staging a batch of {n} ids")
+        if status == host_lib.STAGE_WOULD_BLOCK:
+            return None
+        if status == host_lib.STAGE_FULL:
+            if distinct > self.cache_rows:
+                raise CacheFull(f"table {self.table!r}: a batch uses {distinct} distinct ids, more than "
+                                f"cache_rows={self.cache_rows}")
             raise CacheFull(
-                f"table {self.table!r}: a batch needs {count} slots but only {able} of "
-                f"cache_rows={self.cache_rows} are free or can be evicted (the rest hold rows of this batch or "
-                "of batches in flight); raise cache_rows"
-            )
-        return order[:count]
+                f"table {self.table!r}: a batch needs {m} slots but only {third} of cache_rows={self.cache_rows} "
+                "are free or can be evicted (the rest hold rows of this batch or of batches in flight); "
+                "raise cache_rows")
+        self.stats["hits"] += third
+        self.stats["misses"] += m
+        return Staged(pos_slot, slots[:distinct], take[:m], new_ids[:m], evicted[:m], push[:m].view(bool))
 
-    def choose_victims(self, count: int, exclude: torch.Tensor) -> torch.Tensor:
-        """``count`` occupied, unpinned slots not in ``exclude``, by the eviction policy."""
-        taken = self.id_of == FREE
-        taken[exclude.to(self.device)] = True
-        return self.choose_slots(count, taken)
+    def commit(self, staged: Staged) -> None:
+        """The staged batch's rows are in place: its misses now own their slots."""
+        self.stats["evictions"] += int(self._lib.ps_cache_commit(
+            self._c, ptr(staged.slots), staged.slots.size, ptr(staged.take), ptr(staged.new_ids), staged.misses))
 
-    def drop(self, slots: torch.Tensor) -> None:
-        self.stats["evictions"] += slots.numel()
-        if self._index is not None:
-            self._index.delete(self.id_of[slots])
-        self._sorted = None
-        self.id_of.index_fill_(0, slots, FREE)
-        self.dirty.index_fill_(0, slots, False)
-        self.uses.index_fill_(0, slots, 0)
+    def abort(self, staged: Staged) -> None:
+        """Forget a stage that will not be committed: its pins go, every id stays where it was."""
+        self._lib.ps_cache_abort(self._c, ptr(staged.slots), staged.slots.size)
 
-    def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        if self._index is not None:
-            self._index.insert(ids, slots)
-        self._sorted = None
-        self.id_of.index_copy_(0, slots, ids)
-        self.dirty.index_fill_(0, slots, False)
-        self.uses.index_fill_(0, slots, 0)
+    def unpin(self, slots: np.ndarray) -> None:
+        """A batch holding ``slots`` (its :attr:`Staged.slots`) is done."""
+        self._lib.ps_cache_unpin(self._c, ptr(slots), slots.size)
 
-    def touch(self, slots: torch.Tensor) -> None:
-        self.clock += 1
-        self.last_used.index_fill_(0, slots, self.clock)
-        self.uses.index_put_((slots,), self._one_i64, accumulate=True)
+    def mark_dirty(self, slots: np.ndarray) -> None:
+        self._lib.ps_cache_mark_dirty(self._c, ptr(slots), slots.size)
 
-    def pin(self, slots: torch.Tensor, by: int = 1) -> None:
-        """Count a batch in flight on ``slots`` (``by=-1``: the batch is done)."""
-        self.pins.index_put_((slots,), self._one_i32 if by == 1 else self._minus_one_i32, accumulate=True)
+    def drop(self, slots: np.ndarray) -> None:
+        """Free unpinned occupied ``slots`` (their dirty rows must be in the store already)."""
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        self.stats["evictions"] += int((self.id_of[slots] != FREE).sum())
+        self._lib.ps_cache_drop(self._c, ptr(slots), slots.size)
 
-    def mark_dirty(self, slots: torch.Tensor) -> None:
-        self.dirty.index_fill_(0, slots, True)
-
-    def occupied(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        slots = (self.id_of != FREE).nonzero().flatten()
+    def occupied(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(ids, slots) of the occupied slots."""
+        slots = np.flatnonzero(self.id_of != FREE)
         return self.id_of[slots], slots

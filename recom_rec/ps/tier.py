@@ -18,11 +18,12 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .cache import FREE, CacheFull, SlotCache
+from . import host_lib
+from .cache import SlotCache, Staged
 from .config import PSConfig
 from .stores import RowStore, open_store
 
-Handle = Dict[str, torch.Tensor]  # table -> slots pinned by one batch
+Handle = Dict[str, np.ndarray]  # table -> slots pinned by one batch
 
 _MASK63 = (1 << 63) - 1
 
@@ -133,11 +134,18 @@ class _Table:
 
 
 class PSTier:
-    """Attached to a ``recom_rec.EmbeddingBagCollection`` built with ``ps={...}`` as ``module._ps``."""
+    """Attached to a ``recom_rec.EmbeddingBagCollection`` built with ``ps={...}`` as ``module._ps``.
+
+    Two locks: ``lock`` (a condition) guards the caches' metadata, held only for the C calls that
+    change it, and is notified when a batch releases its slots; ``_staging`` serialises the
+    stagings (a stage and its commit enclose the store I/O, during which the reserved slots'
+    ids must not be looked up by another staging) and the other row movers (flush, load)."""
 
     def __init__(self, module, ps: Dict[str, PSConfig]) -> None:
         self._module_ref = module  # plain attribute: nn.Module does not register it
         self.lock = threading.Condition(threading.RLock())
+        self._staging = threading.RLock()
+        self._releases = 0  # batches released so far (a staging waiting for slots waits for the next)
         stores: Dict[str, RowStore] = {}
         self.tables: Dict[str, _Table] = {}
         for config in module.embedding_bag_configs():
@@ -169,26 +177,28 @@ class PSTier:
         dim = t.config.embedding_dim
         return dim + sum(1 if kind == "row" else dim for _, kind in self._states())
 
-    def _read_rows(self, t: _Table, slots: torch.Tensor) -> torch.Tensor:
+    def _read_rows(self, t: _Table, slots: np.ndarray) -> torch.Tensor:
+        """``[len(slots), width]`` float32 CPU rows ``[embedding | optimizer state...]``."""
         bag = self.module.embedding_bags[t.name]
         w = bag.weight.detach()
-        at = slots.to(w.device)
+        at = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(w.device)
         parts = [w.index_select(0, at).float()]
         for name, _ in self._states():
             s = bag._buffers[f"optimizer_{name}"]
-            parts.append(s.index_select(0, at).float().reshape(slots.numel(), -1))
-        return torch.cat(parts, dim=1).cpu()
+            parts.append(s.index_select(0, at).float().reshape(at.numel(), -1))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).cpu()
 
-    def _write_rows(self, t: _Table, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    def _write_rows(self, t: _Table, slots: np.ndarray, rows: torch.Tensor) -> None:
         bag = self.module.embedding_bags[t.name]
         dim = t.config.embedding_dim
         w = bag.weight
-        at = slots.to(w.device)
+        at = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(w.device)
         rows = rows.to(w.device)
         # Through .data: wrap()'s thread writes rows (never the running batch's) while that
         # batch's autograd graph holds the flat buffer; .data keeps its version counter as is.
         with torch.no_grad():
-            w.data.index_copy_(0, at, rows[:, :dim].to(w.dtype))
+            w.data.index_copy_(0, at, rows[:, :dim] if rows.shape[1] == dim and w.dtype == rows.dtype
+                               else rows[:, :dim].to(w.dtype))
             col = dim
             for name, kind in self._states():
                 s = bag._buffers[f"optimizer_{name}"]
@@ -197,28 +207,42 @@ class PSTier:
                 s.data.index_copy_(0, at, (part.flatten() if kind == "row" else part).to(s.dtype))
                 col += n
 
-    def initial_rows(self, t: _Table, ids: torch.Tensor) -> torch.Tensor:
-        weights = init_rows(t.config, ids, t.ps.seed).float()
-        parts = [weights]
+    def initial_rows(self, t: _Table, ids) -> torch.Tensor:
+        """``[len(ids), width]`` float32 rows of never-seen ids: the init rule's weights (see
+        :func:`init_rows`) and the optimizer's initial state, on the CPU."""
+        ids = host_lib.int64s(ids)
+        rows = self.initial_rows_without_weights(t, ids)
+        dim = t.config.embedding_dim
+        bounds = _uniform_bounds(t.config.init_fn)
+        if bounds is not None and t.config.data_type.name == "FP32":
+            # init_rows' arithmetic in C, straight into the rows (same bits; tested against it)
+            base = _signed(_row_seed(t.config.name, int(t.ps.seed), 0))
+            host_lib.lib().ps_init_uniform(host_lib.ptr(ids), ids.size, dim, base, bounds[0], bounds[1],
+                                           rows.data_ptr(), rows.shape[1])
+        else:
+            rows[:, :dim] = init_rows(t.config, torch.from_numpy(ids), t.ps.seed).float()
+        return rows
+
+    def initial_rows_without_weights(self, t: _Table, ids) -> torch.Tensor:
+        rows = torch.zeros(len(ids), self.width(t), dtype=torch.float32)
+        col = t.config.embedding_dim
         spec = self.module._fused_spec
         for name, kind in self._states():
             n = 1 if kind == "row" else t.config.embedding_dim
-            value = spec.initial_accumulator_value if name == "sum" else 0.0
-            parts.append(torch.full((ids.numel(), n), value, dtype=torch.float32, device=ids.device))
-        return torch.cat(parts, dim=1)
+            rows[:, col:col + n] = spec.initial_accumulator_value if name == "sum" else 0.0
+            col += n
+        return rows
 
     # ------------------------------------------------------------------ per batch
     #
-    # On a GPU the tier's device work (id lookup, slot choice, reading evicted rows, writing
-    # pulled ones, the remap, the metadata) runs on a stream of its own, so that wrap()'s thread
-    # can stage the next batch while the training stream runs this one. The ordering that keeps
-    # results equal to a serial run:
+    # The metadata (id -> slot, pins, dirty, recency) lives on the host, in C: a batch's ids are
+    # copied to the host once, and the slots come back in one copy. On a GPU the rows move on a
+    # stream of the tier's own, so that wrap()'s thread can stage the next batch while the
+    # training stream runs this one. The ordering that keeps results equal to a serial run:
     # - a batch's release makes the tier's stream wait for what the training stream has issued
-    #   (the batch's backward): only then may its rows be evicted or overwritten;
+    #   (the batch's backward): only then may its rows be read for a push or overwritten;
     # - prepare() makes the training stream wait for the tier's stream: the forward reads the
-    #   rows just pulled (and any metadata a caller reads afterwards is current);
-    # - metadata tensors are only changed on the tier's stream (pins changed from two streams
-    #   could lose an update).
+    #   rows just pulled.
     # The staging of batch N+1 never touches a slot of batch N in flight (pinned), so the two
     # streams never write the same rows.
 
@@ -254,7 +278,7 @@ class PSTier:
             remapped, handle = self.stage(kjt)
             self._sync_handle = handle
         if torch.is_grad_enabled() and handle:
-            with self.lock, self._on_side(device):  # training: the batch's rows will change
+            with self.lock:  # training: the batch's rows will change
                 for name, slots in handle.items():
                     self.tables[name].cache.mark_dirty(slots)
         self._training_waits(device)
@@ -276,113 +300,98 @@ class PSTier:
 
     def _stage(self, kjt: KeyedJaggedTensor, device: torch.device) -> Tuple[KeyedJaggedTensor, Handle]:
         keys = kjt.keys()
-        values = kjt.values()
         opk = kjt.offset_per_key()
-        new_values = None
+        plan = [(t, [(opk[i], opk[i + 1]) for i, k in enumerate(keys) if k in t.features and opk[i + 1] > opk[i]])
+                for t in self.tables.values()]
+        plan = [(t, segs) for t, segs in plan if segs]
+        if not plan:
+            return kjt, {}
+        values = kjt.values()
+        # One device -> host copy of the span holding every PS feature's ids, one copy back of
+        # the span remapped (ids of other features inside it pass through unchanged).
+        lo = min(a for _, segs in plan for a, _ in segs)
+        hi = max(b for _, segs in plan for _, b in segs)
+        span = values[lo:hi].to("cpu", torch.int64).numpy()
+        remapped_span = span.copy()
         handle: Handle = {}
         try:
-            for t in self.tables.values():
-                segs = [(opk[i], opk[i + 1]) for i, k in enumerate(keys) if k in t.features]
-                if not segs:
-                    continue
-                parts = [values[a:b] for a, b in segs]
-                ids = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device, torch.int64)
-                if ids.numel() == 0:
-                    continue
-                uniq, inverse = torch.unique(ids, return_inverse=True)  # sorted
-                if int(uniq[0]) < 0:
-                    raise ValueError(f"table {t.name!r}: PS-backed tables take ids >= 0, got {int(uniq[0])}")
-                slots = self._assign(t, uniq)
-                handle[t.name] = slots
-                mapped = slots[inverse].to(device=values.device, dtype=values.dtype)
-                if new_values is None:
-                    new_values = values.clone()
+            for t, segs in plan:
+                ids = span[segs[0][0] - lo:segs[0][1] - lo] if len(segs) == 1 else np.concatenate(
+                    [span[a - lo:b - lo] for a, b in segs])
+                staged = self._assign(t, ids)
+                handle[t.name] = staged.slots
                 pos = 0
                 for a, b in segs:
-                    new_values[a:b] = mapped[pos:pos + b - a]
+                    remapped_span[a - lo:b - lo] = staged.pos_slot[pos:pos + b - a]
                     pos += b - a
         except BaseException:
             self.release(handle)
             raise
-        if new_values is None:
-            return kjt, handle
+        on_device = torch.from_numpy(remapped_span).to(values.device, values.dtype)
+        if lo == 0 and hi == values.numel():
+            new_values = on_device
+        else:
+            new_values = values.clone()
+            new_values[lo:hi] = on_device
         remapped = KeyedJaggedTensor(
             keys=keys, values=new_values, weights=kjt.weights_or_none(), lengths=kjt.lengths(),
             offsets=kjt.offsets(), stride=kjt.stride(),
         )
         return remapped, handle
 
-    def _assign(self, t: _Table, uniq: torch.Tensor) -> torch.Tensor:
-        """Slots of the sorted unique ids ``uniq``, pinned; misses pulled into free slots or the
-        policy's victims (dirty victims pushed first). Host round trips: the miss count, then
-        one copy of (slots, evicted ids, push mask, new ids) for the store I/O."""
-        c = t.cache.to(uniq.device)
-        if uniq.numel() > c.cache_rows:
-            raise CacheFull(f"table {t.name!r}: a batch uses {uniq.numel()} distinct ids, more than "
-                            f"cache_rows={c.cache_rows}")
-        with self.lock:
-            while True:
-                slots = c.lookup(uniq)
-                miss = slots < 0
-                n_miss = int(miss.sum())
-                if n_miss == 0:
-                    break
-                # the batch's cached slots, as a mask (misses, slot -1, land in the dropped entry 0)
-                hit_mask = torch.zeros(c.cache_rows + 1, dtype=torch.bool, device=c.device).index_fill_(
-                    0, slots + 1, True)[1:]
-                try:
-                    take = c.choose_slots(n_miss, hit_mask)
-                except CacheFull:
-                    if bool((c.pins > 0).any()):
-                        self.lock.wait()  # another batch in flight holds slots: wait for it
-                        continue
-                    raise
-                break
-            c.stats["hits"] += uniq.numel() - n_miss
-            c.stats["misses"] += n_miss
-            if n_miss:
-                new_ids = uniq[miss]
-                evicted = c.id_of[take]
-                push = (evicted != FREE) & c.dirty[take]
-                # One device -> host copy; the host-side masks are numpy's (a torch CPU op costs
-                # tens of microseconds of host time, a numpy op one or two).
-                take_h, evicted_h, push_h, new_h = torch.stack(
-                    [take, evicted, push.to(torch.int64), new_ids]).cpu().numpy()
-                push_h = push_h.astype(bool)
-                if push_h.any():  # the store acknowledges before the slots are reused
-                    t.store.put(t.name, torch.from_numpy(evicted_h[push_h]),
-                                self._read_rows(t, torch.from_numpy(take_h[push_h])))
-                    c.stats["pushed"] += int(push_h.sum())
-                occupied_h = evicted_h != FREE
-                if occupied_h.any():
-                    c.drop(torch.from_numpy(take_h[occupied_h]).to(c.device))
-                rows, found = t.store.get(t.name, torch.from_numpy(new_h), self.width(t), torch.float32)
-                rows = rows.to(c.device)
-                fresh = np.flatnonzero(~found.numpy())
-                if fresh.size:
-                    fresh = torch.from_numpy(fresh).to(c.device)
-                    rows[fresh] = self.initial_rows(t, new_ids[fresh])
-                self._write_rows(t, take, rows)
-                c.insert(new_ids, take)
-                slots = slots.masked_scatter(miss, take)  # misses in ascending id order, as new_ids
-            c.touch(slots)
-            c.pin(slots)
-            return slots
+    def _assign(self, t: _Table, ids: np.ndarray) -> Staged:
+        """Reserve and fill the slots of a batch's ids of ``t`` (int64, duplicates allowed):
+        misses are pulled into free slots or the policy's victims, dirty victims pushed first.
+        Waits while batches in flight hold the slots it needs."""
+        c = t.cache
+        while True:
+            with self._staging:
+                with self.lock:
+                    staged = c.stage(ids)  # raises CacheFull, or ValueError for a negative id
+                    seen = self._releases
+                if staged is not None:
+                    try:
+                        self._move_rows(t, staged)
+                    except BaseException:
+                        with self.lock:
+                            c.abort(staged)
+                            self.lock.notify_all()
+                        raise
+                    with self.lock:
+                        c.commit(staged)
+                    return staged
+            with self.lock:  # outside _staging: a flush may run while this waits
+                while self._releases == seen:
+                    self.lock.wait()
+
+    def _move_rows(self, t: _Table, staged: Staged) -> None:
+        """Push the dirty victims (the store acknowledges before their slots are reused), pull
+        the misses (never-seen ids get their initial rows) into their slots."""
+        if not staged.misses:
+            return
+        push = np.flatnonzero(staged.push)
+        if push.size:
+            t.store.put(t.name, staged.evicted[push], self._read_rows(t, staged.take[push]), unique_ids=True)
+            t.cache.stats["pushed"] += int(push.size)
+        rows, found = t.store.get(t.name, staged.new_ids, self.width(t), torch.float32)
+        fresh = np.flatnonzero(~found.numpy())
+        if fresh.size:
+            rows[torch.from_numpy(fresh)] = self.initial_rows(t, staged.new_ids[fresh])
+        self._write_rows(t, staged.take, rows)
 
     def release(self, handle: Optional[Handle]) -> None:
         """Unpin a batch's slots. On a GPU the tier's stream first waits for what the training
         stream has issued so far (the batch's backward): its rows may be evicted after this."""
         if not handle:
             return
-        device = next(iter(handle.values())).device
+        device = self._device()
         side = self._side(device)
         with self.lock:
             if side is not None:
                 side.wait_stream(torch.cuda.current_stream(device))
-            with self._on_side(device):
-                for name, slots in handle.items():
-                    self.tables[name].cache.pin(slots, -1)
-            self._training_waits(device)
+            for name, slots in handle.items():
+                self.tables[name].cache.unpin(slots)
+            self._releases += 1
             self.lock.notify_all()
 
     def join(self) -> None:
@@ -394,13 +403,14 @@ class PSTier:
 
     @contextlib.contextmanager
     def _joined(self):
-        """Work on the tier's stream after everything issued so far, the training stream waiting
-        for it afterwards (flush, load)."""
+        """Move rows alone (no staging in progress), on the tier's stream after everything issued
+        so far, the training stream waiting for it afterwards (flush, load)."""
         device = self._device()
-        self.join()
-        with self._on_side(device):
-            yield
-        self._training_waits(device)
+        with self._staging, self.lock:
+            self.join()
+            with self._on_side(device):
+                yield
+            self._training_waits(device)
 
     def release_sync(self) -> None:
         """Unpin the batch the last synchronous ``prepare`` staged (it is done once the next batch
@@ -420,25 +430,25 @@ class PSTier:
     def flush(self, tables=None) -> int:
         """Push every dirty cached row (with optimizer state); returns how many were written."""
         written = 0
-        with self.lock, self._joined():
+        with self._joined():
             for t in self.tables.values():
                 if tables is not None and t.name not in tables:
                     continue
                 c = t.cache
-                dirty = c.dirty.nonzero().flatten()
-                if dirty.numel():
-                    t.store.put(t.name, c.id_of[dirty].cpu(), self._read_rows(t, dirty))
-                    c.dirty[dirty] = False  # only after the store acknowledged
-                    written += dirty.numel()
+                dirty = np.flatnonzero(c.dirty)
+                if dirty.size:
+                    t.store.put(t.name, c.id_of[dirty], self._read_rows(t, dirty), unique_ids=True)
+                    c.dirty[dirty] = 0  # only after the store acknowledged
+                    written += int(dirty.size)
         return written
 
-    def _evict(self, t: _Table, victims: torch.Tensor) -> None:
+    def _evict(self, t: _Table, victims: np.ndarray) -> None:
         """Push the dirty victims (the store acknowledges), then free the slots."""
         c = t.cache
-        dirty = victims[c.dirty[victims]]
-        if dirty.numel():
-            t.store.put(t.name, c.id_of[dirty].cpu(), self._read_rows(t, dirty))
-            c.stats["pushed"] += dirty.numel()
+        dirty = victims[c.dirty[victims].astype(bool)]
+        if dirty.size:
+            t.store.put(t.name, c.id_of[dirty], self._read_rows(t, dirty), unique_ids=True)
+            c.stats["pushed"] += int(dirty.size)
         c.drop(victims)
 
     def load_table(self, name: str, weight: torch.Tensor, chunk: int = 65536) -> None:
@@ -448,29 +458,19 @@ class PSTier:
         weight = weight.detach().cpu()
         if weight.dim() != 2 or weight.shape[1] != t.config.embedding_dim:
             raise ValueError(f"table {name!r}: expected a [n, {t.config.embedding_dim}] weight, got {tuple(weight.shape)}")
-        with self.lock, self._joined():
+        with self._joined():
             c = t.cache
             if bool((c.pins > 0).any()):
                 raise RuntimeError(f"table {name!r}: cannot load while batches are in flight")
             _, occupied = c.occupied()
-            if occupied.numel():
+            if occupied.size:
                 self._evict(t, occupied)
             n = weight.shape[0]
             for a in range(0, n, chunk):
                 ids = torch.arange(a, min(a + chunk, n), dtype=torch.int64)
                 rows = self.initial_rows_without_weights(t, ids)
                 rows[:, :t.config.embedding_dim] = weight[a:a + ids.numel()].float()
-                t.store.put(name, ids, rows)
-
-    def initial_rows_without_weights(self, t: _Table, ids: torch.Tensor) -> torch.Tensor:
-        rows = torch.zeros(ids.numel(), self.width(t), dtype=torch.float32)
-        col = t.config.embedding_dim
-        spec = self.module._fused_spec
-        for name, kind in self._states():
-            n = 1 if kind == "row" else t.config.embedding_dim
-            rows[:, col:col + n] = spec.initial_accumulator_value if name == "sum" else 0.0
-            col += n
-        return rows
+                t.store.put(name, ids, rows, unique_ids=True)
 
     def export_table(self, name: str, max_rows: int = 1 << 24) -> torch.Tensor:
         """The table's full weight ``[num_embeddings, dim]`` (after a flush): stored rows from the

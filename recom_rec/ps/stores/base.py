@@ -75,11 +75,12 @@ class RowStore(abc.ABC):
             return torch.zeros(0, width, dtype=dtype), torch.zeros(0, dtype=torch.bool)
         return self._get(table, ids, width, dtype)
 
-    def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor, unique_ids: bool = False) -> None:
         """Store ``rows[i]`` under ``ids[i]`` of ``table``, replacing earlier rows.
 
-        If an id occurs more than once in ``ids``, the last occurrence wins. Returns only after
-        the store has acknowledged the write.
+        If an id occurs more than once in ``ids``, the last occurrence wins. ``unique_ids=True``
+        promises that no id repeats (the cache's pushes), which skips the check. Returns only
+        after the store has acknowledged the write.
         """
         self._check_open()
         check_table(table)
@@ -87,7 +88,8 @@ class RowStore(abc.ABC):
         rows = normalize_rows(rows, ids.numel())
         if ids.numel() == 0:
             return
-        ids, rows = last_write_wins(ids, rows)
+        if not unique_ids:
+            ids, rows = last_write_wins(ids, rows)
         self._put(table, ids, rows)
 
     def delete(self, table: str, ids: torch.Tensor) -> None:

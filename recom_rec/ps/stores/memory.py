@@ -4,35 +4,38 @@
 handle opened with the same name in this process (like a tiny in-process server), and its
 data outlives the handles until :func:`drop_memory_namespace` is called.
 
-Each table keeps an id -> slot :class:`~recom_rec.ps.id_index.IdIndex` and one growing
-``[capacity, width]`` tensor, so lookups, gathers and scatters of a batch are each a few
-vectorised torch ops.
+Each table is a C table (recom_rec/csrc/ps_host.c): an id -> row hash map and one growing row
+buffer, rows kept as their raw bytes; a batch's get or put is one call that releases the GIL.
 """
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 from urllib.parse import urlsplit
 
+import numpy as np
 import torch
 
-from ..id_index import IdIndex
+from .. import host_lib
 from .base import RowStore, StoreError
-
-_INITIAL_CAPACITY = 1024
 
 
 class _Table:
-    """Rows of one table: an id -> slot index plus a row tensor that doubles when full."""
-    # slots of deleted ids are kept in free_slots and handed out again before the tensor grows
+    """Rows of one table (a fixed width and dtype), held by the C library."""
 
     def __init__(self, width: int, dtype: torch.dtype):
         self.width = width
         self.dtype = dtype
-        self.slot_of = IdIndex()
-        self.rows = torch.zeros(_INITIAL_CAPACITY, width, dtype=dtype)
-        self.used = 0  # slots [0, used) have been handed out at least once
-        self.free_slots: List[int] = []  # slots of deleted ids, reused before growing
+        self.row_bytes = width * torch.empty((), dtype=dtype).element_size()
+        self._lib = host_lib.lib()
+        self._t = self._lib.ps_mem_new(self.row_bytes)
+        if not self._t:
+            raise MemoryError("cannot allocate a memory:// table")
+
+    def __del__(self) -> None:
+        t, self._t = getattr(self, "_t", None), None
+        if t:
+            self._lib.ps_mem_free(t)
 
     def check_layout(self, table: str, width: int, dtype: torch.dtype) -> None:
         if width != self.width or dtype != self.dtype:
@@ -41,21 +44,25 @@ class _Table:
                 f"but width {width} and dtype {dtype} were used"
             )
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.slot_of.lookup(ids)  # -1 where the id is not stored
+    def get(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.empty(ids.numel(), self.width, dtype=self.dtype)
+        found = torch.empty(ids.numel(), dtype=torch.bool)
+        if not self._lib.ps_mem_get(self._t, ids.data_ptr(), ids.numel(), rows.data_ptr(), found.data_ptr()):
+            raise MemoryError("memory:// store: out of host memory reading rows")
+        return rows, found
 
-    def allocate(self, count: int) -> torch.Tensor:
-        reused = self.free_slots[-count:] if count else []
-        del self.free_slots[len(self.free_slots) - len(reused):]
-        fresh = count - len(reused)
-        if self.used + fresh > self.rows.shape[0]:
-            capacity = max(self.rows.shape[0] * 2, self.used + fresh)
-            grown = torch.zeros(capacity, self.width, dtype=self.dtype)
-            grown[: self.used] = self.rows[: self.used]
-            self.rows = grown
-        new = torch.arange(self.used, self.used + fresh, dtype=torch.int64)
-        self.used += fresh
-        return torch.cat([torch.tensor(reused, dtype=torch.int64), new]) if reused else new
+    def put(self, table: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        if not self._lib.ps_mem_put(self._t, ids.data_ptr(), ids.numel(), rows.data_ptr()):
+            raise StoreError(f"memory:// table {table!r}: out of memory storing {ids.numel()} rows")
+
+    def delete(self, table: str, ids: torch.Tensor) -> None:
+        if not self._lib.ps_mem_delete(self._t, ids.data_ptr(), ids.numel()):
+            raise StoreError(f"memory:// table {table!r}: out of memory deleting rows")
+
+    def ids(self) -> torch.Tensor:
+        out = np.empty(self._lib.ps_mem_count(self._t), dtype=np.int64)
+        self._lib.ps_mem_scan(self._t, host_lib.ptr(out))
+        return torch.from_numpy(out)
 
 
 class _Namespace:
@@ -93,12 +100,7 @@ class MemoryStore(RowStore):
                     ids.numel(), dtype=torch.bool
                 )
             t.check_layout(table, width, dtype)
-            slots = t.lookup(ids)
-            found = slots >= 0
-            # Missing ids read slot 0 and are zeroed afterwards: one gather for the whole batch.
-            rows = t.rows.index_select(0, slots.clamp(min=0))
-            rows[~found] = 0
-            return rows, found
+            return t.get(ids)
 
     def _put(self, table, ids, rows) -> None:
         width, dtype = rows.shape[1], rows.dtype
@@ -107,27 +109,18 @@ class MemoryStore(RowStore):
             if t is None:
                 t = self._ns.tables[table] = _Table(width, dtype)
             t.check_layout(table, width, dtype)
-            slots = t.lookup(ids)
-            missing = (slots < 0).nonzero().flatten()
-            if missing.numel():
-                slots[missing] = t.allocate(missing.numel())
-                t.slot_of.insert(ids[missing], slots[missing])
-            t.rows[slots] = rows  # ids are unique here, so the scatter is well defined
+            t.put(table, ids, rows)
 
     def _delete(self, table, ids) -> None:
         with self._ns.lock:
             t = self._ns.tables.get(table)
-            if t is None:
-                return
-            ids = torch.unique(ids.to(torch.int64))
-            slots = t.slot_of.lookup(ids)
-            t.slot_of.delete(ids)
-            t.free_slots.extend(slots[slots >= 0].tolist())
+            if t is not None:
+                t.delete(table, ids)
 
     def _scan_ids(self, table) -> torch.Tensor:
         with self._ns.lock:
             t = self._ns.tables.get(table)
-            return t.slot_of.items()[0] if t is not None else torch.empty(0, dtype=torch.int64)
+            return t.ids() if t is not None else torch.empty(0, dtype=torch.int64)
 
     def _clear(self, table) -> None:
         with self._ns.lock:

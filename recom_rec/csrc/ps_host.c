@@ -1,0 +1,636 @@
+/* Host-side bookkeeping of the parameter-server tier, in C so that a batch's id lookup, slot
+ * choice and store I/O cost microseconds instead of the ~100 small torch ops (30-40 us of host
+ * time each) they took in Python. Built with the system C compiler on first use and loaded with
+ * ctypes (recom_rec/ps/host_lib.py); ctypes releases the GIL during each call, so a prefetch thread
+ * running these never blocks the training thread's Python.
+ *
+ * Three parts:
+ *  - slot cache: id -> slot map of one PS table's cache, pins of batches in flight, the eviction
+ *    choice (free slots lowest first, then the smallest (score, slot) among unpinned occupied
+ *    slots; LRU score = last batch used, LFU score = uses << 40 | last batch used);
+ *  - memory store: the rows of one table of a memory:// store (id -> row index + a row buffer);
+ *  - init: torchrec's default uniform init, as recom_rec.ps.tier.init_rows computes it in torch.
+ *
+ * The per-slot arrays of the cache (id_of, dirty, pins, last_used, uses) are numpy arrays owned
+ * by Python; the struct keeps their pointers. Callers serialise calls on one object.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+typedef uint64_t u64;
+
+#define FREE_SLOT (-1)
+#define STAGE_OK 0
+#define STAGE_WOULD_BLOCK (-1) /* not enough unpinned slots now; other batches hold pins */
+#define STAGE_FULL (-2)        /* not enough slots even with no other batch in flight */
+#define STAGE_NEGATIVE_ID (-3) /* counts[0] = the position of the negative id */
+#define STAGE_NO_MEMORY (-4)
+
+/* ------------------------------------------------------------------ id -> i64 hash map
+ * Open addressing, linear probing, load factor <= 1/2, deletion by backward shift (no
+ * tombstones, so lookups stay short however many ids come and go). Key and value side by side:
+ * a probe of a map larger than the caches costs one memory access, not one per array. The key
+ * EMPTY marks a free entry; the id EMPTY itself (INT64_MIN, only a store can be given it) is
+ * kept beside the table. */
+#define EMPTY INT64_MIN
+/* Batch operations look ids up in tables far larger than the CPU caches: prefetching the home
+ * entry of the id LOOKAHEAD positions ahead overlaps those memory accesses. */
+#define LOOKAHEAD 8
+
+typedef struct {
+    i64 key;
+    i64 val;
+} Pair;
+
+typedef struct {
+    Pair *at;
+    i64 cap; /* a power of two */
+    i64 size;
+    int has_empty_key;
+    i64 empty_key_val;
+} Map;
+
+static inline u64 mix(i64 key) {
+    u64 h = (u64)key * 0x9E3779B97F4A7C15ULL;
+    return h ^ (h >> 29);
+}
+
+static int map_init(Map *m, i64 want) {
+    i64 cap = 16;
+    while (cap < 2 * want) cap <<= 1;
+    memset(m, 0, sizeof(*m));
+    m->at = (Pair *)malloc(sizeof(Pair) * cap);
+    if (!m->at) return 0;
+    for (i64 i = 0; i < cap; i++) m->at[i].key = EMPTY;
+    m->cap = cap;
+    return 1;
+}
+
+static void map_release(Map *m) {
+    free(m->at);
+    memset(m, 0, sizeof(*m));
+}
+
+static inline const Pair *map_home(const Map *m, i64 key) { return m->at + (mix(key) & (u64)(m->cap - 1)); }
+
+/* The value of key, or -1 (values are >= 0). */
+static inline i64 map_get(const Map *m, i64 key) {
+    if (key == EMPTY) return m->has_empty_key ? m->empty_key_val : -1;
+    i64 mask = m->cap - 1, i = (i64)(mix(key) & (u64)mask);
+    for (;;) {
+        i64 k = m->at[i].key;
+        if (k == key) return m->at[i].val;
+        if (k == EMPTY) return -1;
+        i = (i + 1) & mask;
+    }
+}
+
+static int map_grow(Map *m);
+static inline void map_prefetch(const Map *m, i64 key) { __builtin_prefetch(map_home(m, key)); }
+
+/* Inserts key (absent) -> val. Returns 0 when out of memory. */
+static int map_insert(Map *m, i64 key, i64 val) {
+    if (key == EMPTY) {
+        m->has_empty_key = 1;
+        m->empty_key_val = val;
+        return 1;
+    }
+    if (2 * (m->size + 1) > m->cap && !map_grow(m)) return 0;
+    i64 mask = m->cap - 1, i = (i64)(mix(key) & (u64)mask);
+    while (m->at[i].key != EMPTY) i = (i + 1) & mask;
+    m->at[i].key = key;
+    m->at[i].val = val;
+    m->size++;
+    return 1;
+}
+
+static int map_grow(Map *m) {
+    Map bigger;
+    if (!map_init(&bigger, m->cap)) return 0; /* cap = 2 * size bound, so this doubles it */
+    for (i64 i = 0; i < m->cap; i++) {
+        if (i + LOOKAHEAD < m->cap && m->at[i + LOOKAHEAD].key != EMPTY)
+            __builtin_prefetch(map_home(&bigger, m->at[i + LOOKAHEAD].key), 1);
+        if (m->at[i].key != EMPTY) map_insert(&bigger, m->at[i].key, m->at[i].val);
+    }
+    bigger.has_empty_key = m->has_empty_key;
+    bigger.empty_key_val = m->empty_key_val;
+    map_release(m);
+    *m = bigger;
+    return 1;
+}
+
+/* Removes key if present. */
+static void map_erase(Map *m, i64 key) {
+    if (key == EMPTY) {
+        m->has_empty_key = 0;
+        return;
+    }
+    i64 mask = m->cap - 1, i = (i64)(mix(key) & (u64)mask);
+    for (;;) {
+        if (m->at[i].key == key) break;
+        if (m->at[i].key == EMPTY) return;
+        i = (i + 1) & mask;
+    }
+    m->at[i].key = EMPTY;
+    m->size--;
+    for (i64 j = i;;) { /* shift back later entries of the probe run that may not sit past the hole */
+        j = (j + 1) & mask;
+        if (m->at[j].key == EMPTY) return;
+        i64 home = (i64)(mix(m->at[j].key) & (u64)mask);
+        /* entry j may move to the hole i unless its home lies cyclically in (i, j] */
+        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+        if (stays) continue;
+        m->at[i] = m->at[j];
+        m->at[j].key = EMPTY;
+        i = j;
+    }
+}
+
+/* ------------------------------------------------------------------ slot cache */
+typedef struct {
+    i64 score;
+    i64 slot;
+} Entry;
+
+/* A sorted run of eviction candidates: the slots one unpin made evictable, by (score, slot). */
+typedef struct {
+    Entry *e;
+    i64 n, cur;
+} Run;
+
+typedef struct {
+    i64 rows;
+    int lfu;
+    i64 *id_of;
+    uint8_t *dirty;
+    int32_t *pins;
+    i64 *last_used;
+    i64 *uses;
+    Map map;        /* id -> slot of every occupied slot */
+    i64 *free_heap; /* min-heap of free slots */
+    i64 n_free;
+    /* Eviction candidates: sorted runs, merged through a min-heap of runs keyed by their next
+     * entry. An entry is current while its slot is occupied, unpinned and still has that score;
+     * every occupied unpinned slot has a current entry, stale ones are skipped when they come up.
+     * (A binary heap of single entries cost ~15 scattered memory accesses per victim: the
+     * largest cost of a batch. A victim from a run is the next entry of an array.) */
+    Run *runs;
+    i64 n_runs, runs_cap;
+    i64 run_entries; /* entries not yet consumed, current or stale */
+    Entry *scratch, *scratch2; /* rows entries each: an unpin's new run before it is copied */
+    i64 n_unpinned; /* slots with pins == 0, free or occupied */
+    i64 clock;      /* batches touched so far */
+    i64 *stamp;     /* the stage call that last met the slot (distinct slots per batch) */
+    i64 serial;
+} Cache;
+
+static inline i64 score_of(const Cache *c, i64 s) {
+    return c->lfu ? (c->uses[s] << 40) + c->last_used[s] : c->last_used[s];
+}
+
+static inline int entry_less(Entry a, Entry b) {
+    return a.score < b.score || (a.score == b.score && a.slot < b.slot);
+}
+
+static inline int entry_current(const Cache *c, Entry e) {
+    return c->id_of[e.slot] != FREE_SLOT && c->pins[e.slot] == 0 && score_of(c, e.slot) == e.score;
+}
+
+static int entry_cmp(const void *a, const void *b) {
+    Entry x = *(const Entry *)a, y = *(const Entry *)b;
+    return entry_less(x, y) ? -1 : entry_less(y, x) ? 1 : 0;
+}
+
+/* Sorts e[0..n) by (score, slot): an LSD radix sort of the slots when all scores are equal (an
+ * unpin's slots were last used by the same batch, the usual case), else qsort. */
+static void sort_entries(Cache *c, Entry *e, i64 n) {
+    int same = 1;
+    for (i64 i = 1; i < n && same; i++) same = e[i].score == e[0].score;
+    if (!same) {
+        qsort(e, (size_t)n, sizeof(Entry), entry_cmp);
+        return;
+    }
+    Entry *src = e, *dst = c->scratch2;
+    for (int shift = 0; ((c->rows - 1) >> shift) > 0; shift += 8) {
+        i64 count[257] = {0};
+        for (i64 i = 0; i < n; i++) count[((src[i].slot >> shift) & 255) + 1]++;
+        for (int d = 0; d < 256; d++) count[d + 1] += count[d];
+        for (i64 i = 0; i < n; i++) dst[count[(src[i].slot >> shift) & 255]++] = src[i];
+        Entry *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != e) memcpy(e, src, sizeof(Entry) * (size_t)n);
+}
+
+static inline int run_less(const Run *a, const Run *b) { return entry_less(a->e[a->cur], b->e[b->cur]); }
+
+static void runs_sift_down(Cache *c, i64 i) {
+    Run *h = c->runs;
+    for (;;) {
+        i64 l = 2 * i + 1, best = i;
+        if (l < c->n_runs && run_less(&h[l], &h[best])) best = l;
+        if (l + 1 < c->n_runs && run_less(&h[l + 1], &h[best])) best = l + 1;
+        if (best == i) return;
+        Run t = h[i];
+        h[i] = h[best];
+        h[best] = t;
+        i = best;
+    }
+}
+
+static void runs_clear(Cache *c) {
+    for (i64 i = 0; i < c->n_runs; i++) free(c->runs[i].e);
+    c->n_runs = 0;
+    c->run_entries = 0;
+}
+
+/* Adds the sorted e[0..n) as a run (copied). Returns 0 when out of memory. */
+static int runs_add(Cache *c, const Entry *e, i64 n) {
+    if (n == 0) return 1;
+    if (c->n_runs == c->runs_cap) {
+        i64 cap = c->runs_cap ? 2 * c->runs_cap : 64;
+        Run *grown = (Run *)realloc(c->runs, sizeof(Run) * (size_t)cap);
+        if (!grown) return 0;
+        c->runs = grown;
+        c->runs_cap = cap;
+    }
+    Entry *copy = (Entry *)malloc(sizeof(Entry) * (size_t)n);
+    if (!copy) return 0;
+    memcpy(copy, e, sizeof(Entry) * (size_t)n);
+    i64 i = c->n_runs++;
+    c->runs[i] = (Run){copy, n, 0};
+    c->run_entries += n;
+    while (i > 0) {
+        i64 p = (i - 1) / 2;
+        if (!run_less(&c->runs[i], &c->runs[p])) break;
+        Run t = c->runs[i];
+        c->runs[i] = c->runs[p];
+        c->runs[p] = t;
+        i = p;
+    }
+    return 1;
+}
+
+/* One run of the current entries of every evictable slot (drops the stale ones). */
+static int runs_rebuild(Cache *c) {
+    runs_clear(c);
+    i64 n = 0;
+    for (i64 s = 0; s < c->rows; s++)
+        if (c->id_of[s] != FREE_SLOT && c->pins[s] == 0) c->scratch[n++] = (Entry){score_of(c, s), s};
+    qsort(c->scratch, (size_t)n, sizeof(Entry), entry_cmp);
+    return runs_add(c, c->scratch, n);
+}
+
+/* The slots e[0..n) (distinct) became evictable: add them as a run, or rebuild when the runs
+ * hold more stale entries than current ones. */
+static void runs_push(Cache *c, Entry *e, i64 n) {
+    if (n == 0) return;
+    if (c->run_entries + n > 2 * c->rows + 1024) {
+        runs_rebuild(c); /* includes these slots: they are unpinned now */
+        return;
+    }
+    sort_entries(c, e, n);
+    if (!runs_add(c, e, n)) runs_rebuild(c); /* out of memory: one run of at most rows entries */
+}
+
+static i64 pop_victim(Cache *c) { /* the smallest current entry's slot, or -1 */
+    while (c->n_runs > 0) {
+        Run *top = &c->runs[0];
+        Entry e = top->e[top->cur++];
+        c->run_entries--;
+        if (top->cur == top->n) {
+            free(top->e);
+            c->runs[0] = c->runs[--c->n_runs];
+        }
+        if (c->n_runs > 1) runs_sift_down(c, 0);
+        if (entry_current(c, e)) return e.slot;
+    }
+    return -1;
+}
+
+static void free_push(Cache *c, i64 s) {
+    i64 i = c->n_free++;
+    while (i > 0) {
+        i64 p = (i - 1) / 2;
+        if (c->free_heap[p] <= s) break;
+        c->free_heap[i] = c->free_heap[p];
+        i = p;
+    }
+    c->free_heap[i] = s;
+}
+
+static i64 free_pop(Cache *c) {
+    i64 top = c->free_heap[0], last = c->free_heap[--c->n_free], n = c->n_free, i = 0;
+    for (;;) {
+        i64 l = 2 * i + 1, best = -1;
+        if (l < n) best = l;
+        if (l + 1 < n && c->free_heap[l + 1] < c->free_heap[l]) best = l + 1;
+        if (best < 0 || c->free_heap[best] >= last) break;
+        c->free_heap[i] = c->free_heap[best];
+        i = best;
+    }
+    if (n > 0) c->free_heap[i] = last;
+    return top;
+}
+
+void ps_cache_free(Cache *c) {
+    if (!c) return;
+    map_release(&c->map);
+    free(c->free_heap);
+    runs_clear(c);
+    free(c->runs);
+    free(c->scratch);
+    free(c->scratch2);
+    free(c->stamp);
+    free(c);
+}
+
+/* The arrays must hold `rows` entries and stay alive as long as the cache; id_of starts all
+ * FREE_SLOT (an empty cache), the others zero. */
+Cache *ps_cache_new(i64 rows, int lfu, i64 *id_of, uint8_t *dirty, int32_t *pins, i64 *last_used, i64 *uses) {
+    Cache *c = (Cache *)calloc(1, sizeof(Cache));
+    if (!c) return NULL;
+    c->rows = rows;
+    c->lfu = lfu;
+    c->id_of = id_of;
+    c->dirty = dirty;
+    c->pins = pins;
+    c->last_used = last_used;
+    c->uses = uses;
+    c->free_heap = (i64 *)malloc(sizeof(i64) * (rows + 1));
+    c->scratch = (Entry *)malloc(sizeof(Entry) * (rows + 1));
+    c->scratch2 = (Entry *)malloc(sizeof(Entry) * (rows + 1));
+    c->stamp = (i64 *)calloc(rows + 1, sizeof(i64));
+    if (!c->free_heap || !c->scratch || !c->scratch2 || !c->stamp || !map_init(&c->map, rows)) {
+        ps_cache_free(c);
+        return NULL;
+    }
+    for (i64 s = 0; s < rows; s++) c->free_heap[s] = s; /* ascending: already a min-heap */
+    c->n_free = rows;
+    c->n_unpinned = rows;
+    return c;
+}
+
+/* Stage one batch's ids (any order, duplicates allowed):
+ *  pos_slot[n]    the slot of each position (misses: the slot reserved for the id);
+ *  uniq_slots[]   the batch's distinct slots, hits first, then take[] (all now pinned);
+ *  take[m]        the slots reserved for the m distinct misses new_ids[m] (first-seen order);
+ *  evicted[m]     the id each take slot holds now (FREE_SLOT if none), push[m] = it is dirty.
+ * Nothing in the id map changes until ps_cache_commit (after the store has the pushed rows and
+ * the pulled rows are written), so a failed store leaves every row where it was
+ * (ps_cache_abort). counts = [distinct slots u, misses m, distinct hits]. On STAGE_FULL and
+ * STAGE_WOULD_BLOCK nothing changed and counts[2] holds the number of slots the batch could get. */
+i64 ps_cache_stage(Cache *c, const i64 *ids, i64 n, i64 *pos_slot, i64 *uniq_slots, i64 *take, i64 *new_ids,
+                   i64 *evicted, uint8_t *push, i64 *counts) {
+    i64 serial = ++c->serial, hits = 0, m = 0, hits_unpinned = 0;
+    Map batch; /* the batch's distinct misses: id -> index in new_ids */
+    if (!map_init(&batch, n < 8 ? 8 : n)) {
+        map_release(&batch);
+        return STAGE_NO_MEMORY;
+    }
+    for (i64 i = 0; i < n; i++) {
+        i64 id = ids[i];
+        if (id < 0) {
+            map_release(&batch);
+            counts[0] = i;
+            return STAGE_NEGATIVE_ID;
+        }
+        if (i + LOOKAHEAD < n) map_prefetch(&c->map, ids[i + LOOKAHEAD]);
+        i64 s = map_get(&c->map, id);
+        if (s >= 0) {
+            pos_slot[i] = s;
+            if (c->stamp[s] != serial) {
+                c->stamp[s] = serial;
+                uniq_slots[hits++] = s;
+                hits_unpinned += c->pins[s] == 0;
+            }
+        } else {
+            i64 k = map_get(&batch, id);
+            if (k < 0) {
+                k = m++;
+                new_ids[k] = id;
+                if (!map_insert(&batch, id, k)) {
+                    map_release(&batch);
+                    return STAGE_NO_MEMORY;
+                }
+            }
+            pos_slot[i] = -(k + 1); /* resolved once the slots are chosen */
+        }
+    }
+    map_release(&batch);
+    i64 available = c->n_unpinned - hits_unpinned;
+    counts[0] = hits + m;
+    counts[1] = m;
+    counts[2] = available;
+    if (m > available) return c->n_unpinned < c->rows ? STAGE_WOULD_BLOCK : STAGE_FULL;
+    for (i64 k = 0; k < hits; k++) {
+        i64 s = uniq_slots[k];
+        if (c->pins[s]++ == 0) c->n_unpinned--;
+    }
+    for (i64 k = 0; k < m; k++) {
+        i64 s = c->n_free > 0 ? free_pop(c) : pop_victim(c);
+        /* s >= 0: every occupied unpinned slot has a current entry, and m <= available */
+        take[k] = s;
+        evicted[k] = c->id_of[s];
+        push[k] = c->id_of[s] != FREE_SLOT && c->dirty[s];
+        c->pins[s] = 1;
+        c->n_unpinned--;
+        uniq_slots[hits + k] = s;
+    }
+    for (i64 i = 0; i < n; i++)
+        if (pos_slot[i] < 0) pos_slot[i] = take[-pos_slot[i] - 1];
+    counts[2] = hits;
+    return STAGE_OK;
+}
+
+/* Unpins slots[0..n) (distinct); those no batch holds any more become free or evictable. */
+static void unpin_all(Cache *c, const i64 *slots, i64 n) {
+    i64 g = 0;
+    for (i64 k = 0; k < n; k++) {
+        i64 s = slots[k];
+        if (c->pins[s] <= 0 || --c->pins[s] > 0) continue;
+        c->n_unpinned++;
+        if (c->id_of[s] != FREE_SLOT)
+            c->scratch[g++] = (Entry){score_of(c, s), s};
+        else
+            free_push(c, s);
+    }
+    runs_push(c, c->scratch, g);
+}
+
+/* The staged rows are in place: take[k] now holds new_ids[k] (clean), every slot of the batch
+ * counts one more use at a new clock tick. Returns the number of evicted ids. */
+i64 ps_cache_commit(Cache *c, const i64 *uniq_slots, i64 u, const i64 *take, const i64 *new_ids, i64 m) {
+    i64 evictions = 0;
+    for (i64 k = 0; k < m; k++) {
+        i64 s = take[k], old = c->id_of[s];
+        if (old != FREE_SLOT) {
+            map_erase(&c->map, old);
+            evictions++;
+        }
+        c->id_of[s] = new_ids[k];
+        map_insert(&c->map, new_ids[k], s); /* cannot fail: sized for rows at creation */
+        c->dirty[s] = 0;
+        c->uses[s] = 0;
+    }
+    c->clock++;
+    for (i64 k = 0; k < u; k++) {
+        i64 s = uniq_slots[k];
+        c->last_used[s] = c->clock;
+        c->uses[s]++;
+    }
+    return evictions;
+}
+
+/* Undo a stage that will not be committed: its slots are unpinned, every id stays where it was. */
+void ps_cache_abort(Cache *c, const i64 *uniq_slots, i64 u) { unpin_all(c, uniq_slots, u); }
+
+/* A batch is done with its slots (its backward has been issued). */
+void ps_cache_unpin(Cache *c, const i64 *slots, i64 n) { unpin_all(c, slots, n); }
+
+void ps_cache_mark_dirty(Cache *c, const i64 *slots, i64 n) {
+    for (i64 k = 0; k < n; k++) c->dirty[slots[k]] = 1;
+}
+
+/* The ids of unpinned occupied slots leave the cache (their dirty rows were pushed). */
+void ps_cache_drop(Cache *c, const i64 *slots, i64 n) {
+    for (i64 k = 0; k < n; k++) {
+        i64 s = slots[k];
+        if (c->id_of[s] == FREE_SLOT || c->pins[s] != 0) continue;
+        map_erase(&c->map, c->id_of[s]);
+        c->id_of[s] = FREE_SLOT;
+        c->dirty[s] = 0;
+        c->uses[s] = 0;
+        free_push(c, s);
+    }
+}
+
+/* ------------------------------------------------------------------ memory store table */
+typedef struct {
+    Map map; /* id -> row index */
+    char *rows;
+    i64 row_bytes, capacity, used;
+    i64 *freed; /* row indices of deleted ids, reused before the buffer grows */
+    i64 n_freed, freed_cap;
+} MemTable;
+
+void ps_mem_free(MemTable *t) {
+    if (!t) return;
+    map_release(&t->map);
+    free(t->rows);
+    free(t->freed);
+    free(t);
+}
+
+MemTable *ps_mem_new(i64 row_bytes) {
+    MemTable *t = (MemTable *)calloc(1, sizeof(MemTable));
+    if (!t) return NULL;
+    t->row_bytes = row_bytes;
+    t->capacity = 1024;
+    t->rows = (char *)malloc((size_t)(row_bytes * t->capacity));
+    if (!t->rows || !map_init(&t->map, 1024)) {
+        ps_mem_free(t);
+        return NULL;
+    }
+    return t;
+}
+
+/* rows of ids (duplicates allowed) into out [n, row_bytes], zeros where absent; found[i].
+ * Two passes, each prefetching ahead: the ids' map entries, then their rows. */
+int ps_mem_get(const MemTable *t, const i64 *ids, i64 n, char *out, uint8_t *found) {
+    i64 *row = (i64 *)malloc(sizeof(i64) * (n > 0 ? n : 1));
+    if (!row) return 0;
+    for (i64 i = 0; i < n; i++) {
+        if (i + LOOKAHEAD < n) map_prefetch(&t->map, ids[i + LOOKAHEAD]);
+        row[i] = map_get(&t->map, ids[i]);
+    }
+    for (i64 i = 0; i < n; i++) {
+        if (i + LOOKAHEAD < n && row[i + LOOKAHEAD] >= 0)
+            __builtin_prefetch(t->rows + row[i + LOOKAHEAD] * t->row_bytes);
+        char *dst = out + i * t->row_bytes;
+        found[i] = row[i] >= 0;
+        if (row[i] >= 0)
+            memcpy(dst, t->rows + row[i] * t->row_bytes, (size_t)t->row_bytes);
+        else
+            memset(dst, 0, (size_t)t->row_bytes);
+    }
+    free(row);
+    return 1;
+}
+
+/* ids unique; returns 0 when out of memory (rows written before that stay written). */
+int ps_mem_put(MemTable *t, const i64 *ids, i64 n, const char *rows) {
+    for (i64 i = 0; i < n; i++) {
+        if (i + LOOKAHEAD < n) map_prefetch(&t->map, ids[i + LOOKAHEAD]);
+        i64 r = map_get(&t->map, ids[i]);
+        if (r < 0) {
+            if (t->n_freed > 0) {
+                r = t->freed[--t->n_freed];
+            } else {
+                if (t->used == t->capacity) {
+                    char *grown = (char *)realloc(t->rows, (size_t)(t->row_bytes * t->capacity * 2));
+                    if (!grown) return 0;
+                    t->rows = grown;
+                    t->capacity *= 2;
+                }
+                r = t->used++;
+            }
+            if (!map_insert(&t->map, ids[i], r)) return 0;
+        }
+        memcpy(t->rows + r * t->row_bytes, rows + i * t->row_bytes, (size_t)t->row_bytes);
+    }
+    return 1;
+}
+
+int ps_mem_delete(MemTable *t, const i64 *ids, i64 n) {
+    for (i64 i = 0; i < n; i++) {
+        i64 r = map_get(&t->map, ids[i]);
+        if (r < 0) continue;
+        if (t->n_freed == t->freed_cap) {
+            i64 cap = t->freed_cap ? 2 * t->freed_cap : 256;
+            i64 *grown = (i64 *)realloc(t->freed, sizeof(i64) * cap);
+            if (!grown) return 0;
+            t->freed = grown;
+            t->freed_cap = cap;
+        }
+        t->freed[t->n_freed++] = r;
+        map_erase(&t->map, ids[i]);
+    }
+    return 1;
+}
+
+i64 ps_mem_count(const MemTable *t) { return t->map.size + t->map.has_empty_key; }
+
+void ps_mem_scan(const MemTable *t, i64 *out) { /* ps_mem_count ids, in no particular order */
+    i64 k = 0;
+    for (i64 i = 0; i < t->map.cap; i++)
+        if (t->map.at[i].key != EMPTY) out[k++] = t->map.at[i].key;
+    if (t->map.has_empty_key) out[k++] = EMPTY;
+}
+
+/* ------------------------------------------------------------------ init
+ * torchrec's default init (uniform in [a, b]) exactly as init_rows computes it in torch:
+ * h = splitmix(splitmix(id * M2 + base) + col * GOLDEN), u = (h >> 11) * 2^-53,
+ * value = float32(a + (b - a) * u) (double arithmetic, no fused multiply-add). */
+static inline u64 splitmix(u64 x) {
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+void ps_init_uniform(const i64 *ids, i64 n, i64 dim, i64 base, double a, double b, float *out, i64 row_stride) {
+    const double span = b - a, scale = 1.0 / (double)(1ULL << 53);
+    for (i64 i = 0; i < n; i++) {
+        u64 h1 = splitmix((u64)ids[i] * 0x94D049BB133111EBULL + (u64)base);
+        float *row = out + i * row_stride;
+        for (i64 j = 0; j < dim; j++) {
+            u64 h = splitmix(h1 + (u64)j * 0x9E3779B97F4A7C15ULL);
+            double u = (double)(h >> 11) * scale;
+            double prod = span * u;
+            row[j] = (float)(a + prod);
+        }
+    }
+}

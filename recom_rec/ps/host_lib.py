@@ -1,0 +1,97 @@
+"""The tier's host library, recom_rec/csrc/ps_host.c: compiled with the system C compiler (``CC``,
+else ``cc``) on first use, cached per source and compiler under ``RECOM_REC_HOST_CACHE`` (by
+default ``~/.cache/recom_rec/host``), loaded with ctypes.
+
+Why C through ctypes: the per-batch bookkeeping is a few thousand hash-map operations, which C
+does in tens of microseconds; as torch or numpy ops it was ~100 calls of 30-40 us each. ctypes
+releases the GIL for the length of each call, so wrap()'s thread does not hold up training.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "ps_host.c"
+# -ffp-contract=off: the init must round like torch's separate multiply and add.
+FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-std=c99"]
+
+STAGE_OK, STAGE_WOULD_BLOCK, STAGE_FULL, STAGE_NEGATIVE_ID, STAGE_NO_MEMORY = 0, -1, -2, -3, -4
+
+_lock = threading.Lock()
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+_SIGNATURES = {
+    "ps_cache_new": (_P, [_I, ctypes.c_int, _P, _P, _P, _P, _P]),
+    "ps_cache_free": (None, [_P]),
+    "ps_cache_stage": (_I, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P]),
+    "ps_cache_commit": (_I, [_P, _P, _I, _P, _P, _I]),
+    "ps_cache_abort": (None, [_P, _P, _I]),
+    "ps_cache_unpin": (None, [_P, _P, _I]),
+    "ps_cache_mark_dirty": (None, [_P, _P, _I]),
+    "ps_cache_drop": (None, [_P, _P, _I]),
+    "ps_mem_new": (_P, [_I]),
+    "ps_mem_free": (None, [_P]),
+    "ps_mem_count": (_I, [_P]),
+    "ps_mem_get": (ctypes.c_int, [_P, _P, _I, _P, _P]),
+    "ps_mem_put": (ctypes.c_int, [_P, _P, _I, _P]),
+    "ps_mem_delete": (ctypes.c_int, [_P, _P, _I]),
+    "ps_mem_scan": (None, [_P, _P]),
+    "ps_init_uniform": (None, [_P, _I, _I, _I, ctypes.c_double, ctypes.c_double, _P, _I]),
+}
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("recom_rec's parameter-server tier compiles recom_rec/csrc/ps_host.c on first use "
+                           "and needs a C compiler: install gcc or set CC")
+    return cc
+
+
+def _cache_file(cc: str) -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + f"{cc}|{FLAGS}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("RECOM_REC_HOST_CACHE", Path.home() / ".cache" / "recom_rec" / "host"))
+    return root / f"ps_host-{key}.so"
+
+
+@lru_cache(maxsize=None)
+def lib() -> ctypes.CDLL:
+    """The loaded library (built first when this source has no cached build)."""
+    with _lock:
+        cc = _compiler()
+        target = _cache_file(cc)
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                done = subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError(f"building {SOURCE.name} with {cc} failed:\n{done.stderr[-4000:]}")
+                os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own
+        handle = ctypes.CDLL(str(target))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(handle, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return handle
+
+
+def ptr(array: np.ndarray) -> int:
+    """The address of a C-contiguous numpy array's data."""
+    return array.ctypes.data
+
+
+def int64s(values) -> np.ndarray:
+    """``values`` (a CPU tensor, array or list) as a contiguous int64 numpy array."""
+    if hasattr(values, "numpy"):
+        values = values.detach().cpu().numpy()
+    return np.ascontiguousarray(values, dtype=np.int64)
