@@ -54,7 +54,7 @@ def section_timers(tier, device):
     patch(tier, "_move_rows", "    move rows (all)")
     patch(tier, "_read_rows", "      read evicted rows")
     patch(tier, "_write_rows", "      write pulled rows")
-    patch(tier, "initial_rows", "      init new rows")
+    patch(tier, "_init_rows_into", "      init new rows")
     for t in tier.tables.values():
         patch(t.cache, "stage", "    cache stage")
         patch(t.cache, "commit", "    cache commit")

@@ -614,16 +614,20 @@ void ps_mem_scan(const MemTable *t, i64 *out) { /* ps_mem_count ids, in no parti
 /* ------------------------------------------------------------------ init
  * torchrec's default init (uniform in [a, b]) exactly as init_rows computes it in torch:
  * h = splitmix(splitmix(id * M2 + base) + col * GOLDEN), u = (h >> 11) * 2^-53,
- * value = float32(a + (b - a) * u) (double arithmetic, no fused multiply-add). */
+ * value = float32(a + (b - a) * u) (double arithmetic, no fused multiply-add), written into the
+ * rows at given positions (a store's reply, where the ids it lacked are). */
 static inline u64 splitmix(u64 x) {
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
     x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
     return x ^ (x >> 31);
 }
 
-void ps_init_uniform(const i64 *ids, i64 n, i64 dim, i64 base, double a, double b, float *out, i64 row_stride) {
+/* Row k of out (row_stride floats apart) gets the init of ids[at[k]] for k < n; at NULL: of ids[k]. */
+void ps_init_uniform(const i64 *ids, const i64 *at, i64 n, i64 dim, i64 base, double a, double b, float *out,
+                     i64 row_stride) {
     const double span = b - a, scale = 1.0 / (double)(1ULL << 53);
-    for (i64 i = 0; i < n; i++) {
+    for (i64 k = 0; k < n; k++) {
+        i64 i = at ? at[k] : k;
         u64 h1 = splitmix((u64)ids[i] * 0x94D049BB133111EBULL + (u64)base);
         float *row = out + i * row_stride;
         for (i64 j = 0; j < dim; j++) {

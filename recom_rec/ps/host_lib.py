@@ -46,7 +46,7 @@ _SIGNATURES = {
     "ps_mem_put": (ctypes.c_int, [_P, _P, _I, _P]),
     "ps_mem_delete": (ctypes.c_int, [_P, _P, _I]),
     "ps_mem_scan": (None, [_P, _P]),
-    "ps_init_uniform": (None, [_P, _I, _I, _I, ctypes.c_double, ctypes.c_double, _P, _I]),
+    "ps_init_uniform": (None, [_P, _P, _I, _I, _I, ctypes.c_double, ctypes.c_double, _P, _I]),
 }
 
 

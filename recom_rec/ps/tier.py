@@ -177,27 +177,30 @@ class PSTier:
         dim = t.config.embedding_dim
         return dim + sum(1 if kind == "row" else dim for _, kind in self._states())
 
-    def _read_rows(self, t: _Table, slots: np.ndarray) -> torch.Tensor:
-        """``[len(slots), width]`` float32 CPU rows ``[embedding | optimizer state...]``."""
+    def _slots_on_device(self, t: _Table, slots: np.ndarray) -> torch.Tensor:
+        w = self.module.embedding_bags[t.name].weight
+        return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(w.device)
+
+    def _read_rows(self, t: _Table, at: torch.Tensor) -> torch.Tensor:
+        """``[len(at), width]`` float32 CPU rows ``[embedding | optimizer state...]`` of the slots
+        ``at`` (on the rows' device)."""
         bag = self.module.embedding_bags[t.name]
-        w = bag.weight.detach()
-        at = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(w.device)
-        parts = [w.index_select(0, at).float()]
+        parts = [bag.weight.detach().index_select(0, at).float()]
         for name, _ in self._states():
             s = bag._buffers[f"optimizer_{name}"]
             parts.append(s.index_select(0, at).float().reshape(at.numel(), -1))
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).cpu()
 
-    def _write_rows(self, t: _Table, slots: np.ndarray, rows: torch.Tensor) -> None:
+    def _write_rows(self, t: _Table, at: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows ``[embedding | optimizer state...]`` (float32) into the slots ``at``."""
         bag = self.module.embedding_bags[t.name]
         dim = t.config.embedding_dim
         w = bag.weight
-        at = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(w.device)
         rows = rows.to(w.device)
         # Through .data: wrap()'s thread writes rows (never the running batch's) while that
         # batch's autograd graph holds the flat buffer; .data keeps its version counter as is.
         with torch.no_grad():
-            w.data.index_copy_(0, at, rows[:, :dim] if rows.shape[1] == dim and w.dtype == rows.dtype
+            w.data.index_copy_(0, at, rows if rows.shape[1] == dim and w.dtype == rows.dtype
                                else rows[:, :dim].to(w.dtype))
             col = dim
             for name, kind in self._states():
@@ -211,27 +214,35 @@ class PSTier:
         """``[len(ids), width]`` float32 rows of never-seen ids: the init rule's weights (see
         :func:`init_rows`) and the optimizer's initial state, on the CPU."""
         ids = host_lib.int64s(ids)
-        rows = self.initial_rows_without_weights(t, ids)
-        dim = t.config.embedding_dim
-        bounds = _uniform_bounds(t.config.init_fn)
-        if bounds is not None and t.config.data_type.name == "FP32":
-            # init_rows' arithmetic in C, straight into the rows (same bits; tested against it)
-            base = _signed(_row_seed(t.config.name, int(t.ps.seed), 0))
-            host_lib.lib().ps_init_uniform(host_lib.ptr(ids), ids.size, dim, base, bounds[0], bounds[1],
-                                           rows.data_ptr(), rows.shape[1])
-        else:
-            rows[:, :dim] = init_rows(t.config, torch.from_numpy(ids), t.ps.seed).float()
+        rows = torch.zeros(ids.size, self.width(t), dtype=torch.float32)
+        self._init_rows_into(t, rows, ids, np.arange(ids.size, dtype=np.int64))
         return rows
 
-    def initial_rows_without_weights(self, t: _Table, ids) -> torch.Tensor:
-        rows = torch.zeros(len(ids), self.width(t), dtype=torch.float32)
-        col = t.config.embedding_dim
+    def _init_rows_into(self, t: _Table, rows: torch.Tensor, ids: np.ndarray, at: np.ndarray) -> None:
+        """Rows ``at`` of ``rows`` (float32, zero) get the initial rows of ``ids[at]``."""
+        dim = t.config.embedding_dim
+        bounds = _uniform_bounds(t.config.init_fn)
+        at_t = None
+        if bounds is not None and t.config.data_type.name == "FP32" and rows.is_contiguous():
+            # init_rows' arithmetic in C, straight into the rows (same bits; tested against it)
+            base = _signed(_row_seed(t.config.name, int(t.ps.seed), 0))
+            host_lib.lib().ps_init_uniform(host_lib.ptr(ids), host_lib.ptr(at), at.size, dim, base, bounds[0],
+                                           bounds[1], rows.data_ptr(), rows.shape[1])
+        else:
+            at_t = torch.from_numpy(at)
+            rows[at_t, :dim] = init_rows(t.config, torch.from_numpy(ids[at]), t.ps.seed).float()
+        self._fill_initial_state(t, rows, torch.from_numpy(at) if at_t is None else at_t)
+
+    def _fill_initial_state(self, t: _Table, rows: torch.Tensor, at=slice(None)) -> None:
+        """The optimizer state columns of rows ``at`` (zero) get the optimizer's initial state."""
         spec = self.module._fused_spec
+        col = t.config.embedding_dim
         for name, kind in self._states():
             n = 1 if kind == "row" else t.config.embedding_dim
-            rows[:, col:col + n] = spec.initial_accumulator_value if name == "sum" else 0.0
+            value = spec.initial_accumulator_value if name == "sum" else 0.0
+            if value != 0.0:
+                rows[at, col:col + n] = value
             col += n
-        return rows
 
     # ------------------------------------------------------------------ per batch
     #
@@ -367,17 +378,21 @@ class PSTier:
     def _move_rows(self, t: _Table, staged: Staged) -> None:
         """Push the dirty victims (the store acknowledges before their slots are reused), pull
         the misses (never-seen ids get their initial rows) into their slots."""
-        if not staged.misses:
+        m = staged.misses
+        if not m:
             return
         push = np.flatnonzero(staged.push)
+        # one host -> device copy of the slots to write and the slots to read
+        on_device = self._slots_on_device(t, np.concatenate([staged.take, staged.take[push]]) if push.size
+                                          else staged.take)
         if push.size:
-            t.store.put(t.name, staged.evicted[push], self._read_rows(t, staged.take[push]), unique_ids=True)
+            t.store.put(t.name, staged.evicted[push], self._read_rows(t, on_device[m:]), unique_ids=True)
             t.cache.stats["pushed"] += int(push.size)
         rows, found = t.store.get(t.name, staged.new_ids, self.width(t), torch.float32)
         fresh = np.flatnonzero(~found.numpy())
         if fresh.size:
-            rows[torch.from_numpy(fresh)] = self.initial_rows(t, staged.new_ids[fresh])
-        self._write_rows(t, staged.take, rows)
+            self._init_rows_into(t, rows, staged.new_ids, fresh)
+        self._write_rows(t, on_device[:m], rows)
 
     def release(self, handle: Optional[Handle]) -> None:
         """Unpin a batch's slots. On a GPU the tier's stream first waits for what the training
@@ -437,7 +452,8 @@ class PSTier:
                 c = t.cache
                 dirty = np.flatnonzero(c.dirty)
                 if dirty.size:
-                    t.store.put(t.name, c.id_of[dirty], self._read_rows(t, dirty), unique_ids=True)
+                    t.store.put(t.name, c.id_of[dirty], self._read_rows(t, self._slots_on_device(t, dirty)),
+                                unique_ids=True)
                     c.dirty[dirty] = 0  # only after the store acknowledged
                     written += int(dirty.size)
         return written
@@ -447,7 +463,7 @@ class PSTier:
         c = t.cache
         dirty = victims[c.dirty[victims].astype(bool)]
         if dirty.size:
-            t.store.put(t.name, c.id_of[dirty], self._read_rows(t, dirty), unique_ids=True)
+            t.store.put(t.name, c.id_of[dirty], self._read_rows(t, self._slots_on_device(t, dirty)), unique_ids=True)
             c.stats["pushed"] += int(dirty.size)
         c.drop(victims)
 
@@ -468,7 +484,8 @@ class PSTier:
             n = weight.shape[0]
             for a in range(0, n, chunk):
                 ids = torch.arange(a, min(a + chunk, n), dtype=torch.int64)
-                rows = self.initial_rows_without_weights(t, ids)
+                rows = torch.zeros(ids.numel(), self.width(t), dtype=torch.float32)
+                self._fill_initial_state(t, rows)
                 rows[:, :t.config.embedding_dim] = weight[a:a + ids.numel()].float()
                 t.store.put(name, ids, rows, unique_ids=True)
 

@@ -134,7 +134,12 @@ def test_c_init_matches_init_rows(bounds):
         out = np.zeros((ids.size, 23), dtype=np.float32)  # wider rows: the stride is honoured
         base = _signed(_row_seed("tbl", seed, 0))
         lo, hi = _uniform_bounds(config.init_fn)
-        host_lib.lib().ps_init_uniform(host_lib.ptr(ids), ids.size, 19, base, lo, hi, host_lib.ptr(out), 23)
+        host_lib.lib().ps_init_uniform(host_lib.ptr(ids), None, ids.size, 19, base, lo, hi, host_lib.ptr(out), 23)
         expected = ps.init_rows(config, torch.from_numpy(ids), seed)
         assert torch.equal(torch.from_numpy(out[:, :19]), expected)
         assert not out[:, 19:].any()
+        some = np.zeros_like(out)  # only the rows at the given positions
+        at = np.array([4, 1], dtype=np.int64)
+        host_lib.lib().ps_init_uniform(host_lib.ptr(ids), host_lib.ptr(at), 2, 19, base, lo, hi, host_lib.ptr(some), 23)
+        assert torch.equal(torch.from_numpy(some[at, :19]), expected[at])
+        assert not np.delete(some, at, axis=0).any()
