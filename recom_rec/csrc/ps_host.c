@@ -21,6 +21,9 @@
 typedef int64_t i64;
 typedef uint64_t u64;
 
+/* A store's rows are allocated in chunks of this size (no copy when a table grows). */
+#define CHUNK_BYTES ((i64)8 << 20)
+
 #define FREE_SLOT (-1)
 #define STAGE_OK 0
 #define STAGE_WOULD_BLOCK (-1) /* not enough unpinned slots now; other batches hold pins */
@@ -511,16 +514,22 @@ void ps_cache_drop(Cache *c, const i64 *slots, i64 n) {
 /* ------------------------------------------------------------------ memory store table */
 typedef struct {
     Map map; /* id -> row index */
-    char *rows;
-    i64 row_bytes, capacity, used;
+    char **chunks; /* rows in chunks of chunk_rows (no copy when the table grows) */
+    i64 n_chunks, chunks_cap, chunk_rows;
+    i64 row_bytes, used;
     i64 *freed; /* row indices of deleted ids, reused before the buffer grows */
     i64 n_freed, freed_cap;
 } MemTable;
 
+static inline char *mem_row(const MemTable *t, i64 r) {
+    return t->chunks[r / t->chunk_rows] + (r % t->chunk_rows) * t->row_bytes;
+}
+
 void ps_mem_free(MemTable *t) {
     if (!t) return;
     map_release(&t->map);
-    free(t->rows);
+    for (i64 i = 0; i < t->n_chunks; i++) free(t->chunks[i]);
+    free(t->chunks);
     free(t->freed);
     free(t);
 }
@@ -529,13 +538,33 @@ MemTable *ps_mem_new(i64 row_bytes) {
     MemTable *t = (MemTable *)calloc(1, sizeof(MemTable));
     if (!t) return NULL;
     t->row_bytes = row_bytes;
-    t->capacity = 1024;
-    t->rows = (char *)malloc((size_t)(row_bytes * t->capacity));
-    if (!t->rows || !map_init(&t->map, 1024)) {
+    t->chunk_rows = CHUNK_BYTES / row_bytes > 0 ? CHUNK_BYTES / row_bytes : 1;
+    if (!map_init(&t->map, 1024)) {
         ps_mem_free(t);
         return NULL;
     }
     return t;
+}
+
+static int mem_new_row(MemTable *t, i64 *r) {
+    if (t->n_freed > 0) {
+        *r = t->freed[--t->n_freed];
+        return 1;
+    }
+    if (t->used == t->n_chunks * t->chunk_rows) {
+        if (t->n_chunks == t->chunks_cap) {
+            i64 cap = t->chunks_cap ? 2 * t->chunks_cap : 16;
+            char **grown = (char **)realloc(t->chunks, sizeof(char *) * (size_t)cap);
+            if (!grown) return 0;
+            t->chunks = grown;
+            t->chunks_cap = cap;
+        }
+        char *chunk = (char *)malloc((size_t)(t->chunk_rows * t->row_bytes));
+        if (!chunk) return 0;
+        t->chunks[t->n_chunks++] = chunk;
+    }
+    *r = t->used++;
+    return 1;
 }
 
 /* rows of ids (duplicates allowed) into out [n, row_bytes], zeros where absent; found[i].
@@ -549,11 +578,11 @@ int ps_mem_get(const MemTable *t, const i64 *ids, i64 n, char *out, uint8_t *fou
     }
     for (i64 i = 0; i < n; i++) {
         if (i + LOOKAHEAD < n && row[i + LOOKAHEAD] >= 0)
-            __builtin_prefetch(t->rows + row[i + LOOKAHEAD] * t->row_bytes);
+            __builtin_prefetch(mem_row(t, row[i + LOOKAHEAD]));
         char *dst = out + i * t->row_bytes;
         found[i] = row[i] >= 0;
         if (row[i] >= 0)
-            memcpy(dst, t->rows + row[i] * t->row_bytes, (size_t)t->row_bytes);
+            memcpy(dst, mem_row(t, row[i]), (size_t)t->row_bytes);
         else
             memset(dst, 0, (size_t)t->row_bytes);
     }
@@ -567,20 +596,9 @@ int ps_mem_put(MemTable *t, const i64 *ids, i64 n, const char *rows) {
         if (i + LOOKAHEAD < n) map_prefetch(&t->map, ids[i + LOOKAHEAD]);
         i64 r = map_get(&t->map, ids[i]);
         if (r < 0) {
-            if (t->n_freed > 0) {
-                r = t->freed[--t->n_freed];
-            } else {
-                if (t->used == t->capacity) {
-                    char *grown = (char *)realloc(t->rows, (size_t)(t->row_bytes * t->capacity * 2));
-                    if (!grown) return 0;
-                    t->rows = grown;
-                    t->capacity *= 2;
-                }
-                r = t->used++;
-            }
-            if (!map_insert(&t->map, ids[i], r)) return 0;
+            if (!mem_new_row(t, &r) || !map_insert(&t->map, ids[i], r)) return 0;
         }
-        memcpy(t->rows + r * t->row_bytes, rows + i * t->row_bytes, (size_t)t->row_bytes);
+        memcpy(mem_row(t, r), rows + i * t->row_bytes, (size_t)t->row_bytes);
     }
     return 1;
 }

@@ -71,11 +71,14 @@ class SlotCache:
         flight hold too many slots now (retry after one is released)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         n = ids.size
-        pos_slot, slots = np.empty(n, np.int64), np.empty(n, np.int64)
-        take, new_ids, evicted = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
-        push, counts = np.empty(n, np.uint8), np.zeros(3, np.int64)
-        status = self._lib.ps_cache_stage(self._c, ptr(ids), n, ptr(pos_slot), ptr(slots), ptr(take), ptr(new_ids),
-                                          ptr(evicted), ptr(push), ptr(counts))
+        # the outputs are views of one block: one address to fetch (tens of us each on slow hosts)
+        block = np.empty(5 * n + 3 + (n + 7) // 8, np.int64)
+        pos_slot, slots, take, new_ids, evicted = (block[k * n:(k + 1) * n] for k in range(5))
+        counts = block[5 * n:5 * n + 3]
+        push = block[5 * n + 3:].view(np.uint8)[:n]
+        at = ptr(block)
+        status = self._lib.ps_cache_stage(self._c, ptr(ids), n, at, at + 8 * n, at + 16 * n, at + 24 * n, at + 32 * n,
+                                          at + 8 * (5 * n + 3), at + 40 * n)
         distinct, m, third = (int(x) for x in counts)
         if status == host_lib.STAGE_NEGATIVE_ID:
             raise ValueError(f"table {self.table!r}: PS-backed tables take ids >= 0, got {int(ids[distinct])}")

@@ -131,6 +131,7 @@ class _Table:
         self.store = store
         self.features = set(config.feature_names)
         self.cache = SlotCache(config.name, int(ps.cache_rows), ps.eviction)
+        self.device_init: Optional[bool] = None  # see PSTier._inits_on_device
 
 
 class PSTier:
@@ -382,17 +383,60 @@ class PSTier:
         if not m:
             return
         push = np.flatnonzero(staged.push)
-        # one host -> device copy of the slots to write and the slots to read
-        on_device = self._slots_on_device(t, np.concatenate([staged.take, staged.take[push]]) if push.size
-                                          else staged.take)
-        if push.size:
-            t.store.put(t.name, staged.evicted[push], self._read_rows(t, on_device[m:]), unique_ids=True)
-            t.cache.stats["pushed"] += int(push.size)
         rows, found = t.store.get(t.name, staged.new_ids, self.width(t), torch.float32)
-        fresh = np.flatnonzero(~found.numpy())
+        found = found.numpy()
+        if self._inits_on_device(t):
+            # The initial rows are written on the device: only the stored rows travel. One copy to
+            # the device of the slots to read, the slots of stored rows, and the new ids' slots and ids.
+            kept, fresh = np.flatnonzero(found), np.flatnonzero(~found)
+            parts = [staged.take[push], staged.take[kept], staged.take[fresh], staged.new_ids[fresh]]
+            on_device = self._slots_on_device(t, np.concatenate(parts))
+            at = np.cumsum([0] + [p.size for p in parts])
+            self._push(t, staged, push, on_device[at[0]:at[1]])
+            if kept.size:
+                self._write_rows(t, on_device[at[1]:at[2]], rows[torch.from_numpy(kept)])
+            if fresh.size:
+                self._init_rows_on_device(t, on_device[at[2]:at[3]], on_device[at[3]:at[4]])
+            return
+        fresh = np.flatnonzero(~found)
         if fresh.size:
             self._init_rows_into(t, rows, staged.new_ids, fresh)
-        self._write_rows(t, on_device[:m], rows)
+        # one copy to the device of the slots to read and the slots to write
+        on_device = self._slots_on_device(t, np.concatenate([staged.take[push], staged.take]) if push.size
+                                          else staged.take)
+        self._push(t, staged, push, on_device[:push.size])
+        self._write_rows(t, on_device[push.size:], rows)
+
+    def _push(self, t: _Table, staged: Staged, push: np.ndarray, at: torch.Tensor) -> None:
+        if push.size:
+            t.store.put(t.name, staged.evicted[push], self._read_rows(t, at), unique_ids=True)
+            t.cache.stats["pushed"] += int(push.size)
+
+    def _inits_on_device(self, t: _Table) -> bool:
+        """Whether never-seen rows are written by the GPU kernel (torchrec's uniform init, fp32
+        rows on a GPU with Triton)."""
+        if t.device_init is None:
+            t.device_init = False
+            if _uniform_bounds(t.config.init_fn) is not None:
+                try:
+                    from ..kernels import ps_init  # noqa: F401 - needs Triton
+                    t.device_init = True
+                except ImportError:
+                    pass
+        w = self.module.embedding_bags[t.name].weight
+        return t.device_init and w.is_cuda and w.dtype == torch.float32
+
+    def _init_rows_on_device(self, t: _Table, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        from ..kernels.ps_init import init_uniform_rows
+
+        bag = self.module.embedding_bags[t.name]
+        a, b = _uniform_bounds(t.config.init_fn)
+        init_uniform_rows(bag.weight.data, slots, ids, _signed(_row_seed(t.config.name, int(t.ps.seed), 0)), a, b)
+        spec = self.module._fused_spec
+        for name, _ in self._states():  # the slots held other rows: their state starts afresh
+            value = spec.initial_accumulator_value if name == "sum" else 0.0
+            state = bag._buffers[f"optimizer_{name}"]
+            state.data.index_fill_(0, slots, value)
 
     def release(self, handle: Optional[Handle]) -> None:
         """Unpin a batch's slots. On a GPU the tier's stream first waits for what the training
