@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
-_GOLDEN = 0x9E3779B97F4A7C15
+_M1 = tl.constexpr(0xBF58476D1CE4E5B9)  # uint64 constants (above int64's range)
+_M2 = tl.constexpr(0x94D049BB133111EB)
+_GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
 _BOUNDS = {}
 
 
