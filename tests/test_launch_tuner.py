@@ -69,19 +69,36 @@ F, B = FEATURE_MAJOR, BAG_MAJOR
 
 
 @pytest.mark.parametrize("ms, faster", [({F: 2.0, B: 1.0}, "bags"), ({F: 1.0, B: 2.0}, "features"),
-                                        # bags' mean is larger (one slow launch) but its median smaller
-                                        ({F: 2.0, B: [9.0, 1.0, 1.0]}, "bags")])
-def test_alternates_orders_then_keeps_the_faster_median_untimed(ms, faster):
+                                        # bags' mean is larger (one slow timed launch) but its median smaller
+                                        ({F: 2.0, B: [5.0, 9.0, 1.0, 1.0, 1.0]}, "bags")])
+def test_warms_up_then_times_orders_abba_then_keeps_the_faster_median_untimed(ms, faster):
     stream = FakeStream(ms)
     tuner = stream.tuner(trials=3)
-    launch(tuner, stream, 6)
-    assert stream.launches == [F, B, F, B, F, B]
-    assert stream.events == 12  # a start and an end per trial
+    launch(tuner, stream, 8)
+    assert stream.launches == [F, B] + [F, B, B, F, F, B]  # one untimed each, then A B B A ...
+    assert stream.events == 12  # a start and an end per timed launch
     assert tuner.decisions() == {}  # samples are read on a later launch
     launch(tuner, stream, 5)
     assert tuner.decisions() == {shape(): faster}
-    assert stream.launches[6:] == [faster == "bags"] * 5
+    assert stream.launches[8:] == [faster == "bags"] * 5
     assert stream.events == 12  # decided: nothing more is recorded
+
+
+def test_a_linear_drift_favours_neither_order():
+    # Every launch is 0.1 ms faster than the one before (clocks ramping up): bags, launched later
+    # in each plain alternation, would look faster; A B B A sees through it.
+    base = {F: 2.0, B: 2.05}
+    stream = FakeStream(base)
+    drift = iter(range(100))
+
+    def run(bag_major):
+        stream.ms[bag_major] = base[bag_major] - 0.1 * next(drift)
+        return stream.run(bag_major)
+
+    tuner = stream.tuner(trials=4)
+    for _ in range(12):
+        tuner.launch(shape(), run, DEVICE)
+    assert tuner.decisions() == {shape(): "features"}
 
 
 def test_unfinished_events_never_block_and_decide_once_finished():
@@ -89,7 +106,7 @@ def test_unfinished_events_never_block_and_decide_once_finished():
     tuner = stream.tuner(trials=3)
     launch(tuner, stream, 20)
     # Every trial launched, the rest wait untimed in the default order for the samples to finish.
-    assert stream.launches == [F, B] * 3 + [F] * 14
+    assert stream.launches == [F, B, F, B, B, F, F, B] + [F] * 12
     assert stream.events == 12
     assert tuner.decisions() == {}
     stream.finished = True
@@ -101,11 +118,11 @@ def test_unfinished_events_never_block_and_decide_once_finished():
 def test_partly_finished_samples_keep_the_shape_on_trial():
     stream = FakeStream({F: 1.0, B: 3.0}, finished=False)
     tuner = stream.tuner(trials=3)
-    launch(tuner, stream, 2)
+    launch(tuner, stream, 4)
     stream.finished = True
     launch(tuner, stream, 4)  # the first two samples are read; the trials go on
     assert tuner.decisions() == {}
-    assert stream.launches == [F, B] * 3
+    assert stream.launches == [F, B, F, B, B, F, F, B]
     launch(tuner, stream, 1)
     assert tuner.decisions() == {shape(): "features"}
 
@@ -117,7 +134,7 @@ def test_graph_capture_records_nothing_and_uses_the_default_then_the_decided_ord
     launch(tuner, stream, 3)
     assert stream.launches == [F] * 3 and stream.events == 0
     stream.capturing = False
-    launch(tuner, stream, 7)
+    launch(tuner, stream, 9)
     assert tuner.decisions() == {shape(): "bags"}
     stream.capturing = True
     launch(tuner, stream, 2)
@@ -145,8 +162,8 @@ def test_env_unset_or_auto_tunes(monkeypatch, value):
         monkeypatch.setenv(ORDER_ENV, value)
     stream = FakeStream({F: 1.0, B: 2.0})
     tuner = LaunchOrderTuner.from_env(record_event=stream.record_event, capturing=stream.is_capturing)
-    launch(tuner, stream, 2)
-    assert stream.launches == [F, B] and stream.events == 4
+    launch(tuner, stream, 4)
+    assert stream.launches == [F, B, F, B] and stream.events == 4  # two untimed, then two timed
 
 
 def test_env_bad_value_is_a_clear_error(monkeypatch):
@@ -169,9 +186,9 @@ def test_more_than_65535_features_run_feature_major_only():
 def test_shapes_are_tuned_separately():
     stream = FakeStream({F: 1.0, B: 2.0})
     tuner = stream.tuner(trials=1)
-    launch(tuner, stream, 3, shape(lookups=1024))
+    launch(tuner, stream, 5, shape(lookups=1024))
     stream.ms = {F: 2.0, B: 1.0}
-    launch(tuner, stream, 3, shape(lookups=2048))
+    launch(tuner, stream, 5, shape(lookups=2048))
     assert tuner.decisions() == {shape(lookups=1024): "features", shape(lookups=2048): "bags"}
 
 

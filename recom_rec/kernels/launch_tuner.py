@@ -4,8 +4,9 @@ The forward kernel runs feature-major (every feature's first bags at once) or ba
 feature's bags at once, its repeated rows staying in L2); both give bit-identical results, only
 block scheduling differs. Neither wins everywhere (H100: feature-major on dlrm-kaggle and
 many-500/1000, bag-major on mixed and zipf) and zipf's win depends on the id distribution, so no
-rule on the shape decides: the first launches of each shape alternate the two orders, timed with
-CUDA events, and the shape keeps the order of the smaller median.
+rule on the shape decides: the first launches of each shape run each order once untimed, then
+alternate the two orders in A B B A order timed with CUDA events, and the shape keeps the order of
+the smaller median.
 
 The host never waits for a timing: events are read with ``query()`` on later launches, and a shape
 stays undecided (running feature-major, untimed) until its samples have finished. While a stream
@@ -30,7 +31,7 @@ ORDER_NAMES = {FEATURE_MAJOR: "features", BAG_MAJOR: "bags"}
 DEFAULT_ORDER = FEATURE_MAJOR  # what an undecided shape runs untimed (and in a graph capture)
 MAX_BAG_MAJOR_FEATURES = 65535  # bag-major puts the features on the grid's y axis
 ORDER_ENV = "RECOM_REC_FORWARD_ORDER"
-TRIALS = 3  # finished samples per order before a shape is decided (median: one outlier is ignored)
+TRIALS = 4  # finished samples per order before a shape is decided (median: outliers are ignored)
 
 Result = TypeVar("Result")
 
@@ -78,10 +79,22 @@ def parse_forced_order(value: Optional[str]) -> Optional[bool]:
     raise ValueError(f"{ORDER_ENV} must be 'auto', 'features' or 'bags' (got {value!r})")
 
 
+def trial_plan(candidates: Tuple[bool, ...], trials: int) -> List[Tuple[bool, bool]]:
+    """The (order, timed) launches that decide a shape: each candidate once untimed (a first launch
+    runs on cold caches and clocks), then ``trials`` timed launches of each in A B B A order, so
+    that a drift over the trials (clocks ramping up, caches warming) favours neither order."""
+    plan = [(order, False) for order in candidates]
+    for k in range(trials):
+        plan += [(order, True) for order in (candidates if k % 2 == 0 else candidates[::-1])]
+    return plan
+
+
 @dataclass
 class _ShapeTrials:
-    """An undecided shape's timed launches: finished samples (ms) and those still in flight."""
+    """An undecided shape's launches: the plan, finished samples (ms) and those still in flight."""
     candidates: Tuple[bool, ...]
+    plan: List[Tuple[bool, bool]] = field(default_factory=list)
+    planned: int = 0  # launches of the plan made so far
     samples: Dict[bool, List[float]] = field(default_factory=dict)
     in_flight: List[Tuple[bool, object, object]] = field(default_factory=list)  # (order, start, end)
 
@@ -93,9 +106,6 @@ class _ShapeTrials:
             else:
                 still_running.append((order, start, end))
         self.in_flight = still_running
-
-    def launched(self, order: bool) -> int:
-        return len(self.samples.get(order, ())) + sum(o == order for o, _, _ in self.in_flight)
 
     def faster_order(self, trials: int) -> Optional[bool]:
         """The order of the smaller median once every candidate has ``trials`` samples, else None
@@ -154,17 +164,18 @@ class LaunchOrderTuner:
 
     def _next_launch(self, shape, candidates) -> Tuple[bool, bool]:
         """(order, whether to time it) for an undecided shape; decides it once its samples are in."""
-        trials = self._trials.setdefault(shape, _ShapeTrials(candidates))
+        trials = self._trials.get(shape)
+        if trials is None:
+            trials = self._trials[shape] = _ShapeTrials(candidates, trial_plan(candidates, self.trials))
         trials.collect_finished()
         faster = trials.faster_order(self.trials)
         if faster is not None:
             self._decided[shape] = faster
             del self._trials[shape]
             return faster, False
-        # Alternate: the candidate with the fewest launches so far (finished or not) goes next.
-        order = min(candidates, key=trials.launched)
-        if trials.launched(order) < self.trials:
-            return order, True
+        if trials.planned < len(trials.plan):
+            trials.planned += 1
+            return trials.plan[trials.planned - 1]
         return DEFAULT_ORDER, False  # every sample launched: wait for them to finish, untimed
 
     def decisions(self) -> Dict[ForwardLaunchShape, str]:
