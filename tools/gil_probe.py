@@ -9,10 +9,11 @@ SGD). The background thread loops over one of:
 - c_calls: 60 tiny ctypes calls (each releases and retakes the GIL) with ~10 us of Python between;
 - torch_ops: 60 small CPU torch ops with ~10 us of Python between;
 - python: pure Python for 2 ms at a time (the GIL is taken from it every switch interval).
-Usage: python tools/gil_probe.py [--steps 200]
+Usage: python tools/gil_probe.py [--steps 200] [--switch-interval SECONDS]
 """
 import argparse
 import ctypes
+import sys
 import threading
 import time
 
@@ -48,11 +49,16 @@ def background(kind: str, stop: threading.Event) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for the run (default: the interpreter's, 0.005)")
     args = p.parse_args()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     small = device.type == "cpu"
     batches = w._batches(device, small)
     model = w._model(device, 10**6 if small else w.ROWS)
+    print(f"switch interval {sys.getswitchinterval() * 1e3:g} ms")
     for kind in ("idle", "sleep", "c_calls", "torch_ops", "python", "idle"):
         stop = threading.Event()
         thread = None if kind == "idle" else threading.Thread(target=background, args=(kind, stop), daemon=True)
