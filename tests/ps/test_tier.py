@@ -10,7 +10,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import recom_rec
 from recom_rec import ps
-from recom_rec.ps import PSConfig, StoreUnavailable
+from recom_rec.ps import PSConfig, StoreUnavailable, register_store
+from recom_rec.ps.stores import MemoryStore
 
 BIG, SMALL, DIM = 1000, 20, 8
 
@@ -273,3 +274,48 @@ def test_wrap_after_unwrapped_batches_does_not_wait_on_their_pins():
     outs = [step(m, kjt) for kjt in data[:2]] + [step(m, kjt) for kjt in ps.wrap(data[2:], m, prefetch=1)]
     for a, b in zip(outs, train(ref, data)):
         assert torch.equal(a, b)
+
+
+class _FlakyStore(MemoryStore):
+    """memory:// that fails every put or get while ``down`` is set (a store that went away)."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = False
+
+    def _check(self, what):
+        if self.down:
+            raise StoreUnavailable(f"flaky://: {what} failed (down)")
+
+    def _get(self, table, ids, width, dtype):
+        self._check("get")
+        return super()._get(table, ids, width, dtype)
+
+    def _put(self, table, ids, rows):
+        self._check("put")
+        super()._put(table, ids, rows)
+
+
+@pytest.mark.parametrize("prefetch", [None, 1, 2])
+def test_store_failing_mid_run_loses_no_row_and_training_continues_exactly(prefetch):
+    # The failing staging (in wrap()'s thread with prefetch) gives its slots back without moving
+    # any id: the rows the store never acknowledged stay cached and dirty.
+    stores = []
+    register_store("flaky", lambda url: stores.append(_FlakyStore()) or stores[-1], replace=True)
+    data = batches(10, seed=6)
+    m = ps_model("flaky://", cache_rows=40)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
+    store, cache = stores[-1], m._ps.tables["big"].cache
+    done = train(m, data[:4], prefetch)
+    assert all(torch.equal(a, b) for a, b in zip(done, train(ref, data[:4])))
+    dirty_before = set(cache.id_of[cache.dirty.astype(bool)].tolist())
+    store.down = True
+    with pytest.raises(StoreUnavailable, match="down"):
+        train(m, data[4:6], prefetch)  # the first batch's misses need pushes
+    assert dirty_before <= set(cache.id_of[cache.dirty.astype(bool)].tolist())
+    assert not cache.pins.any() and not m._ps._prepared
+    store.down = False
+    outs = train(m, data[4:], prefetch)
+    for a, b in zip(outs, train(ref, data[4:])):
+        assert torch.equal(a, b)
+    assert_same_tables(m, ref)
