@@ -74,7 +74,11 @@ def lib() -> ctypes.CDLL:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                done = subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+                try:
+                    done = subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+                except OSError as exc:
+                    raise RuntimeError(f"recom_rec's parameter-server tier compiles {SOURCE.name} on first use, "
+                                       f"but the C compiler {cc!r} cannot run ({exc}); install gcc or set CC") from None
                 if done.returncode != 0:
                     raise RuntimeError(f"building {SOURCE.name} with {cc} failed:\n{done.stderr[-4000:]}")
                 os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own

@@ -143,3 +143,14 @@ def test_c_init_matches_init_rows(bounds):
         host_lib.lib().ps_init_uniform(host_lib.ptr(ids), host_lib.ptr(at), 2, 19, base, lo, hi, host_lib.ptr(some), 23)
         assert torch.equal(torch.from_numpy(some[at, :19]), expected[at])
         assert not np.delete(some, at, axis=0).any()
+
+
+def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("RECOM_REC_HOST_CACHE", str(tmp_path / "cache"))  # nothing built there yet
+    host_lib.lib.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="compiles ps_host.c on first use.*no-such-cc.*install gcc or set CC"):
+            host_lib.lib()
+    finally:
+        host_lib.lib.cache_clear()  # the next caller loads the real build again
