@@ -75,9 +75,11 @@ def main():
     p.add_argument("--url", default="memory://prof")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--sections", action="store_true", help="also time the tier's steps between syncs")
+    p.add_argument("--full-size", action="store_true",
+                   help="on the CPU too, the GPU run's batches (4096 ids of a 1e8-row table; the CPU default is small)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    small = device.type == "cpu"
+    small = device.type == "cpu" and not args.full_size
     batches = w._batches(device, small)
     rows = 10**6 if small else w.ROWS
     touched = torch.unique(torch.cat([b.values() for b in batches])).numel()
