@@ -204,3 +204,15 @@ def test_launch_shape_rounds_the_lookup_count_up_to_a_power_of_two():
     assert of(1025) != of(1024)
     assert of(1000).lookups_bucket == 1024 and of(1000).num_features == 3
     assert of(1000, weights=torch.ones(1000)) != of(1000)
+
+
+def test_forget_drops_decisions_and_trials():
+    stream = FakeStream({F: 1.0, B: 2.0})
+    tuner = stream.tuner(trials=1)
+    launch(tuner, stream, 5)
+    assert tuner.decisions() == {shape(): "features"}
+    tuner.forget()
+    assert tuner.decisions() == {}
+    stream.ms = {F: 2.0, B: 1.0}  # another model at the same address: tuned afresh
+    launch(tuner, stream, 5)
+    assert tuner.decisions() == {shape(): "bags"}

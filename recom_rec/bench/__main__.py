@@ -91,6 +91,13 @@ def _new_launch_orders() -> str:
 _REPORTED_SHAPES: set = set()
 
 
+def _forget_launch_orders() -> None:
+    from ..kernels.pooled_cuda import FORWARD_ORDER_TUNER
+
+    FORWARD_ORDER_TUNER.forget()
+    _REPORTED_SHAPES.clear()
+
+
 def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
     rows = []
     fbgemm_opt = "sgd" if optimizer == "none" else optimizer  # fbgemm always fuses an optimizer
@@ -139,6 +146,8 @@ def run(args):
     results = []
     peers = [p for p in args.peers if p != "fbgemm" or fbgemm_available(device)]
     for wname in tqdm([w for w in args.workloads if w in WORKLOADS], desc="workloads", file=sys.stderr):
+        if device.type == "cuda":
+            _forget_launch_orders()  # zipf's model may be built where many-500's was: tune it afresh
         w = get_workload(wname, small)
         if args.batch_size:
             w.batch_size = args.batch_size

@@ -178,6 +178,14 @@ class LaunchOrderTuner:
             return trials.plan[trials.planned - 1]
         return DEFAULT_ORDER, False  # every sample launched: wait for them to finish, untimed
 
+    def forget(self) -> None:
+        """Drop every decision and trial. A model built where a freed one's weights were gets the
+        freed one's decisions (the weights' address is part of the key): a caller that builds
+        models of one shape with other data (the benchmark's workloads) forgets between them."""
+        with self._lock:
+            self._decided.clear()
+            self._trials.clear()
+
     def decisions(self) -> Dict[ForwardLaunchShape, str]:
         """The decided shapes and their order's name ("features" or "bags")."""
         with self._lock:
