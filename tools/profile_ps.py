@@ -54,7 +54,8 @@ def section_timers(tier, device):
     patch(tier, "_move_rows", "    move rows (all)")
     patch(tier, "_read_rows", "      read evicted rows")
     patch(tier, "_write_rows", "      write pulled rows")
-    patch(tier, "_init_rows_into", "      init new rows")
+    patch(tier, "_init_rows_into", "      init new rows")  # on the CPU
+    patch(tier, "_init_rows_on_device", "      init new rows")  # on a GPU
     for t in tier.tables.values():
         patch(t.cache, "stage", "    cache stage")
         patch(t.cache, "commit", "    cache commit")

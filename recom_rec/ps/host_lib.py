@@ -92,10 +92,3 @@ def lib() -> ctypes.CDLL:
 def ptr(array: np.ndarray) -> int:
     """The address of a C-contiguous numpy array's data."""
     return array.ctypes.data
-
-
-def int64s(values) -> np.ndarray:
-    """``values`` (a CPU tensor, array or list) as a contiguous int64 numpy array."""
-    if hasattr(values, "numpy"):
-        values = values.detach().cpu().numpy()
-    return np.ascontiguousarray(values, dtype=np.int64)

@@ -211,39 +211,34 @@ class PSTier:
                 s.data.index_copy_(0, at, (part.flatten() if kind == "row" else part).to(s.dtype))
                 col += n
 
-    def initial_rows(self, t: _Table, ids) -> torch.Tensor:
-        """``[len(ids), width]`` float32 rows of never-seen ids: the init rule's weights (see
-        :func:`init_rows`) and the optimizer's initial state, on the CPU."""
-        ids = host_lib.int64s(ids)
-        rows = torch.zeros(ids.size, self.width(t), dtype=torch.float32)
-        self._init_rows_into(t, rows, ids, np.arange(ids.size, dtype=np.int64))
-        return rows
-
     def _init_rows_into(self, t: _Table, rows: torch.Tensor, ids: np.ndarray, at: np.ndarray) -> None:
         """Rows ``at`` of ``rows`` (float32, zero) get the initial rows of ``ids[at]``."""
         dim = t.config.embedding_dim
         bounds = _uniform_bounds(t.config.init_fn)
-        at_t = None
+        at_t = torch.from_numpy(at)
         if bounds is not None and t.config.data_type.name == "FP32" and rows.is_contiguous():
             # init_rows' arithmetic in C, straight into the rows (same bits; tested against it)
             base = _signed(_row_seed(t.config.name, int(t.ps.seed), 0))
             host_lib.lib().ps_init_uniform(host_lib.ptr(ids), host_lib.ptr(at), at.size, dim, base, bounds[0],
                                            bounds[1], rows.data_ptr(), rows.shape[1])
         else:
-            at_t = torch.from_numpy(at)
             rows[at_t, :dim] = init_rows(t.config, torch.from_numpy(ids[at]), t.ps.seed).float()
-        self._fill_initial_state(t, rows, torch.from_numpy(at) if at_t is None else at_t)
+        self._fill_initial_state(t, rows, at_t)
 
-    def _fill_initial_state(self, t: _Table, rows: torch.Tensor, at=slice(None)) -> None:
-        """The optimizer state columns of rows ``at`` (zero) get the optimizer's initial state."""
+    def _initial_states(self, t: _Table):
+        """(name, kind, first column in a row, width, initial value) of each optimizer state."""
         spec = self.module._fused_spec
         col = t.config.embedding_dim
         for name, kind in self._states():
             n = 1 if kind == "row" else t.config.embedding_dim
-            value = spec.initial_accumulator_value if name == "sum" else 0.0
+            yield name, kind, col, n, spec.initial_accumulator_value if name == "sum" else 0.0
+            col += n
+
+    def _fill_initial_state(self, t: _Table, rows: torch.Tensor, at=slice(None)) -> None:
+        """The optimizer state columns of rows ``at`` (zero) get the optimizer's initial state."""
+        for _, _, col, n, value in self._initial_states(t):
             if value != 0.0:
                 rows[at, col:col + n] = value
-            col += n
 
     # ------------------------------------------------------------------ per batch
     #
@@ -409,8 +404,15 @@ class PSTier:
 
     def _push(self, t: _Table, staged: Staged, push: np.ndarray, at: torch.Tensor) -> None:
         if push.size:
-            t.store.put(t.name, staged.evicted[push], self._read_rows(t, at), unique_ids=True)
+            self._put_rows(t, staged.evicted[push], at)
             t.cache.stats["pushed"] += int(push.size)
+
+    def _put_rows(self, t: _Table, ids: np.ndarray, at) -> None:
+        """Write the rows of the slots ``at`` (on the rows' device, or host slots) to the store
+        under ``ids`` (distinct); returns once the store has them."""
+        if isinstance(at, np.ndarray):
+            at = self._slots_on_device(t, at)
+        t.store.put(t.name, ids, self._read_rows(t, at), unique_ids=True)
 
     def _inits_on_device(self, t: _Table) -> bool:
         """Whether never-seen rows are written by the GPU kernel (torchrec's uniform init, fp32
@@ -432,11 +434,8 @@ class PSTier:
         bag = self.module.embedding_bags[t.name]
         a, b = _uniform_bounds(t.config.init_fn)
         init_uniform_rows(bag.weight.data, slots, ids, _signed(_row_seed(t.config.name, int(t.ps.seed), 0)), a, b)
-        spec = self.module._fused_spec
-        for name, _ in self._states():  # the slots held other rows: their state starts afresh
-            value = spec.initial_accumulator_value if name == "sum" else 0.0
-            state = bag._buffers[f"optimizer_{name}"]
-            state.data.index_fill_(0, slots, value)
+        for name, _, _, _, value in self._initial_states(t):  # the slots held other rows: their state starts afresh
+            bag._buffers[f"optimizer_{name}"].data.index_fill_(0, slots, value)
 
     def release(self, handle: Optional[Handle]) -> None:
         """Unpin a batch's slots. On a GPU the tier's stream first waits for what the training
@@ -496,8 +495,7 @@ class PSTier:
                 c = t.cache
                 dirty = np.flatnonzero(c.dirty)
                 if dirty.size:
-                    t.store.put(t.name, c.id_of[dirty], self._read_rows(t, self._slots_on_device(t, dirty)),
-                                unique_ids=True)
+                    self._put_rows(t, c.id_of[dirty], dirty)
                     c.dirty[dirty] = 0  # only after the store acknowledged
                     written += int(dirty.size)
         return written
@@ -507,7 +505,7 @@ class PSTier:
         c = t.cache
         dirty = victims[c.dirty[victims].astype(bool)]
         if dirty.size:
-            t.store.put(t.name, c.id_of[dirty], self._read_rows(t, self._slots_on_device(t, dirty)), unique_ids=True)
+            self._put_rows(t, c.id_of[dirty], dirty)
             c.stats["pushed"] += int(dirty.size)
         c.drop(victims)
 

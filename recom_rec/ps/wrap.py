@@ -1,12 +1,10 @@
 """``recom_rec.ps.wrap``: prepare the next batches' PS rows in a background thread."""
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from typing import Any, Iterable, Iterator, List
 
-import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .tier import tiers_of
@@ -66,10 +64,9 @@ class _Wrapped:
         # On a GPU the thread works on the first tier's stream: batches the dataloader moves to the
         # device there are ordered before the staging, and nothing waits on the training stream.
         device = tiers[0]._device()
-        side = tiers[0]._side(device)
 
         def worker() -> None:
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            with tiers[0]._on_side(device):
                 work()
 
         def work() -> None:
