@@ -8,7 +8,7 @@ setup(
     packages=find_packages(include=["recom_rec", "recom_rec.*"]),
     # Compiled on first use from the installed sources: the CUDA backend (on a GPU machine, nvcc)
     # and the parameter-server tier's host library (any machine, the C compiler).
-    package_data={"recom_rec": ["csrc/*.cu", "csrc/*.c"]},
+    package_data={"recom_rec": ["csrc/*.cu", "csrc/*.c", "csrc/*.h", "csrc/*.ptx"]},
     python_requires=">=3.10",
     # torch, torchrec and fbgemm-gpu are deliberately not listed: their CUDA or CPU builds must
     # be chosen by the user (see the Makefile), and listing them would make pip pull CUDA wheels.

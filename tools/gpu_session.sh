@@ -2,7 +2,8 @@
 # On the GPU machine (device tool, carry [".gpu"] and, when built before, [".cuda_ext"]): build or
 # load the CUDA backend, run the GPU suites (kernels on every backend, NCCL sharding on every GPU),
 # then the benchmarks. Each stage has its own time limit; logs under $OUT.
-#   STAGES="tests nccl dlrm bench profile" BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests nccl dlrm bench ps profile" BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+# (ps: the parameter-server workload on memory:// and on a redis-server this script starts)
 set -o pipefail
 source .gpu/setup.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -35,6 +36,13 @@ if [[ " $STAGES " == *" bench "* ]]; then
   stage bench
   timeout ${BENCH_TIMEOUT:-240} python3 -m recom_rec.bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 \
     | grep -v "is_fx_tracing\|it/s\]\|Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|run_backward" | tee "$OUT/bench.log" | tail -30
+fi
+if [[ " $STAGES " == *" ps "* ]]; then
+  stage ps
+  redis-server --port 6399 --save '' --appendonly no --daemonize yes --logfile "$OUT/redis.log" >/dev/null
+  timeout ${PS_TIMEOUT:-240} python3 -m recom_rec.bench --workloads ps --ps-urls memory://bench \
+    redis://127.0.0.1:6399/0 --out "$OUT/ps" 2>&1 | grep -v "Warning\|warn\|^ *$\|is_fx_tracing" | tee "$OUT/ps.log" | tail -12
+  redis-cli -p 6399 shutdown nosave >/dev/null 2>&1
 fi
 if [[ " $STAGES " == *" profile "* ]]; then
   stage profile

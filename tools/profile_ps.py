@@ -3,72 +3,19 @@
 Builds the ``ps`` benchmark's model and batches (full size on the GPU, small on the CPU), replays
 the warm-up batches, then stages each timed batch alone (the same loop as the benchmark's
 ``staging ms`` column), three times: once to warm up (first-use kernel loads, Triton compiles),
-once under cProfile (functions by own and cumulative time), and once with the tier's steps timed
-between device syncs (``--sections``: ms per batch of each step; the syncs add their own cost).
+once under cProfile (functions by own and cumulative time), and once reading the native job's
+own timers (``--sections``: ms per batch of each phase of recom_rec/csrc/ps_stage.c).
 Usage: python tools/profile_ps.py [--url memory://prof] [--top 30] [--sections]
 """
 import argparse
 import cProfile
 import io
 import pstats
-import contextlib
-import functools
-import time
-from collections import defaultdict
 
 import torch
 
 from recom_rec import ps as ps_tier
 from recom_rec.bench import ps_workload as w
-
-
-@contextlib.contextmanager
-def section_timers(tier, device):
-    """Wrap the tier's steps with timers that sync the device before and after each call."""
-    totals = defaultdict(float)
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def timed(name, fn):
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            sync()
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                sync()
-                totals[name] += time.perf_counter() - start
-        return run
-
-    patched = []
-
-    def patch(obj, attr, name):
-        patched.append((obj, attr, getattr(obj, attr)))
-        setattr(obj, attr, timed(name, getattr(obj, attr)))
-
-    patch(tier, "_stage", "stage (all)")
-    patch(tier, "_assign", "  assign (all)")
-    patch(tier, "_move_rows", "    move rows (all)")
-    patch(tier, "_read_rows", "      read evicted rows")
-    patch(tier, "_write_rows", "      write pulled rows")
-    patch(tier, "_init_rows_into", "      init new rows")  # on the CPU
-    patch(tier, "_init_rows_on_device", "      init new rows")  # on a GPU
-    for t in tier.tables.values():
-        patch(t.cache, "stage", "    cache stage")
-        patch(t.cache, "commit", "    cache commit")
-        patch(t.store, "get", "      store get")
-        patch(t.store, "put", "      store put")
-    try:
-        yield totals
-    finally:
-        for obj, attr, original in reversed(patched):
-            if attr in obj.__dict__ and not isinstance(obj, type):
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, original)
 
 
 def main():
@@ -101,14 +48,11 @@ def main():
     ps_tier.flush(model)
     if args.sections:
         model = w._ps_model(device, rows, args.url, cache_rows)
-        (tier,) = ps_tier.tiers_of(model)
-        with section_timers(tier, device) as totals:
-            ms = w._staging_ms(model, batches, device)
-        steps = len(batches)  # the warm-up batches' staging is timed too
-        print(f"staging {ms:.2f} ms/batch with the steps timed between syncs; ms per batch (all {steps}):")
-        for name, seconds in totals.items():
-            print(f"  {name:<28}{seconds / steps * 1e3:8.3f}")
-
+        phases = {}
+        ms = w._staging_ms(model, batches, device, phases)
+        print(f"staging {ms:.2f} ms/batch; the native job's phases, ms per batch:")
+        for name, per_batch in phases.items():
+            print(f"  {name:<28}{per_batch:8.3f}")
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,7 @@ device memory. Reported: step time (wall clock, the PS work is host-side), cache
 pulled and pushed per second, and the tier's staging time per batch measured alone.
 """
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -71,15 +71,18 @@ def _ps_model(device, rows, url, cache_rows):
     return model
 
 
-def _staging_ms(model, batches, device) -> float:
+def _staging_ms(model, batches, device, phases: Optional[Dict[str, float]] = None) -> float:
     """The tier's own cost per batch in the timed run: a fresh model trains the warm-up batches,
     then each timed batch is prepared alone (rows marked dirty as a training batch's are) between
     device syncs, without training: the same pulls, first-time initialisations, evictions and
     pushes as the timed run. Beside the step times it tells whether the PS step is the in-device
-    step plus this (serialised) or less (overlapped)."""
+    step plus this (serialised) or less (overlapped). ``phases`` receives the native job's own
+    times per phase, ms per batch."""
     for kjt in batches[:WARMUP]:
         _train_step(model, kjt)
     tiers = ps_tier.tiers_of(model)
+    for tier in tiers:
+        tier.stager_times()  # from here on
     total = 0.0
     with torch.enable_grad():
         for kjt in batches[WARMUP:]:
@@ -93,6 +96,9 @@ def _staging_ms(model, batches, device) -> float:
             total += time.perf_counter() - start
     for tier in tiers:
         tier.release_sync()
+        if phases is not None:
+            for name, seconds in tier.stager_times().items():
+                phases[name] = phases.get(name, 0.0) + seconds / STEPS * 1e3
     return total / STEPS * 1e3
 
 
@@ -114,12 +120,12 @@ def run_ps_workload(device: torch.device, urls: List[str], small: bool) -> List[
         ms = _time_steps(model, batches, device, prefetch)
         stats = [t.cache.stats for tier in ps_tier.tiers_of(model) for t in tier.tables.values()][0]
         seconds = ms * 1e-3 * (STEPS + WARMUP)
-        staging = None
+        staging, phases = None, {}
         if not prefetch:
             ps_tier.flush(model)
             del model
             model = _ps_model(device, rows, url, cache_rows)
-            staging = _staging_ms(model, batches, device)
+            staging = _staging_ms(model, batches, device, phases)
         results.append({
             "workload": "ps", "peer": f"ps {ps_tier.redact_url(url)}" + (" prefetch" if prefetch else ""),
             "phase": "sgd", "ms": ms,
@@ -127,7 +133,7 @@ def run_ps_workload(device: torch.device, urls: List[str], small: bool) -> List[
             "pulled_per_s": stats["misses"] / seconds, "pushed_per_s": stats["pushed"] / seconds,
             "cache_rows": cache_rows, "touched_ids": touched, "rows": rows,
             "batch": batches[0].stride(),
-            **({"staging_ms": staging} if staging is not None else {}),
+            **({"staging_ms": staging, "staging_phases_ms": phases} if staging is not None else {}),
         })
         ps_tier.flush(model)
         del model
@@ -151,4 +157,8 @@ def format_ps(results: List[Dict]) -> str:
     if cache:
         lines.append(f"cache rows {cache['cache_rows']} of {cache['touched_ids']} ids touched; staging ms: the "
                      "tier's work per batch alone, between device syncs (no training)")
+    for r in results:
+        if r.get("staging_phases_ms"):
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in r["staging_phases_ms"].items() if v >= 0.0005)
+            lines.append(f"  {r['peer']} staging job, ms per batch: {parts}")
     return "\n".join(lines)

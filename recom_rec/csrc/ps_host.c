@@ -1,8 +1,7 @@
 /* Host-side bookkeeping of the parameter-server tier, in C so that a batch's id lookup, slot
  * choice and store I/O cost microseconds instead of the ~100 small torch ops (30-40 us of host
- * time each) they took in Python. Built with the system C compiler on first use and loaded with
- * ctypes (recom_rec/ps/host_lib.py); ctypes releases the GIL during each call, so a prefetch thread
- * running these never blocks the training thread's Python.
+ * time each) they took in Python. Loaded with ctypes (recom_rec/ps/host_lib.py), which releases
+ * the GIL during each call; a batch's whole staging runs in ps_stage.c.
  *
  * Three parts:
  *  - slot cache: id -> slot map of one PS table's cache, pins of batches in flight, the eviction
@@ -12,24 +11,19 @@
  *  - init: torchrec's default uniform init, as recom_rec.ps.tier.init_rows computes it in torch.
  *
  * The per-slot arrays of the cache (id_of, dirty, pins, last_used, uses) are numpy arrays owned
- * by Python; the struct keeps their pointers. Callers serialise calls on one object.
+ * by Python; the struct keeps their pointers. A cache and a memory table each hold a mutex: a
+ * staging thread and the training thread (unpinning, marking rows dirty) call them at once.
  */
-#include <stdint.h>
+#include "ps_host.h"
+
+#include <errno.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-
-typedef int64_t i64;
-typedef uint64_t u64;
+#include <time.h>
 
 /* A store's rows are allocated in chunks of this size (no copy when a table grows). */
 #define CHUNK_BYTES ((i64)8 << 20)
-
-#define FREE_SLOT (-1)
-#define STAGE_OK 0
-#define STAGE_WOULD_BLOCK (-1) /* not enough unpinned slots now; other batches hold pins */
-#define STAGE_FULL (-2)        /* not enough slots even with no other batch in flight */
-#define STAGE_NEGATIVE_ID (-3) /* counts[0] = the position of the negative id */
-#define STAGE_NO_MEMORY (-4)
 
 /* ------------------------------------------------------------------ id -> i64 hash map
  * Open addressing, linear probing, load factor <= 1/2, deletion by backward shift (no
@@ -163,7 +157,10 @@ typedef struct {
     i64 n, cur;
 } Run;
 
-typedef struct {
+struct Cache {
+    pthread_mutex_t mutex;    /* every public call holds it */
+    pthread_cond_t released;  /* signalled by an unpin (a staging waiting for slots) */
+    i64 releases;             /* unpins so far */
     i64 rows;
     int lfu;
     i64 *id_of;
@@ -187,7 +184,7 @@ typedef struct {
     i64 clock;      /* batches touched so far */
     i64 *stamp;     /* the stage call that last met the slot (distinct slots per batch) */
     i64 serial;
-} Cache;
+};
 
 static inline i64 score_of(const Cache *c, i64 s) {
     return c->lfu ? (c->uses[s] << 40) + c->last_used[s] : c->last_used[s];
@@ -341,6 +338,8 @@ static i64 free_pop(Cache *c) {
 
 void ps_cache_free(Cache *c) {
     if (!c) return;
+    pthread_mutex_destroy(&c->mutex);
+    pthread_cond_destroy(&c->released);
     map_release(&c->map);
     free(c->free_heap);
     runs_clear(c);
@@ -356,6 +355,8 @@ void ps_cache_free(Cache *c) {
 Cache *ps_cache_new(i64 rows, int lfu, i64 *id_of, uint8_t *dirty, int32_t *pins, i64 *last_used, i64 *uses) {
     Cache *c = (Cache *)calloc(1, sizeof(Cache));
     if (!c) return NULL;
+    pthread_mutex_init(&c->mutex, NULL);
+    pthread_cond_init(&c->released, NULL);
     c->rows = rows;
     c->lfu = lfu;
     c->id_of = id_of;
@@ -386,8 +387,8 @@ Cache *ps_cache_new(i64 rows, int lfu, i64 *id_of, uint8_t *dirty, int32_t *pins
  * the pulled rows are written), so a failed store leaves every row where it was
  * (ps_cache_abort). counts = [distinct slots u, misses m, distinct hits]. On STAGE_FULL and
  * STAGE_WOULD_BLOCK nothing changed and counts[2] holds the number of slots the batch could get. */
-i64 ps_cache_stage(Cache *c, const i64 *ids, i64 n, i64 *pos_slot, i64 *uniq_slots, i64 *take, i64 *new_ids,
-                   i64 *evicted, uint8_t *push, i64 *counts) {
+static i64 cache_stage(Cache *c, const i64 *ids, i64 n, i64 *pos_slot, i64 *uniq_slots, i64 *take, i64 *new_ids,
+                       i64 *evicted, uint8_t *push, i64 *counts) {
     i64 serial = ++c->serial, hits = 0, m = 0, hits_unpinned = 0;
     Map batch; /* the batch's distinct misses: id -> index in new_ids */
     if (!map_init(&batch, n < 8 ? 8 : n)) {
@@ -449,7 +450,16 @@ i64 ps_cache_stage(Cache *c, const i64 *ids, i64 n, i64 *pos_slot, i64 *uniq_slo
     return STAGE_OK;
 }
 
-/* Unpins slots[0..n) (distinct); those no batch holds any more become free or evictable. */
+i64 ps_cache_stage(Cache *c, const i64 *ids, i64 n, i64 *pos_slot, i64 *uniq_slots, i64 *take, i64 *new_ids,
+                   i64 *evicted, uint8_t *push, i64 *counts) {
+    pthread_mutex_lock(&c->mutex);
+    i64 status = cache_stage(c, ids, n, pos_slot, uniq_slots, take, new_ids, evicted, push, counts);
+    pthread_mutex_unlock(&c->mutex);
+    return status;
+}
+
+/* Unpins slots[0..n) (distinct); those no batch holds any more become free or evictable. The
+ * caller holds the mutex. */
 static void unpin_all(Cache *c, const i64 *slots, i64 n) {
     i64 g = 0;
     for (i64 k = 0; k < n; k++) {
@@ -462,12 +472,15 @@ static void unpin_all(Cache *c, const i64 *slots, i64 n) {
             free_push(c, s);
     }
     runs_push(c, c->scratch, g);
+    c->releases++;
+    pthread_cond_broadcast(&c->released);
 }
 
 /* The staged rows are in place: take[k] now holds new_ids[k] (clean), every slot of the batch
  * counts one more use at a new clock tick. Returns the number of evicted ids. */
 i64 ps_cache_commit(Cache *c, const i64 *uniq_slots, i64 u, const i64 *take, const i64 *new_ids, i64 m) {
     i64 evictions = 0;
+    pthread_mutex_lock(&c->mutex);
     for (i64 k = 0; k < m; k++) {
         i64 s = take[k], old = c->id_of[s];
         if (old != FREE_SLOT) {
@@ -485,21 +498,57 @@ i64 ps_cache_commit(Cache *c, const i64 *uniq_slots, i64 u, const i64 *take, con
         c->last_used[s] = c->clock;
         c->uses[s]++;
     }
+    pthread_mutex_unlock(&c->mutex);
     return evictions;
 }
 
 /* Undo a stage that will not be committed: its slots are unpinned, every id stays where it was. */
-void ps_cache_abort(Cache *c, const i64 *uniq_slots, i64 u) { unpin_all(c, uniq_slots, u); }
+void ps_cache_abort(Cache *c, const i64 *uniq_slots, i64 u) { ps_cache_unpin(c, uniq_slots, u); }
 
 /* A batch is done with its slots (its backward has been issued). */
-void ps_cache_unpin(Cache *c, const i64 *slots, i64 n) { unpin_all(c, slots, n); }
+void ps_cache_unpin(Cache *c, const i64 *slots, i64 n) {
+    pthread_mutex_lock(&c->mutex);
+    unpin_all(c, slots, n);
+    pthread_mutex_unlock(&c->mutex);
+}
 
 void ps_cache_mark_dirty(Cache *c, const i64 *slots, i64 n) {
+    pthread_mutex_lock(&c->mutex);
     for (i64 k = 0; k < n; k++) c->dirty[slots[k]] = 1;
+    pthread_mutex_unlock(&c->mutex);
+}
+
+i64 ps_cache_releases(Cache *c) {
+    pthread_mutex_lock(&c->mutex);
+    i64 r = c->releases;
+    pthread_mutex_unlock(&c->mutex);
+    return r;
+}
+
+i64 ps_cache_wait_release(Cache *c, i64 seen, i64 timeout_ms) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += timeout_ms / 1000;
+    until.tv_nsec += (timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&c->mutex);
+    while (c->releases == seen) {
+        if (timeout_ms < 0)
+            pthread_cond_wait(&c->released, &c->mutex);
+        else if (pthread_cond_timedwait(&c->released, &c->mutex, &until) == ETIMEDOUT)
+            break;
+    }
+    i64 r = c->releases;
+    pthread_mutex_unlock(&c->mutex);
+    return r;
 }
 
 /* The ids of unpinned occupied slots leave the cache (their dirty rows were pushed). */
 void ps_cache_drop(Cache *c, const i64 *slots, i64 n) {
+    pthread_mutex_lock(&c->mutex);
     for (i64 k = 0; k < n; k++) {
         i64 s = slots[k];
         if (c->id_of[s] == FREE_SLOT || c->pins[s] != 0) continue;
@@ -509,17 +558,19 @@ void ps_cache_drop(Cache *c, const i64 *slots, i64 n) {
         c->uses[s] = 0;
         free_push(c, s);
     }
+    pthread_mutex_unlock(&c->mutex);
 }
 
 /* ------------------------------------------------------------------ memory store table */
-typedef struct {
+struct MemTable {
+    pthread_mutex_t mutex; /* every public call holds it */
     Map map; /* id -> row index */
     char **chunks; /* rows in chunks of chunk_rows (no copy when the table grows) */
     i64 n_chunks, chunks_cap, chunk_rows;
     i64 row_bytes, used;
     i64 *freed; /* row indices of deleted ids, reused before the buffer grows */
     i64 n_freed, freed_cap;
-} MemTable;
+};
 
 static inline char *mem_row(const MemTable *t, i64 r) {
     return t->chunks[r / t->chunk_rows] + (r % t->chunk_rows) * t->row_bytes;
@@ -527,6 +578,7 @@ static inline char *mem_row(const MemTable *t, i64 r) {
 
 void ps_mem_free(MemTable *t) {
     if (!t) return;
+    pthread_mutex_destroy(&t->mutex);
     map_release(&t->map);
     for (i64 i = 0; i < t->n_chunks; i++) free(t->chunks[i]);
     free(t->chunks);
@@ -537,6 +589,7 @@ void ps_mem_free(MemTable *t) {
 MemTable *ps_mem_new(i64 row_bytes) {
     MemTable *t = (MemTable *)calloc(1, sizeof(MemTable));
     if (!t) return NULL;
+    pthread_mutex_init(&t->mutex, NULL);
     t->row_bytes = row_bytes;
     t->chunk_rows = CHUNK_BYTES / row_bytes > 0 ? CHUNK_BYTES / row_bytes : 1;
     if (!map_init(&t->map, 1024)) {
@@ -569,7 +622,7 @@ static int mem_new_row(MemTable *t, i64 *r) {
 
 /* rows of ids (duplicates allowed) into out [n, row_bytes], zeros where absent; found[i].
  * Two passes, each prefetching ahead: the ids' map entries, then their rows. */
-int ps_mem_get(const MemTable *t, const i64 *ids, i64 n, char *out, uint8_t *found) {
+static int mem_get(const MemTable *t, const i64 *ids, i64 n, char *out, uint8_t *found) {
     i64 *row = (i64 *)malloc(sizeof(i64) * (n > 0 ? n : 1));
     if (!row) return 0;
     for (i64 i = 0; i < n; i++) {
@@ -590,8 +643,15 @@ int ps_mem_get(const MemTable *t, const i64 *ids, i64 n, char *out, uint8_t *fou
     return 1;
 }
 
+int ps_mem_get(MemTable *t, const i64 *ids, i64 n, char *out, uint8_t *found) {
+    pthread_mutex_lock(&t->mutex);
+    int ok = mem_get(t, ids, n, out, found);
+    pthread_mutex_unlock(&t->mutex);
+    return ok;
+}
+
 /* ids unique; returns 0 when out of memory (rows written before that stay written). */
-int ps_mem_put(MemTable *t, const i64 *ids, i64 n, const char *rows) {
+static int mem_put(MemTable *t, const i64 *ids, i64 n, const char *rows) {
     for (i64 i = 0; i < n; i++) {
         if (i + LOOKAHEAD < n) map_prefetch(&t->map, ids[i + LOOKAHEAD]);
         i64 r = map_get(&t->map, ids[i]);
@@ -603,7 +663,14 @@ int ps_mem_put(MemTable *t, const i64 *ids, i64 n, const char *rows) {
     return 1;
 }
 
-int ps_mem_delete(MemTable *t, const i64 *ids, i64 n) {
+int ps_mem_put(MemTable *t, const i64 *ids, i64 n, const char *rows) {
+    pthread_mutex_lock(&t->mutex);
+    int ok = mem_put(t, ids, n, rows);
+    pthread_mutex_unlock(&t->mutex);
+    return ok;
+}
+
+static int mem_delete(MemTable *t, const i64 *ids, i64 n) {
     for (i64 i = 0; i < n; i++) {
         i64 r = map_get(&t->map, ids[i]);
         if (r < 0) continue;
@@ -620,13 +687,25 @@ int ps_mem_delete(MemTable *t, const i64 *ids, i64 n) {
     return 1;
 }
 
-i64 ps_mem_count(const MemTable *t) { return t->map.size + t->map.has_empty_key; }
+int ps_mem_delete(MemTable *t, const i64 *ids, i64 n) {
+    pthread_mutex_lock(&t->mutex);
+    int ok = mem_delete(t, ids, n);
+    pthread_mutex_unlock(&t->mutex);
+    return ok;
+}
 
-void ps_mem_scan(const MemTable *t, i64 *out) { /* ps_mem_count ids, in no particular order */
-    i64 k = 0;
-    for (i64 i = 0; i < t->map.cap; i++)
-        if (t->map.at[i].key != EMPTY) out[k++] = t->map.at[i].key;
-    if (t->map.has_empty_key) out[k++] = EMPTY;
+/* The stored ids, in no particular order, into out[0..cap) when they fit; returns how many there
+ * are (more than cap: nothing written, ask again with more room). */
+i64 ps_mem_scan(MemTable *t, i64 *out, i64 cap) {
+    pthread_mutex_lock(&t->mutex);
+    i64 count = t->map.size + t->map.has_empty_key, k = 0;
+    if (count <= cap) {
+        for (i64 i = 0; i < t->map.cap; i++)
+            if (t->map.at[i].key != EMPTY) out[k++] = t->map.at[i].key;
+        if (t->map.has_empty_key) out[k++] = EMPTY;
+    }
+    pthread_mutex_unlock(&t->mutex);
+    return count;
 }
 
 /* ------------------------------------------------------------------ init
@@ -640,19 +719,22 @@ static inline u64 splitmix(u64 x) {
     return x ^ (x >> 31);
 }
 
-/* Row k of out (row_stride floats apart) gets the init of ids[at[k]] for k < n; at NULL: of ids[k]. */
+void ps_init_uniform_row(i64 id, i64 dim, i64 base, double a, double b, float *row) {
+    const double span = b - a, scale = 1.0 / (double)(1ULL << 53);
+    u64 h1 = splitmix((u64)id * 0x94D049BB133111EBULL + (u64)base);
+    for (i64 j = 0; j < dim; j++) {
+        u64 h = splitmix(h1 + (u64)j * 0x9E3779B97F4A7C15ULL);
+        double u = (double)(h >> 11) * scale;
+        double prod = span * u;
+        row[j] = (float)(a + prod);
+    }
+}
+
+/* Row i = at[k] of out (row_stride floats apart) gets the init of ids[i] for k < n; at NULL: i = k. */
 void ps_init_uniform(const i64 *ids, const i64 *at, i64 n, i64 dim, i64 base, double a, double b, float *out,
                      i64 row_stride) {
-    const double span = b - a, scale = 1.0 / (double)(1ULL << 53);
     for (i64 k = 0; k < n; k++) {
         i64 i = at ? at[k] : k;
-        u64 h1 = splitmix((u64)ids[i] * 0x94D049BB133111EBULL + (u64)base);
-        float *row = out + i * row_stride;
-        for (i64 j = 0; j < dim; j++) {
-            u64 h = splitmix(h1 + (u64)j * 0x9E3779B97F4A7C15ULL);
-            double u = (double)(h >> 11) * scale;
-            double prod = span * u;
-            row[j] = (float)(a + prod);
-        }
+        ps_init_uniform_row(ids[i], dim, base, a, b, out + i * row_stride);
     }
 }

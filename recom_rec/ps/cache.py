@@ -61,6 +61,11 @@ class SlotCache:
         if not self._c:
             raise MemoryError(f"table {table!r}: cannot allocate a cache of {cache_rows} slots")
 
+    @property
+    def handle(self) -> int:
+        """The C cache's address (what a staging job reads)."""
+        return self._c
+
     def __del__(self) -> None:
         c, self._c = getattr(self, "_c", None), None
         if c:

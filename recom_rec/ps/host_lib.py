@@ -1,10 +1,11 @@
-"""The tier's host library, recom_rec/csrc/ps_host.c: compiled with the system C compiler (``CC``,
-else ``cc``) on first use, cached per source and compiler under ``RECOM_REC_HOST_CACHE`` (by
-default ``~/.cache/recom_rec/host``), loaded with ctypes.
+"""The tier's host library, recom_rec/csrc/ps_host.c, ps_stage.c and ps_cuda.c: compiled with the
+system C compiler (``CC``, else ``cc``) on first use, cached per source and compiler under
+``RECOM_REC_HOST_CACHE`` (by default ``~/.cache/recom_rec/host``), loaded with ctypes.
 
 Why C through ctypes: the per-batch bookkeeping is a few thousand hash-map operations, which C
 does in tens of microseconds; as torch or numpy ops it was ~100 calls of 30-40 us each. ctypes
-releases the GIL for the length of each call, so wrap()'s thread does not hold up training.
+releases the GIL for the length of each call, and a batch's whole staging is one call (or a job
+on the tier's own worker thread), so it does not hold up the training thread.
 """
 from __future__ import annotations
 
@@ -20,11 +21,16 @@ from pathlib import Path
 
 import numpy as np
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "ps_host.c"
-# -ffp-contract=off: the init must round like torch's separate multiply and add.
-FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-std=c99"]
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = [CSRC / "ps_host.c", CSRC / "ps_stage.c", CSRC / "ps_cuda.c"]
+HEADERS = [CSRC / "ps_host.h"]
+# -ffp-contract=off: the init must round like torch's separate multiply and add. gnu99: POSIX
+# threads, clocks and dlopen (ps_cuda.c loads the CUDA driver at run time, never at link time).
+FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-std=gnu99", "-pthread"]
+LIBS = ["-ldl"]
 
-STAGE_OK, STAGE_WOULD_BLOCK, STAGE_FULL, STAGE_NEGATIVE_ID, STAGE_NO_MEMORY = 0, -1, -2, -3, -4
+(STAGE_OK, STAGE_WOULD_BLOCK, STAGE_FULL, STAGE_NEGATIVE_ID, STAGE_NO_MEMORY, STAGE_STORE_ERROR,
+ STAGE_DEVICE_ERROR) = 0, -1, -2, -3, -4, -5, -6
 
 _lock = threading.Lock()
 _P = ctypes.c_void_p
@@ -39,14 +45,32 @@ _SIGNATURES = {
     "ps_cache_unpin": (None, [_P, _P, _I]),
     "ps_cache_mark_dirty": (None, [_P, _P, _I]),
     "ps_cache_drop": (None, [_P, _P, _I]),
+    "ps_cache_releases": (_I, [_P]),
+    "ps_cache_wait_release": (_I, [_P, _I, _I]),
     "ps_mem_new": (_P, [_I]),
     "ps_mem_free": (None, [_P]),
-    "ps_mem_count": (_I, [_P]),
     "ps_mem_get": (ctypes.c_int, [_P, _P, _I, _P, _P]),
     "ps_mem_put": (ctypes.c_int, [_P, _P, _I, _P]),
     "ps_mem_delete": (ctypes.c_int, [_P, _P, _I]),
-    "ps_mem_scan": (None, [_P, _P]),
+    "ps_mem_scan": (_I, [_P, _P, _I]),
+    "ps_mem_store_ops": (None, [_P, _P]),
     "ps_init_uniform": (None, [_P, _P, _I, _I, _I, ctypes.c_double, ctypes.c_double, _P, _I]),
+    "ps_stager_new": (_P, [_P]),
+    "ps_stager_free": (None, [_P]),
+    "ps_stager_run": (_I, [_P, _P]),
+    "ps_stager_submit": (ctypes.c_int, [_P, _P]),
+    "ps_stager_wait": (_I, [_P, _P]),
+    "ps_stager_lock": (None, [_P]),
+    "ps_stager_unlock": (None, [_P]),
+    "ps_stager_times": (_I, [_P, _P]),
+    "ps_cpu_ops_new": (ctypes.c_int, [_P]),
+    "ps_cpu_ops_free": (None, [_P]),
+    "ps_cuda_ops_new": (ctypes.c_int, [_P, ctypes.c_int, _P, ctypes.c_char_p, _P, _I]),
+    "ps_cuda_ops_free": (None, [_P]),
+    "ps_f32_to_f16": (ctypes.c_uint16, [ctypes.c_float]),
+    "ps_f32_to_bf16": (ctypes.c_uint16, [ctypes.c_float]),
+    "ps_f16_to_f32": (ctypes.c_float, [ctypes.c_uint16]),
+    "ps_bf16_to_f32": (ctypes.c_float, [ctypes.c_uint16]),
 }
 
 
@@ -59,7 +83,8 @@ def _compiler() -> str:
 
 
 def _cache_file(cc: str) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + f"{cc}|{FLAGS}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + f"{cc}|{FLAGS}|{LIBS}".encode()
+                         ).hexdigest()[:16]
     root = Path(os.environ.get("RECOM_REC_HOST_CACHE", Path.home() / ".cache" / "recom_rec" / "host"))
     return root / f"ps_host-{key}.so"
 
@@ -75,12 +100,14 @@ def lib() -> ctypes.CDLL:
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
                 try:
-                    done = subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+                    done = subprocess.run([cc, *FLAGS, "-o", str(built), *map(str, SOURCES), *LIBS],
+                                          capture_output=True, text=True)
                 except OSError as exc:
-                    raise RuntimeError(f"recom_rec's parameter-server tier compiles {SOURCE.name} on first use, "
-                                       f"but the C compiler {cc!r} cannot run ({exc}); install gcc or set CC") from None
+                    raise RuntimeError(f"recom_rec's parameter-server tier compiles recom_rec/csrc/ps_*.c on first "
+                                       f"use, but the C compiler {cc!r} cannot run ({exc}); install gcc or set CC"
+                                       ) from None
                 if done.returncode != 0:
-                    raise RuntimeError(f"building {SOURCE.name} with {cc} failed:\n{done.stderr[-4000:]}")
+                    raise RuntimeError(f"building recom_rec/csrc/ps_*.c with {cc} failed:\n{done.stderr[-4000:]}")
                 os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own
         handle = ctypes.CDLL(str(target))
     for name, (restype, argtypes) in _SIGNATURES.items():

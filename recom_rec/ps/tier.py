@@ -8,6 +8,7 @@ bit-identical to the row that never left the cache.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import threading
@@ -18,10 +19,10 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from . import host_lib
-from .cache import SlotCache, Staged
+from . import host_lib, native
+from .cache import CacheFull, SlotCache
 from .config import PSConfig
-from .stores import RowStore, open_store
+from .stores import MemoryStore, RowStore, StoreError, open_store
 
 Handle = Dict[str, np.ndarray]  # table -> slots pinned by one batch
 
@@ -131,22 +132,35 @@ class _Table:
         self.store = store
         self.features = set(config.feature_names)
         self.cache = SlotCache(config.name, int(ps.cache_rows), ps.eviction)
-        self.device_init: Optional[bool] = None  # see PSTier._inits_on_device
+        # What a staging job reads (native.py): where the cache's rows are, and the store's ops.
+        self.layout = native.RowLayout()
+        self.layout_key = None  # (weight address, fused optimizer) the layout was made for
+        self.store_ops = native.StoreOps()
+        self.py_ops: Optional[native.PythonStoreOps] = None  # callbacks, made for the current row width
+        self.native_store = None  # the memory:// C table the store ops point at
+        self.in_memory = type(store) is MemoryStore  # read and written by the job itself (not a
+        # subclass, which may override the I/O)
+
+
+class _Pending:
+    """A batch's staging job and what it refers to, alive until the job is finished."""
+
+    def __init__(self, kjt, job, tables, keep, out, stager, ran) -> None:
+        self.kjt, self.job, self.tables, self.keep, self.out = kjt, job, tables, keep, out
+        self.stager = stager
+        self.ran = ran  # run in the calling thread (done), else submitted to the worker
 
 
 class PSTier:
     """Attached to a ``recom_rec.EmbeddingBagCollection`` built with ``ps={...}`` as ``module._ps``.
 
-    Two locks: ``lock`` (a condition) guards the caches' metadata, held only for the C calls that
-    change it, and is notified when a batch releases its slots; ``_staging`` serialises the
-    stagings (a stage and its commit enclose the store I/O, during which the reserved slots'
-    ids must not be looked up by another staging) and the other row movers (flush, load)."""
+    A batch's staging (find its ids' slots, push dirty victims, pull misses, remap) is one native
+    job (recom_rec/csrc/ps_stage.c), run in the calling thread by :meth:`stage`, or on the tier's
+    worker thread by :meth:`submit` and :meth:`finish` (``wrap``). Jobs run one at a time; flush and
+    load take the stager's lock to run between them."""
 
     def __init__(self, module, ps: Dict[str, PSConfig]) -> None:
         self._module_ref = module  # plain attribute: nn.Module does not register it
-        self.lock = threading.Condition(threading.RLock())
-        self._staging = threading.RLock()
-        self._releases = 0  # batches released so far (a staging waiting for slots waits for the next)
         stores: Dict[str, RowStore] = {}
         self.tables: Dict[str, _Table] = {}
         for config in module.embedding_bag_configs():
@@ -159,6 +173,8 @@ class PSTier:
         self._prepared: Dict[int, Tuple[KeyedJaggedTensor, KeyedJaggedTensor, Handle]] = {}
         self._sync_handle: Optional[Handle] = None
         self._stream = None  # the tier's CUDA stream (see the per-batch section)
+        self._stager_of: Optional[native.Stager] = None
+        self._flush_lock = threading.RLock()
         self._load_prefix: Optional[str] = None
         self.prefetched = 0  # batches whose rows wrap() staged ahead of the forward
         module._register_state_dict_hook(_drop_ps_keys_hook)
@@ -192,39 +208,6 @@ class PSTier:
             parts.append(s.index_select(0, at).float().reshape(at.numel(), -1))
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).cpu()
 
-    def _write_rows(self, t: _Table, at: torch.Tensor, rows: torch.Tensor) -> None:
-        """Rows ``[embedding | optimizer state...]`` (float32) into the slots ``at``."""
-        bag = self.module.embedding_bags[t.name]
-        dim = t.config.embedding_dim
-        w = bag.weight
-        rows = rows.to(w.device)
-        # Through .data: wrap()'s thread writes rows (never the running batch's) while that
-        # batch's autograd graph holds the flat buffer; .data keeps its version counter as is.
-        with torch.no_grad():
-            w.data.index_copy_(0, at, rows if rows.shape[1] == dim and w.dtype == rows.dtype
-                               else rows[:, :dim].to(w.dtype))
-            col = dim
-            for name, kind in self._states():
-                s = bag._buffers[f"optimizer_{name}"]
-                n = 1 if kind == "row" else dim
-                part = rows[:, col:col + n]
-                s.data.index_copy_(0, at, (part.flatten() if kind == "row" else part).to(s.dtype))
-                col += n
-
-    def _init_rows_into(self, t: _Table, rows: torch.Tensor, ids: np.ndarray, at: np.ndarray) -> None:
-        """Rows ``at`` of ``rows`` (float32, zero) get the initial rows of ``ids[at]``."""
-        dim = t.config.embedding_dim
-        bounds = _uniform_bounds(t.config.init_fn)
-        at_t = torch.from_numpy(at)
-        if bounds is not None and t.config.data_type.name == "FP32" and rows.is_contiguous():
-            # init_rows' arithmetic in C, straight into the rows (same bits; tested against it)
-            base = _signed(_row_seed(t.config.name, int(t.ps.seed), 0))
-            host_lib.lib().ps_init_uniform(host_lib.ptr(ids), host_lib.ptr(at), at.size, dim, base, bounds[0],
-                                           bounds[1], rows.data_ptr(), rows.shape[1])
-        else:
-            rows[at_t, :dim] = init_rows(t.config, torch.from_numpy(ids[at]), t.ps.seed).float()
-        self._fill_initial_state(t, rows, at_t)
-
     def _initial_states(self, t: _Table):
         """(name, kind, first column in a row, width, initial value) of each optimizer state."""
         spec = self.module._fused_spec
@@ -240,16 +223,62 @@ class PSTier:
             if value != 0.0:
                 rows[at, col:col + n] = value
 
+    def _initial_rows(self, t: _Table, ids: torch.Tensor) -> torch.Tensor:
+        """float32 store rows of never-seen ``ids``: the init rule in the table's dtype (so they
+        round-trip exactly), the optimizer's initial state."""
+        dtype = self.module.embedding_bags[t.name].weight.dtype
+        rows = torch.zeros(ids.numel(), self.width(t), dtype=torch.float32)
+        rows[:, :t.config.embedding_dim] = init_rows(t.config, ids, t.ps.seed, dtype).float()
+        self._fill_initial_state(t, rows)
+        return rows
+
+    def _refresh_native(self, t: _Table) -> None:
+        """Points the table's row layout at its rows and state (when they moved, or a fused
+        optimizer was enabled: its state widens the rows), and its store ops at the store."""
+        bag = self.module.embedding_bags[t.name]
+        w = bag.weight
+        key = (w.data_ptr(), self.module._fused_spec)
+        L = t.layout
+        if key != t.layout_key:
+            L.weight, L.weight_dtype, L.weight_stride = w.data_ptr(), native.DTYPES[w.dtype], w.stride(0)
+            L.dim = t.config.embedding_dim
+            states = list(self._initial_states(t))
+            L.n_states = len(states)
+            for q, (name, _, _, n, value) in enumerate(states):
+                L.state[q] = bag._buffers[f"optimizer_{name}"].data_ptr()
+                L.state_width[q], L.state_init[q] = n, value
+            L.width = self.width(t)
+            bounds = _uniform_bounds(t.config.init_fn)
+            L.init_uniform = int(bounds is not None and w.dtype == torch.float32)
+            if bounds is not None:
+                L.init_base = _signed(_row_seed(t.config.name, int(t.ps.seed), 0))
+                L.init_a, L.init_b = bounds
+            t.layout_key = key
+        width = L.width
+        mem = t.store.native_table(t.name, width) if t.in_memory else None  # a clear() replaces it
+        if t.py_ops is None or t.py_ops.width != width or mem is not t.native_store:
+            name = t.name
+            ops = native.StoreOps()
+            if mem is not None:
+                host_lib.lib().ps_mem_store_ops(ctypes.byref(ops), mem._t)
+                py = native.PythonStoreOps(None, None, lambda ids: self._initial_rows(t, ids), width)
+            else:
+                py = native.PythonStoreOps(lambda ids: t.store.get(name, ids, width, torch.float32),
+                                           lambda ids, rows: t.store.put(name, ids, rows, unique_ids=True),
+                                           lambda ids: self._initial_rows(t, ids), width)
+            py.fill(ops)
+            t.store_ops, t.py_ops, t.native_store = ops, py, mem
+
     # ------------------------------------------------------------------ per batch
     #
-    # The metadata (id -> slot, pins, dirty, recency) lives on the host, in C: a batch's ids are
-    # copied to the host once, and the slots come back in one copy. On a GPU the rows move on a
-    # stream of the tier's own, so that wrap()'s thread can stage the next batch while the
+    # The metadata (id -> slot, pins, dirty, recency) lives on the host, in C. On a GPU the rows
+    # move on a stream of the tier's own, so that a job can stage the next batch while the
     # training stream runs this one. The ordering that keeps results equal to a serial run:
     # - a batch's release makes the tier's stream wait for what the training stream has issued
     #   (the batch's backward): only then may its rows be read for a push or overwritten;
     # - prepare() makes the training stream wait for the tier's stream: the forward reads the
-    #   rows just pulled.
+    #   rows just pulled;
+    # - a job starts after the training stream's work issued before it (the batch's ids).
     # The staging of batch N+1 never touches a slot of batch N in flight (pinned), so the two
     # streams never write the same rows.
 
@@ -268,6 +297,13 @@ class PSTier:
     def _device(self) -> torch.device:
         return next(iter(self.module.embedding_bags[t].weight.device for t in self.tables))
 
+    def _stager(self, device: torch.device) -> native.Stager:
+        """The stager moving rows on ``device`` (on the tier's stream on a GPU)."""
+        st = self._stager_of
+        if st is None or st.device_ops.device != device:
+            st = self._stager_of = native.Stager(native.DeviceOps(device, self._side(device)))
+        return st
+
     def _training_waits(self, device: torch.device) -> None:
         side = self._side(device)
         if side is not None:
@@ -281,176 +317,131 @@ class PSTier:
             remapped, handle = entry[1], entry[2]  # staged by wrap(); wrap() releases it
             self.prefetched += 1
         else:
-            self.release_sync()  # the previous batch is done
-            remapped, handle = self.stage(kjt)
+            self.release(self._sync_handle, device)  # the previous batch is done
+            self._sync_handle = None
+            pending = self._start(kjt, device, submit=False)
+            remapped, handle = (kjt, {}) if pending is None else self.finish(pending)
             self._sync_handle = handle
-        if torch.is_grad_enabled() and handle:
-            with self.lock:  # training: the batch's rows will change
-                for name, slots in handle.items():
-                    self.tables[name].cache.mark_dirty(slots)
+        if torch.is_grad_enabled() and handle:  # training: the batch's rows will change
+            for name, slots in handle.items():
+                self.tables[name].cache.mark_dirty(slots)
         self._training_waits(device)
-        if device.type == "cuda" and remapped is not kjt:
-            remapped.values().record_stream(torch.cuda.current_stream(device))  # made on the tier's stream
         return remapped
 
     def uses(self, kjt: KeyedJaggedTensor) -> bool:
         return any(k in t.features for k in kjt.keys() for t in self.tables.values())
 
     def stage(self, kjt: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, Handle]:
-        """Pin the batch's rows in the cache (pulling and evicting as needed) and remap its ids."""
-        device = self._device()
-        side = self._side(device)
-        if side is not None:  # after the batch's ids were made (and, unprefetched, the last step)
-            side.wait_stream(torch.cuda.current_stream(device))
-        with self._on_side(device):
-            return self._stage(kjt, device)
+        """Pin the batch's rows in the cache (pulling and evicting as needed) and remap its ids,
+        in this thread."""
+        pending = self._start(kjt, self._device(), submit=False)
+        return (kjt, {}) if pending is None else self.finish(pending)
 
-    def _stage(self, kjt: KeyedJaggedTensor, device: torch.device) -> Tuple[KeyedJaggedTensor, Handle]:
+    def submit(self, kjt: KeyedJaggedTensor) -> Optional[_Pending]:
+        """Start staging ``kjt`` on the tier's worker thread; :meth:`finish` waits for it. None when
+        the batch has no ids of PS tables."""
+        return self._start(kjt, self._device(), submit=True)
+
+    def _start(self, kjt: KeyedJaggedTensor, device: torch.device, submit: bool) -> Optional[_Pending]:
         keys = kjt.keys()
         opk = kjt.offset_per_key()
         plan = [(t, [(opk[i], opk[i + 1]) for i, k in enumerate(keys) if k in t.features and opk[i + 1] > opk[i]])
                 for t in self.tables.values()]
         plan = [(t, segs) for t, segs in plan if segs]
         if not plan:
-            return kjt, {}
+            return None
         values = kjt.values()
-        # One device -> host copy of the span holding every PS feature's ids, one copy back of
-        # the span remapped (ids of other features inside it pass through unchanged).
+        if values.device != device:
+            raise ValueError(f"the KJT's ids are on {values.device}, the PS tables' cache on {device}")
+        if values.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"KJT values must be int64 or int32 for PS tables, got {values.dtype}")
+        # The job reads the span holding every PS feature's ids and writes it remapped into a new
+        # values tensor (ids of other features inside it pass through unchanged).
         lo = min(a for _, segs in plan for a, _ in segs)
         hi = max(b for _, segs in plan for _, b in segs)
-        span = values[lo:hi].to("cpu", torch.int64).numpy()
-        remapped_span = span.copy()
-        handle: Handle = {}
-        try:
-            for t, segs in plan:
-                ids = span[segs[0][0] - lo:segs[0][1] - lo] if len(segs) == 1 else np.concatenate(
-                    [span[a - lo:b - lo] for a, b in segs])
-                staged = self._assign(t, ids)
-                handle[t.name] = staged.slots
-                pos = 0
-                for a, b in segs:
-                    remapped_span[a - lo:b - lo] = staged.pos_slot[pos:pos + b - a]
-                    pos += b - a
-        except BaseException:
-            self.release(handle)
-            raise
-        on_device = torch.from_numpy(remapped_span).to(values.device, values.dtype)
-        if lo == 0 and hi == values.numel():
-            new_values = on_device
+        values = values.contiguous()
+        # Made on the training stream, which reads it; the tier's stream writes it after waiting
+        # for everything issued so far (the batch's ids, and the memory's last users).
+        out = torch.empty_like(values) if lo == 0 and hi == values.numel() else values.clone()
+        side = self._side(device)
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+        stager = self._stager(device)
+        item = values.element_size()
+        tables = (native.TableJob * len(plan))()
+        keep = []
+        for tj, (t, segs) in zip(tables, plan):
+            self._refresh_native(t)
+            seg = torch.tensor([x - lo for ab in segs for x in ab], dtype=torch.int64)
+            slots = torch.empty(sum(b - a for a, b in segs), dtype=torch.int64)
+            keep.append((t, seg, slots, t.store_ops, t.layout, t.py_ops, t.native_store))
+            tj.cache, tj.store, tj.layout = t.cache.handle, ctypes.addressof(t.store_ops), ctypes.addressof(t.layout)
+            tj.segs, tj.n_segs, tj.slots = seg.data_ptr(), len(segs), slots.data_ptr()
+        job = native.Job(span=values.data_ptr() + lo * item, id_bytes=item, n=hi - lo,
+                         out=out.data_ptr() + lo * item, tables=ctypes.addressof(tables), n_tables=len(plan),
+                         wait_ms=-1)
+        pending = _Pending(kjt, job, tables, (keep, values), out, stager, ran=not submit)
+        if submit:
+            stager.submit(job)
         else:
-            new_values = values.clone()
-            new_values[lo:hi] = on_device
+            stager.run(job)
+        return pending
+
+    def finish(self, pending: _Pending) -> Tuple[KeyedJaggedTensor, Handle]:
+        """Wait for a job; the remapped KJT and the slots it pinned (release them when the batch is
+        done). A failed job raises, with every slot it had pinned released."""
+        job = pending.job
+        status = job.status if pending.ran else pending.stager.wait(job)
+        keep, _ = pending.keep
+        handle: Handle = {}
+        for k, (tj, (t, _, slots, *_rest)) in enumerate(zip(pending.tables, keep)):
+            if k < job.done:
+                handle[t.name] = slots[:tj.counts[0]].numpy()
+                stats = t.cache.stats
+                stats["hits"] += tj.counts[2]
+                stats["misses"] += tj.counts[1]
+                stats["pushed"] += tj.counts[3]
+                stats["evictions"] += tj.counts[4]
+        if status != host_lib.STAGE_OK:
+            self.release(handle)
+            t, tj = keep[job.done][0], pending.tables[job.done]
+            raise self._job_error(t, tj, status, job, pending.stager)
+        kjt = pending.kjt
         remapped = KeyedJaggedTensor(
-            keys=keys, values=new_values, weights=kjt.weights_or_none(), lengths=kjt.lengths(),
-            offsets=kjt.offsets(), stride=kjt.stride(),
+            keys=kjt.keys(), values=pending.out, weights=kjt.weights_or_none(), lengths=kjt.lengths(),
+            offsets=kjt.offsets(), stride=kjt.stride(), length_per_key=kjt.length_per_key(),
+            offset_per_key=kjt.offset_per_key(),
         )
         return remapped, handle
 
-    def _assign(self, t: _Table, ids: np.ndarray) -> Staged:
-        """Reserve and fill the slots of a batch's ids of ``t`` (int64, duplicates allowed):
-        misses are pulled into free slots or the policy's victims, dirty victims pushed first.
-        Waits while batches in flight hold the slots it needs."""
-        c = t.cache
-        while True:
-            with self._staging:
-                with self.lock:
-                    staged = c.stage(ids)  # raises CacheFull, or ValueError for a negative id
-                    seen = self._releases
-                if staged is not None:
-                    try:
-                        self._move_rows(t, staged)
-                    except BaseException:
-                        with self.lock:
-                            c.abort(staged)
-                            self.lock.notify_all()
-                        raise
-                    with self.lock:
-                        c.commit(staged)
-                    return staged
-            with self.lock:  # outside _staging: a flush may run while this waits
-                while self._releases == seen:
-                    self.lock.wait()
+    def _job_error(self, t: _Table, tj, status: int, job, stager: native.Stager) -> BaseException:
+        name, rows = t.name, t.cache.cache_rows
+        if status == host_lib.STAGE_STORE_ERROR:
+            exc, t.py_ops.error = t.py_ops.error, None
+            return exc if exc is not None else StoreError(f"{t.store.url} table {name!r}: out of host memory")
+        if status == host_lib.STAGE_NEGATIVE_ID:
+            return ValueError(f"table {name!r}: PS-backed tables take ids >= 0, got {job.error_at}")
+        if status == host_lib.STAGE_FULL:
+            distinct, m, available = tj.counts[0], tj.counts[1], tj.counts[2]
+            if distinct > rows:
+                return CacheFull(f"table {name!r}: a batch uses {distinct} distinct ids, more than cache_rows={rows}")
+            return CacheFull(f"table {name!r}: a batch needs {m} slots but only {available} of cache_rows={rows} "
+                             "are free or can be evicted (the rest hold rows of this batch or of batches in "
+                             "flight); raise cache_rows")
+        if status == host_lib.STAGE_NO_MEMORY:
+            return MemoryError(f"table {name!r}: out of host memory staging a batch")
+        return RuntimeError(f"table {name!r}: moving rows failed: {stager.device_ops.error()}")
 
-    def _move_rows(self, t: _Table, staged: Staged) -> None:
-        """Push the dirty victims (the store acknowledges before their slots are reused), pull
-        the misses (never-seen ids get their initial rows) into their slots."""
-        m = staged.misses
-        if not m:
-            return
-        push = np.flatnonzero(staged.push)
-        rows, found = t.store.get(t.name, staged.new_ids, self.width(t), torch.float32)
-        found = found.numpy()
-        if self._inits_on_device(t):
-            # The initial rows are written on the device: only the stored rows travel. One copy to
-            # the device of the slots to read, the slots of stored rows, and the new ids' slots and ids.
-            kept, fresh = np.flatnonzero(found), np.flatnonzero(~found)
-            parts = [staged.take[push], staged.take[kept], staged.take[fresh], staged.new_ids[fresh]]
-            on_device = self._slots_on_device(t, np.concatenate(parts))
-            at = np.cumsum([0] + [p.size for p in parts])
-            self._push(t, staged, push, on_device[at[0]:at[1]])
-            if kept.size:
-                self._write_rows(t, on_device[at[1]:at[2]], rows[torch.from_numpy(kept)])
-            if fresh.size:
-                self._init_rows_on_device(t, on_device[at[2]:at[3]], on_device[at[3]:at[4]])
-            return
-        fresh = np.flatnonzero(~found)
-        if fresh.size:
-            self._init_rows_into(t, rows, staged.new_ids, fresh)
-        # one copy to the device of the slots to read and the slots to write
-        on_device = self._slots_on_device(t, np.concatenate([staged.take[push], staged.take]) if push.size
-                                          else staged.take)
-        self._push(t, staged, push, on_device[:push.size])
-        self._write_rows(t, on_device[push.size:], rows)
-
-    def _push(self, t: _Table, staged: Staged, push: np.ndarray, at: torch.Tensor) -> None:
-        if push.size:
-            self._put_rows(t, staged.evicted[push], at)
-            t.cache.stats["pushed"] += int(push.size)
-
-    def _put_rows(self, t: _Table, ids: np.ndarray, at) -> None:
-        """Write the rows of the slots ``at`` (on the rows' device, or host slots) to the store
-        under ``ids`` (distinct); returns once the store has them."""
-        if isinstance(at, np.ndarray):
-            at = self._slots_on_device(t, at)
-        t.store.put(t.name, ids, self._read_rows(t, at), unique_ids=True)
-
-    def _inits_on_device(self, t: _Table) -> bool:
-        """Whether never-seen rows are written by the GPU kernel (torchrec's uniform init, fp32
-        rows on a GPU with Triton)."""
-        if t.device_init is None:
-            t.device_init = False
-            if _uniform_bounds(t.config.init_fn) is not None:
-                try:
-                    from ..kernels import ps_init  # noqa: F401 - needs Triton
-                    t.device_init = True
-                except ImportError:
-                    pass
-        w = self.module.embedding_bags[t.name].weight
-        return t.device_init and w.is_cuda and w.dtype == torch.float32
-
-    def _init_rows_on_device(self, t: _Table, slots: torch.Tensor, ids: torch.Tensor) -> None:
-        from ..kernels.ps_init import init_uniform_rows
-
-        bag = self.module.embedding_bags[t.name]
-        a, b = _uniform_bounds(t.config.init_fn)
-        init_uniform_rows(bag.weight.data, slots, ids, _signed(_row_seed(t.config.name, int(t.ps.seed), 0)), a, b)
-        for name, _, _, _, value in self._initial_states(t):  # the slots held other rows: their state starts afresh
-            bag._buffers[f"optimizer_{name}"].data.index_fill_(0, slots, value)
-
-    def release(self, handle: Optional[Handle]) -> None:
+    def release(self, handle: Optional[Handle], device: Optional[torch.device] = None) -> None:
         """Unpin a batch's slots. On a GPU the tier's stream first waits for what the training
         stream has issued so far (the batch's backward): its rows may be evicted after this."""
         if not handle:
             return
-        device = self._device()
-        side = self._side(device)
-        with self.lock:
-            if side is not None:
-                side.wait_stream(torch.cuda.current_stream(device))
-            for name, slots in handle.items():
-                self.tables[name].cache.unpin(slots)
-            self._releases += 1
-            self.lock.notify_all()
+        side = self._side(device or self._device())
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+        for name, slots in handle.items():
+            self.tables[name].cache.unpin(slots)
 
     def join(self) -> None:
         """Order the tier's stream and the training stream both ways."""
@@ -461,14 +452,23 @@ class PSTier:
 
     @contextlib.contextmanager
     def _joined(self):
-        """Move rows alone (no staging in progress), on the tier's stream after everything issued
+        """Move rows alone (no staging job running), on the tier's stream after everything issued
         so far, the training stream waiting for it afterwards (flush, load)."""
         device = self._device()
-        with self._staging, self.lock:
-            self.join()
-            with self._on_side(device):
-                yield
-            self._training_waits(device)
+        stager = self._stager(device)
+        with self._flush_lock:
+            stager.lock()
+            try:
+                self.join()
+                with self._on_side(device):
+                    yield
+                self._training_waits(device)
+            finally:
+                stager.unlock()
+
+    def stager_times(self) -> Dict[str, float]:
+        """Seconds per phase of the staging jobs since the last call (recom_rec/csrc/ps_stage.c)."""
+        return self._stager_of.times() if self._stager_of is not None else {}
 
     def release_sync(self) -> None:
         """Unpin the batch the last synchronous ``prepare`` staged (it is done once the next batch
@@ -485,6 +485,11 @@ class PSTier:
             del self._prepared[id(kjt)]
 
     # ------------------------------------------------------------------ flush / load / export
+    def _put_rows(self, t: _Table, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Write the rows of cache ``slots`` to the store under ``ids`` (distinct); returns once the
+        store has them."""
+        t.store.put(t.name, ids, self._read_rows(t, self._slots_on_device(t, slots)), unique_ids=True)
+
     def flush(self, tables=None) -> int:
         """Push every dirty cached row (with optimizer state); returns how many were written."""
         written = 0

@@ -1,8 +1,7 @@
-"""``recom_rec.ps.wrap``: prepare the next batches' PS rows in a background thread."""
+"""``recom_rec.ps.wrap``: stage the next batches' PS rows while the current batch trains."""
 from __future__ import annotations
 
-import queue
-import threading
+from collections import deque
 from typing import Any, Iterable, Iterator, List
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -29,6 +28,10 @@ def _find_kjts(batch: Any, out: List[KeyedJaggedTensor], depth: int = 0) -> List
 
 
 class _Wrapped:
+    """The loop: the dataloader is read in the training thread; each batch's staging is a job on
+    its tiers' worker threads (native code, no GIL: recom_rec/csrc/ps_stage.c), submitted
+    ``prefetch`` batches ahead and waited for when the batch is handed out."""
+
     def __init__(self, dataloader: Iterable, model, prefetch: int) -> None:
         if int(prefetch) < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
@@ -44,93 +47,74 @@ class _Wrapped:
         if not tiers:
             yield from self.dataloader
             return
-        q: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def release(staged) -> None:
-            for tier, kjt, _, handle in staged:
-                tier.unregister_prepared(kjt)
-                tier.release(handle)
-
-        # On a GPU the thread works on the first tier's stream: batches the dataloader moves to the
-        # device there are ordered before the staging, and nothing waits on the training stream.
-        device = tiers[0]._device()
-
-        def worker() -> None:
-            with tiers[0]._on_side(device):
-                work()
-
-        def work() -> None:
-            try:
-                for batch in self.dataloader:
-                    if stop.is_set():
-                        return
-                    staged = []
-                    try:
-                        for kjt in _find_kjts(batch, []):
-                            for tier in tiers:
-                                if tier.uses(kjt):
-                                    remapped, handle = tier.stage(kjt)
-                                    staged.append((tier, kjt, remapped, handle))
-                    except BaseException:
-                        release(staged)
-                        raise
-                    if not put((batch, staged)):
-                        release(staged)
-                        return
-                put(_END)
-            except BaseException as exc:  # handed to the training loop
-                put(exc)
-
         # A batch trained before wrap() (no prefetch) keeps its rows pinned until the next
         # prepare; the loop has moved on, so unpin it before staging ahead.
         for tier in tiers:
             tier.release_sync()
-            tier.join()  # batches made before wrap() are ordered before the thread's staging
-        thread = threading.Thread(target=worker, name="recom_rec.ps.wrap", daemon=True)
-        thread.start()
-        previous: list = []
-        try:
-            while True:
-                release(previous)  # the batch handed out last is done
-                previous = []
-                item = q.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                batch, staged = item
-                for tier, kjt, remapped, handle in staged:
-                    tier.register_prepared(kjt, remapped, handle)
-                previous = staged
-                yield batch
-        finally:
-            stop.set()
-            release(previous)
-            while thread.is_alive():
+            tier.join()
+        batches = iter(self.dataloader)
+        queue: deque = deque()  # (batch, [(tier, pending job)]) staged or staging, in order
+
+        def stage_next() -> None:
+            batch = next(batches, _END)
+            if batch is _END:
+                return
+            jobs = []
+            try:
+                for kjt in _find_kjts(batch, []):
+                    for tier in tiers:
+                        if tier.uses(kjt):
+                            pending = tier.submit(kjt)
+                            if pending is not None:
+                                jobs.append((tier, pending))
+            except BaseException:
+                drop(jobs)
+                raise
+            queue.append((batch, jobs))
+
+        def drop(jobs) -> None:
+            """Wait for jobs whose batch will not be trained and unpin their slots."""
+            for tier, pending in jobs:
                 try:
-                    item = q.get(timeout=0.05)
-                except queue.Empty:
+                    _, handle = tier.finish(pending)
+                except BaseException:  # noqa: BLE001 - a failed job gave its slots back itself
                     continue
-                if isinstance(item, tuple):
-                    release(item[1])
-            while not q.empty():
-                item = q.get_nowait()
-                if isinstance(item, tuple):
-                    release(item[1])
+                tier.release(handle)
+
+        def release(staged) -> None:
+            for tier, kjt, handle in staged:
+                tier.unregister_prepared(kjt)
+                tier.release(handle)
+
+        current: list = []
+        try:
+            for _ in range(self.prefetch):
+                stage_next()
+            while queue:
+                batch, jobs = queue.popleft()
+                staged = []
+                try:
+                    for tier, pending in jobs:
+                        remapped, handle = tier.finish(pending)
+                        staged.append((tier, pending.kjt, handle))
+                        tier.register_prepared(pending.kjt, remapped, handle)
+                except BaseException:
+                    release(staged)
+                    drop(jobs[len(staged) + 1:])
+                    raise
+                current = staged
+                stage_next()  # the next batch stages while this one trains
+                yield batch
+                release(current)  # the batch handed out is done
+                current = []
+        finally:
+            release(current)
+            while queue:
+                drop(queue.popleft()[1])
 
 
 def wrap(dataloader: Iterable, model, prefetch: int = 1) -> _Wrapped:
-    """Iterate ``dataloader`` while a background thread stages the next ``prefetch`` batches'
-    PS rows (id lookup, store pulls, evictions) for every PS-backed module in ``model``. The
-    module's forward then uses the staged remap. Results are the same as without ``wrap``."""
+    """Iterate ``dataloader`` while the next ``prefetch`` batches' PS rows are staged (id lookup,
+    store pulls, evictions) on each PS-backed module's worker thread. The module's forward then
+    uses the staged remap. Results are the same as without ``wrap``."""
     return _Wrapped(dataloader, model, prefetch)

@@ -319,3 +319,53 @@ def test_store_failing_mid_run_loses_no_row_and_training_continues_exactly(prefe
     for a, b in zip(outs, train(ref, data[4:])):
         assert torch.equal(a, b)
     assert_same_tables(m, ref)
+
+
+def test_flush_inside_the_wrap_loop_while_staging_waits_for_slots():
+    # The cache holds about two batches, so staging the next batch waits until the running one
+    # is released; a flush between steps must neither deadlock with that wait nor change results.
+    data = batches(8, seed=11, big=120)
+    per_batch = max(int(torch.unique(kjt["f_big"].values()).numel()) for kjt in data)
+    m = ps_model("memory://", cache_rows=int(per_batch * 1.9))
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
+    outs = []
+    for kjt in ps.wrap(data, m, prefetch=2):
+        outs.append(step(m, kjt))
+        ps.flush(m)
+    for a, b in zip(outs, train(ref, data)):
+        assert torch.equal(a, b)
+    assert_same_tables(m, ref)
+
+
+def test_two_ps_tables_around_an_ordinary_feature_with_int32_ids():
+    tables = [EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f_{n}"])
+              for n, rows in (("a", 300), ("mid", 30), ("b", 200))]
+
+    def model(ps_cfg):
+        torch.manual_seed(1)
+        m = recom_rec.EmbeddingBagCollection(tables, ps=ps_cfg)
+        m.enable_fused_optimizer("rowwise_adagrad", lr=0.1)
+        return m
+
+    m = model({"a": PSConfig("memory://", 40), "b": PSConfig("memory://", 30, "lfu")})
+    ref = model(None)
+    with torch.no_grad():
+        for t in ("a", "b"):
+            ref.embedding_bags[t].weight.copy_(ps.init_rows(tables[0 if t == "a" else 2], torch.arange(
+                tables[0 if t == "a" else 2].num_embeddings)))
+        ref.embedding_bags["mid"].weight.copy_(m.embedding_bags["mid"].weight)
+    g = torch.Generator().manual_seed(5)
+    data = []
+    for _ in range(8):
+        lengths = torch.randint(0, 4, (3 * 8,), generator=g)
+        counts = lengths.view(3, 8).sum(1).tolist()
+        values = torch.cat([torch.randint(0, rows, (c,), generator=g) for rows, c in zip((300, 30, 200), counts)])
+        data.append(KeyedJaggedTensor(keys=["f_a", "f_mid", "f_b"], values=values.to(torch.int32),
+                                      lengths=lengths.to(torch.int32)))
+    for prefetch in (None, 1):
+        for a, b in zip(train(m, data, prefetch), train(ref, data)):
+            assert torch.equal(a, b)
+    for t in ("a", "b"):
+        assert torch.equal(ps.export_table(m, t), ref.embedding_bags[t].weight.detach())
+        assert m._ps.tables[t].cache.stats["pushed"] > 0
+    assert torch.equal(m.embedding_bags["mid"].weight, ref.embedding_bags["mid"].weight)

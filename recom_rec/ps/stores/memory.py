@@ -5,7 +5,8 @@ handle opened with the same name in this process (like a tiny in-process server)
 data outlives the handles until :func:`drop_memory_namespace` is called.
 
 Each table is a C table (recom_rec/csrc/ps_host.c): an id -> row hash map and one growing row
-buffer, rows kept as their raw bytes; a batch's get or put is one call that releases the GIL.
+buffer, rows kept as their raw bytes; a batch's get or put is one call that releases the GIL. The
+parameter-server tier's staging calls a table's C functions directly (:meth:`MemoryStore.native_table`).
 """
 from __future__ import annotations
 
@@ -60,9 +61,12 @@ class _Table:
             raise StoreError(f"memory:// table {table!r}: out of memory deleting rows")
 
     def ids(self) -> torch.Tensor:
-        out = np.empty(self._lib.ps_mem_count(self._t), dtype=np.int64)
-        self._lib.ps_mem_scan(self._t, host_lib.ptr(out))
-        return torch.from_numpy(out)
+        out = np.empty(0, dtype=np.int64)
+        while True:  # the count can grow between two calls while a staging thread puts rows
+            count = self._lib.ps_mem_scan(self._t, host_lib.ptr(out) if out.size else None, out.size)
+            if count <= out.size:
+                return torch.from_numpy(out[:count])
+            out = np.empty(count + 1024, dtype=np.int64)
 
 
 class _Namespace:
@@ -110,6 +114,17 @@ class MemoryStore(RowStore):
                 t = self._ns.tables[table] = _Table(width, dtype)
             t.check_layout(table, width, dtype)
             t.put(table, ids, rows)
+
+    def native_table(self, table: str, width: int) -> _Table:
+        """The C table of ``table`` for float32 rows of ``width`` (made when absent), whose
+        ``_t`` the tier's staging reads and writes without Python. Fetch it per batch: a
+        :meth:`clear` replaces it."""
+        with self._ns.lock:
+            t = self._ns.tables.get(table)
+            if t is None:
+                t = self._ns.tables[table] = _Table(width, torch.float32)
+            t.check_layout(table, width, torch.float32)
+            return t
 
     def _delete(self, table, ids) -> None:
         with self._ns.lock:

@@ -1,0 +1,196 @@
+"""The native side of a batch's staging (recom_rec/csrc/ps_stage.c, ps_cuda.c) as Python sees it:
+the ctypes mirrors of its structs, the row ops of a device (CPU, or a CUDA GPU through the
+driver API), a table's store ops (memory:// natively, any other store through Python callbacks),
+and :class:`Stager`, which runs a job in the calling thread or on its own worker thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import threading
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from . import host_lib
+
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+MAX_STATES = 2
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+PTX = Path(__file__).resolve().parent.parent / "csrc" / "ps_rows.ptx"
+PTX_SOURCE = PTX.with_suffix(".cu")
+
+
+class RowLayout(ctypes.Structure):
+    _fields_ = [("weight", _P), ("weight_dtype", _I), ("weight_stride", _I), ("dim", _I), ("n_states", _I),
+                ("state", _P * MAX_STATES), ("state_width", _I * MAX_STATES), ("state_init", _D * MAX_STATES),
+                ("width", _I), ("init_uniform", _I), ("init_base", _I), ("init_a", _D), ("init_b", _D)]
+
+
+class RowOps(ctypes.Structure):
+    _fields_ = [("ctx", _P), ("fetch_ids", _P), ("sync", _P), ("read_rows", _P), ("write_rows", _P),
+                ("init_rows", _P), ("put_ids", _P), ("host_buffer", _P), ("error", _P)]
+
+
+class StoreOps(ctypes.Structure):
+    _fields_ = [("ctx", _P), ("get", _P), ("put", _P), ("init", _P)]
+
+
+class TableJob(ctypes.Structure):
+    _fields_ = [("cache", _P), ("store", _P), ("layout", _P), ("segs", _P), ("n_segs", _I), ("slots", _P),
+                ("counts", _I * 5)]
+
+
+class Job(ctypes.Structure):
+    _fields_ = [("span", _P), ("id_bytes", _I), ("n", _I), ("out", _P), ("tables", _P), ("n_tables", _I),
+                ("wait_ms", _I), ("status", _I), ("done", _I), ("error_at", _I), ("state", _I), ("next", _P)]
+
+
+_ERROR = ctypes.CFUNCTYPE(ctypes.c_char_p, _P)
+_GET = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _I, _P, _P)
+_PUT = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _I, _P)
+_INIT = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _I, _P)
+
+
+def _int64s(address: int, n: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(address)) if n else np.empty(0, np.int64)
+
+
+def _rows(address: int, n: int, width: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_float * (n * width)).from_address(address)).reshape(n, width)
+
+
+def ptx_text() -> bytes:
+    """ps_rows.ptx, checked against the source it was generated from (tools/gen_ps_ptx.py)."""
+    text = PTX.read_bytes()
+    digest = hashlib.sha256(PTX_SOURCE.read_bytes()).hexdigest()
+    if f"sha256={digest}".encode() not in text.split(b"\n", 1)[0]:
+        raise RuntimeError(f"{PTX.name} was not generated from this {PTX_SOURCE.name}: run tools/gen_ps_ptx.py")
+    return text + b"\0"
+
+
+class DeviceOps:
+    """The row ops of one device: host memory on the CPU, a GPU through the CUDA driver API (on the
+    stream ``stream``, where the tier moves rows)."""
+
+    def __init__(self, device: torch.device, stream: Optional[torch.cuda.Stream] = None) -> None:
+        self.device = device
+        self.ops = RowOps()
+        self._lib = host_lib.lib()
+        if device.type == "cpu":
+            if self._lib.ps_cpu_ops_new(ctypes.byref(self.ops)) != 0:
+                raise MemoryError("cannot allocate the parameter-server tier's row ops")
+            self._free = self._lib.ps_cpu_ops_free
+        elif device.type == "cuda":
+            err = ctypes.create_string_buffer(512)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if self._lib.ps_cuda_ops_new(ctypes.byref(self.ops), index, ctypes.c_void_p(stream.cuda_stream),
+                                         ptx_text(), err, len(err)) != 0:
+                raise RuntimeError(f"the parameter-server tier cannot move rows on {device}: "
+                                   f"{err.value.decode(errors='replace')}")
+            self._free = self._lib.ps_cuda_ops_free
+        else:
+            raise NotImplementedError(f"parameter-server tables on {device.type} devices are not supported "
+                                      "(cpu and cuda are)")
+
+    def error(self) -> str:
+        return _ERROR(self.ops.error)(self.ops.ctx).decode(errors="replace")
+
+    def __del__(self) -> None:
+        ops = getattr(self, "ops", None)
+        if ops is not None and ops.ctx:
+            self._free(ctypes.byref(ops))
+
+
+class PythonStoreOps:
+    """A table's store ops as ctypes callbacks: ``get``/``put`` of a :class:`RowStore` (any but a
+    memory:// table, which is native) and the init of never-seen rows made on the host. A worker
+    thread calling them takes the GIL for their length. An exception is kept in ``error`` for the
+    tier to raise, and the call reports failure."""
+
+    def __init__(self, get: Optional[Callable], put: Optional[Callable], init: Callable, width: int) -> None:
+        self.width = width
+        self.error: Optional[BaseException] = None
+        self._get, self._put, self._init = get, put, init
+        # the CFUNCTYPE objects live as long as this object: C holds their addresses
+        self.get_fn, self.put_fn, self.init_fn = _GET(self._on_get), _PUT(self._on_put), _INIT(self._on_init)
+
+    def _guard(self, fn, *args) -> int:
+        try:
+            fn(*args)
+            return 0
+        except BaseException as exc:  # noqa: BLE001 - raised again by the tier after the job
+            self.error = exc
+            return -1
+
+    def _on_get(self, ctx, ids, n, rows, found) -> int:
+        def get():
+            got, hit = self._get(torch.from_numpy(_int64s(ids, n).copy()))
+            _rows(rows, n, self.width)[:] = got.numpy()
+            np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(found))[:] = hit.numpy()
+        return self._guard(get)
+
+    def _on_put(self, ctx, ids, n, rows) -> int:
+        return self._guard(lambda: self._put(torch.from_numpy(_int64s(ids, n).copy()),
+                                             torch.from_numpy(_rows(rows, n, self.width).copy())))
+
+    def _on_init(self, ctx, ids, n, rows) -> int:
+        def init():
+            _rows(rows, n, self.width)[:] = self._init(torch.from_numpy(_int64s(ids, n).copy())).numpy()
+        return self._guard(init)
+
+    def fill(self, ops: StoreOps) -> None:
+        for name in ("get", "put"):
+            if getattr(self, f"_{name}") is not None:
+                setattr(ops, name, ctypes.cast(getattr(self, f"{name}_fn"), _P).value)
+        ops.init = ctypes.cast(self.init_fn, _P).value
+
+
+class Stager:
+    """Runs staging jobs (one batch's PS tables) now or on a worker thread of its own; one job at a
+    time. :meth:`locked` excludes jobs (flush, load)."""
+
+    def __init__(self, ops: DeviceOps) -> None:
+        self.device_ops = ops  # kept alive while the stager refers to its ops
+        self._lib = host_lib.lib()
+        self._st = self._lib.ps_stager_new(ctypes.byref(ops.ops))
+        if not self._st:
+            raise MemoryError("cannot allocate the parameter-server tier's stager")
+        self._lock_depth = threading.local()
+
+    def run(self, job: Job) -> int:
+        return self._lib.ps_stager_run(self._st, ctypes.byref(job))
+
+    def submit(self, job: Job) -> None:
+        if self._lib.ps_stager_submit(self._st, ctypes.byref(job)) != 0:
+            raise RuntimeError("cannot start the parameter-server tier's staging thread")
+
+    def wait(self, job: Job) -> int:
+        return self._lib.ps_stager_wait(self._st, ctypes.byref(job))
+
+    PHASES = ("fetch ids", "cache stage", "wait for slots", "read pushed rows", "store put", "store get",
+              "write pulled rows", "init new rows", "cache commit", "remapped ids", "job")
+
+    def times(self) -> dict:
+        """Seconds per phase of the jobs since the last call (ps_stage.c's timers)."""
+        out = (ctypes.c_double * len(self.PHASES))()
+        self._lib.ps_stager_times(self._st, out)
+        return dict(zip(self.PHASES, out))
+
+    def lock(self) -> None:
+        depth = getattr(self._lock_depth, "n", 0)
+        if depth == 0:
+            self._lib.ps_stager_lock(self._st)  # waits for a running job (ctypes lets the GIL go)
+        self._lock_depth.n = depth + 1
+
+    def unlock(self) -> None:
+        self._lock_depth.n -= 1
+        if self._lock_depth.n == 0:
+            self._lib.ps_stager_unlock(self._st)
+
+    def __del__(self) -> None:
+        st, self._st = getattr(self, "_st", None), None
+        if st:
+            self._lib.ps_stager_free(st)
