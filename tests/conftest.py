@@ -12,3 +12,8 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# The parameter-server tier's host library runs large store batches on a pool of threads sized by
+# the cores; CI machines have two, which gives no pool: ask for two workers so the suite runs the
+# threaded path everywhere (the library reads this once, when it is first loaded).
+os.environ.setdefault("RECOM_REC_PS_THREADS", "2")

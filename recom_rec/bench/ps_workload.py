@@ -115,7 +115,7 @@ def run_ps_workload(device: torch.device, urls: List[str], small: bool) -> List[
     del baseline
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    for url, prefetch in [(u, p) for u in urls for p in (0, 1)]:
+    for url, prefetch in [(u, p) for u in urls for p in (0, 1, 2)]:
         model = _ps_model(device, rows, url, cache_rows)
         ms = _time_steps(model, batches, device, prefetch)
         stats = [t.cache.stats for tier in ps_tier.tiers_of(model) for t in tier.tables.values()][0]

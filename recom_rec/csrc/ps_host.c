@@ -3,16 +3,18 @@
  * time each) they took in Python. Loaded with ctypes (recom_rec/ps/host_lib.py), which releases
  * the GIL during each call; a batch's whole staging runs in ps_stage.c.
  *
- * Three parts:
+ * Two parts (the memory:// store's tables are in ps_mem.c):
  *  - slot cache: id -> slot map of one PS table's cache, pins of batches in flight, the eviction
  *    choice (free slots lowest first, then the smallest (score, slot) among unpinned occupied
  *    slots; LRU score = last batch used, LFU score = uses << 40 | last batch used);
- *  - memory store: the rows of one table of a memory:// store (id -> row index + a row buffer);
  *  - init: torchrec's default uniform init, as recom_rec.ps.tier.init_rows computes it in torch.
  *
  * The per-slot arrays of the cache (id_of, dirty, pins, last_used, uses) are numpy arrays owned
- * by Python; the struct keeps their pointers. A cache and a memory table each hold a mutex: a
- * staging thread and the training thread (unpinning, marking rows dirty) call them at once.
+ * by Python; the struct keeps their pointers. A cache holds a mutex: a staging thread and the
+ * training thread call it at once. The training thread's calls never
+ * wait for a staging: an unpin only queues the slots (applied by the next call that holds the
+ * mutex), and marking rows dirty touches only the running batch's pinned slots, which no staging
+ * reads or writes.
  */
 #include "ps_host.h"
 
@@ -20,130 +22,10 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
-/* A store's rows are allocated in chunks of this size (no copy when a table grows). */
-#define CHUNK_BYTES ((i64)8 << 20)
-
-/* ------------------------------------------------------------------ id -> i64 hash map
- * Open addressing, linear probing, load factor <= 1/2, deletion by backward shift (no
- * tombstones, so lookups stay short however many ids come and go). Key and value side by side:
- * a probe of a map larger than the caches costs one memory access, not one per array. The key
- * EMPTY marks a free entry; the id EMPTY itself (INT64_MIN, only a store can be given it) is
- * kept beside the table. */
-#define EMPTY INT64_MIN
-/* Batch operations look ids up in tables far larger than the CPU caches: prefetching the home
- * entry of the id LOOKAHEAD positions ahead overlaps those memory accesses. */
-#define LOOKAHEAD 8
-
-typedef struct {
-    i64 key;
-    i64 val;
-} Pair;
-
-typedef struct {
-    Pair *at;
-    i64 cap; /* a power of two */
-    i64 size;
-    int has_empty_key;
-    i64 empty_key_val;
-} Map;
-
-static inline u64 mix(i64 key) {
-    u64 h = (u64)key * 0x9E3779B97F4A7C15ULL;
-    return h ^ (h >> 29);
-}
-
-static int map_init(Map *m, i64 want) {
-    i64 cap = 16;
-    while (cap < 2 * want) cap <<= 1;
-    memset(m, 0, sizeof(*m));
-    m->at = (Pair *)malloc(sizeof(Pair) * cap);
-    if (!m->at) return 0;
-    for (i64 i = 0; i < cap; i++) m->at[i].key = EMPTY;
-    m->cap = cap;
-    return 1;
-}
-
-static void map_release(Map *m) {
-    free(m->at);
-    memset(m, 0, sizeof(*m));
-}
-
-static inline const Pair *map_home(const Map *m, i64 key) { return m->at + (mix(key) & (u64)(m->cap - 1)); }
-
-/* The value of key, or -1 (values are >= 0). */
-static inline i64 map_get(const Map *m, i64 key) {
-    if (key == EMPTY) return m->has_empty_key ? m->empty_key_val : -1;
-    i64 mask = m->cap - 1, i = (i64)(mix(key) & (u64)mask);
-    for (;;) {
-        i64 k = m->at[i].key;
-        if (k == key) return m->at[i].val;
-        if (k == EMPTY) return -1;
-        i = (i + 1) & mask;
-    }
-}
-
-static int map_grow(Map *m);
-static inline void map_prefetch(const Map *m, i64 key) { __builtin_prefetch(map_home(m, key)); }
-
-/* Inserts key (absent) -> val. Returns 0 when out of memory. */
-static int map_insert(Map *m, i64 key, i64 val) {
-    if (key == EMPTY) {
-        m->has_empty_key = 1;
-        m->empty_key_val = val;
-        return 1;
-    }
-    if (2 * (m->size + 1) > m->cap && !map_grow(m)) return 0;
-    i64 mask = m->cap - 1, i = (i64)(mix(key) & (u64)mask);
-    while (m->at[i].key != EMPTY) i = (i + 1) & mask;
-    m->at[i].key = key;
-    m->at[i].val = val;
-    m->size++;
-    return 1;
-}
-
-static int map_grow(Map *m) {
-    Map bigger;
-    if (!map_init(&bigger, m->cap)) return 0; /* cap = 2 * size bound, so this doubles it */
-    for (i64 i = 0; i < m->cap; i++) {
-        if (i + LOOKAHEAD < m->cap && m->at[i + LOOKAHEAD].key != EMPTY)
-            __builtin_prefetch(map_home(&bigger, m->at[i + LOOKAHEAD].key), 1);
-        if (m->at[i].key != EMPTY) map_insert(&bigger, m->at[i].key, m->at[i].val);
-    }
-    bigger.has_empty_key = m->has_empty_key;
-    bigger.empty_key_val = m->empty_key_val;
-    map_release(m);
-    *m = bigger;
-    return 1;
-}
-
-/* Removes key if present. */
-static void map_erase(Map *m, i64 key) {
-    if (key == EMPTY) {
-        m->has_empty_key = 0;
-        return;
-    }
-    i64 mask = m->cap - 1, i = (i64)(mix(key) & (u64)mask);
-    for (;;) {
-        if (m->at[i].key == key) break;
-        if (m->at[i].key == EMPTY) return;
-        i = (i + 1) & mask;
-    }
-    m->at[i].key = EMPTY;
-    m->size--;
-    for (i64 j = i;;) { /* shift back later entries of the probe run that may not sit past the hole */
-        j = (j + 1) & mask;
-        if (m->at[j].key == EMPTY) return;
-        i64 home = (i64)(mix(m->at[j].key) & (u64)mask);
-        /* entry j may move to the hole i unless its home lies cyclically in (i, j] */
-        int stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
-        if (stays) continue;
-        m->at[i] = m->at[j];
-        m->at[j].key = EMPTY;
-        i = j;
-    }
-}
+#include "ps_map.h"
 
 /* ------------------------------------------------------------------ slot cache */
 typedef struct {
@@ -158,9 +40,12 @@ typedef struct {
 } Run;
 
 struct Cache {
-    pthread_mutex_t mutex;    /* every public call holds it */
+    pthread_mutex_t mutex;    /* held by the calls that read or change the state below */
+    pthread_mutex_t queue;    /* guards the unpins queued and not applied yet: */
     pthread_cond_t released;  /* signalled by an unpin (a staging waiting for slots) */
     i64 releases;             /* unpins so far */
+    i64 *queued, *applying;   /* slots to unpin, and the buffer they are applied from (swapped) */
+    i64 n_queued, queued_cap, applying_cap;
     i64 rows;
     int lfu;
     i64 *id_of;
@@ -184,6 +69,13 @@ struct Cache {
     i64 clock;      /* batches touched so far */
     i64 *stamp;     /* the stage call that last met the slot (distinct slots per batch) */
     i64 serial;
+    /* Slots unpinned since the last stage, not yet in a run: the training thread's unpin only
+     * lists them, and the next stage (a staging thread) scores, sorts and adds them. */
+    i64 *pending;
+    i64 n_pending;
+    Map batch;       /* a stage's distinct misses (id -> index in new_ids), kept between calls */
+    i64 *batch_pos;  /* where each went in it, to empty those entries afterwards */
+    i64 batch_room;  /* ids a stage may have without regrowing batch */
 };
 
 static inline i64 score_of(const Cache *c, i64 s) {
@@ -339,7 +231,10 @@ static i64 free_pop(Cache *c) {
 void ps_cache_free(Cache *c) {
     if (!c) return;
     pthread_mutex_destroy(&c->mutex);
+    pthread_mutex_destroy(&c->queue);
     pthread_cond_destroy(&c->released);
+    free(c->queued);
+    free(c->applying);
     map_release(&c->map);
     free(c->free_heap);
     runs_clear(c);
@@ -347,6 +242,9 @@ void ps_cache_free(Cache *c) {
     free(c->scratch);
     free(c->scratch2);
     free(c->stamp);
+    free(c->pending);
+    map_release(&c->batch);
+    free(c->batch_pos);
     free(c);
 }
 
@@ -356,6 +254,7 @@ Cache *ps_cache_new(i64 rows, int lfu, i64 *id_of, uint8_t *dirty, int32_t *pins
     Cache *c = (Cache *)calloc(1, sizeof(Cache));
     if (!c) return NULL;
     pthread_mutex_init(&c->mutex, NULL);
+    pthread_mutex_init(&c->queue, NULL);
     pthread_cond_init(&c->released, NULL);
     c->rows = rows;
     c->lfu = lfu;
@@ -368,7 +267,8 @@ Cache *ps_cache_new(i64 rows, int lfu, i64 *id_of, uint8_t *dirty, int32_t *pins
     c->scratch = (Entry *)malloc(sizeof(Entry) * (rows + 1));
     c->scratch2 = (Entry *)malloc(sizeof(Entry) * (rows + 1));
     c->stamp = (i64 *)calloc(rows + 1, sizeof(i64));
-    if (!c->free_heap || !c->scratch || !c->scratch2 || !c->stamp || !map_init(&c->map, rows)) {
+    c->pending = (i64 *)malloc(sizeof(i64) * (rows + 1));
+    if (!c->free_heap || !c->scratch || !c->scratch2 || !c->stamp || !c->pending || !map_init(&c->map, rows)) {
         ps_cache_free(c);
         return NULL;
     }
@@ -387,18 +287,37 @@ Cache *ps_cache_new(i64 rows, int lfu, i64 *id_of, uint8_t *dirty, int32_t *pins
  * the pulled rows are written), so a failed store leaves every row where it was
  * (ps_cache_abort). counts = [distinct slots u, misses m, distinct hits]. On STAGE_FULL and
  * STAGE_WOULD_BLOCK nothing changed and counts[2] holds the number of slots the batch could get. */
+/* The pending unpinned slots become eviction candidates (one sorted run). */
+static void add_pending(Cache *c) {
+    i64 g = 0;
+    for (i64 k = 0; k < c->n_pending; k++) {
+        i64 s = c->pending[k];
+        if (c->id_of[s] != FREE_SLOT && c->pins[s] == 0) c->scratch[g++] = (Entry){score_of(c, s), s};
+    }
+    c->n_pending = 0;
+    runs_push(c, c->scratch, g);
+}
+
 static i64 cache_stage(Cache *c, const i64 *ids, i64 n, i64 *pos_slot, i64 *uniq_slots, i64 *take, i64 *new_ids,
                        i64 *evicted, uint8_t *push, i64 *counts) {
     i64 serial = ++c->serial, hits = 0, m = 0, hits_unpinned = 0;
-    Map batch; /* the batch's distinct misses: id -> index in new_ids */
-    if (!map_init(&batch, n < 8 ? 8 : n)) {
-        map_release(&batch);
-        return STAGE_NO_MEMORY;
+    add_pending(c);
+    if (n > c->batch_room) { /* the misses' map, kept empty between calls */
+        map_release(&c->batch);
+        free(c->batch_pos);
+        c->batch_pos = (i64 *)malloc(sizeof(i64) * (size_t)(n > 8 ? n : 8));
+        if (!c->batch_pos || !map_init(&c->batch, n > 8 ? n : 8)) {
+            c->batch_room = 0;
+            return STAGE_NO_MEMORY;
+        }
+        c->batch_room = n > 8 ? n : 8;
     }
+    Map *batch = &c->batch;
     for (i64 i = 0; i < n; i++) {
         i64 id = ids[i];
         if (id < 0) {
-            map_release(&batch);
+            for (i64 k = 0; k < m; k++) batch->at[c->batch_pos[k]].key = EMPTY;
+            batch->size = 0;
             counts[0] = i;
             return STAGE_NEGATIVE_ID;
         }
@@ -412,19 +331,17 @@ static i64 cache_stage(Cache *c, const i64 *ids, i64 n, i64 *pos_slot, i64 *uniq
                 hits_unpinned += c->pins[s] == 0;
             }
         } else {
-            i64 k = map_get(&batch, id);
+            i64 k = map_get(batch, id);
             if (k < 0) {
                 k = m++;
                 new_ids[k] = id;
-                if (!map_insert(&batch, id, k)) {
-                    map_release(&batch);
-                    return STAGE_NO_MEMORY;
-                }
+                c->batch_pos[k] = map_insert_roomy(batch, id, k);
             }
             pos_slot[i] = -(k + 1); /* resolved once the slots are chosen */
         }
     }
-    map_release(&batch);
+    for (i64 k = 0; k < m; k++) batch->at[c->batch_pos[k]].key = EMPTY;
+    batch->size = 0;
     i64 available = c->n_unpinned - hits_unpinned;
     counts[0] = hits + m;
     counts[1] = m;
@@ -450,30 +367,54 @@ static i64 cache_stage(Cache *c, const i64 *ids, i64 n, i64 *pos_slot, i64 *uniq
     return STAGE_OK;
 }
 
-i64 ps_cache_stage(Cache *c, const i64 *ids, i64 n, i64 *pos_slot, i64 *uniq_slots, i64 *take, i64 *new_ids,
-                   i64 *evicted, uint8_t *push, i64 *counts) {
-    pthread_mutex_lock(&c->mutex);
-    i64 status = cache_stage(c, ids, n, pos_slot, uniq_slots, take, new_ids, evicted, push, counts);
-    pthread_mutex_unlock(&c->mutex);
-    return status;
-}
-
-/* Unpins slots[0..n) (distinct); those no batch holds any more become free or evictable. The
- * caller holds the mutex. */
-static void unpin_all(Cache *c, const i64 *slots, i64 n) {
-    i64 g = 0;
+/* Unpins slots[0..n); the caller holds the mutex. A slot no batch holds any more becomes free, or
+ * an eviction candidate from the next stage on (add_pending). */
+static void unpin_now(Cache *c, const i64 *slots, i64 n) {
     for (i64 k = 0; k < n; k++) {
         i64 s = slots[k];
         if (c->pins[s] <= 0 || --c->pins[s] > 0) continue;
         c->n_unpinned++;
         if (c->id_of[s] != FREE_SLOT)
-            c->scratch[g++] = (Entry){score_of(c, s), s};
+            c->pending[c->n_pending++] = s;
         else
             free_push(c, s);
     }
-    runs_push(c, c->scratch, g);
+}
+
+/* Applies the queued unpins; the caller holds the mutex. */
+static void apply_unpins(Cache *c) {
+    pthread_mutex_lock(&c->queue);
+    i64 n = c->n_queued, *slots = c->queued, cap = c->queued_cap;
+    c->queued = c->applying; /* the queue takes the other buffer, so it is held only for a swap */
+    c->queued_cap = c->applying_cap;
+    c->n_queued = 0;
+    c->applying = slots;
+    c->applying_cap = cap;
+    pthread_mutex_unlock(&c->queue);
+    unpin_now(c, slots, n);
+}
+
+static void count_release(Cache *c) {
+    pthread_mutex_lock(&c->queue);
     c->releases++;
     pthread_cond_broadcast(&c->released);
+    pthread_mutex_unlock(&c->queue);
+}
+
+i64 ps_cache_stage(Cache *c, const i64 *ids, i64 n, i64 *pos_slot, i64 *uniq_slots, i64 *take, i64 *new_ids,
+                   i64 *evicted, uint8_t *push, i64 *counts) {
+    pthread_mutex_lock(&c->mutex);
+    apply_unpins(c);
+    i64 status = cache_stage(c, ids, n, pos_slot, uniq_slots, take, new_ids, evicted, push, counts);
+    pthread_mutex_unlock(&c->mutex);
+    return status;
+}
+
+/* Applies the queued unpins now (before Python reads the pins). */
+void ps_cache_sync(Cache *c) {
+    pthread_mutex_lock(&c->mutex);
+    apply_unpins(c);
+    pthread_mutex_unlock(&c->mutex);
 }
 
 /* The staged rows are in place: take[k] now holds new_ids[k] (clean), every slot of the batch
@@ -503,25 +444,47 @@ i64 ps_cache_commit(Cache *c, const i64 *uniq_slots, i64 u, const i64 *take, con
 }
 
 /* Undo a stage that will not be committed: its slots are unpinned, every id stays where it was. */
-void ps_cache_abort(Cache *c, const i64 *uniq_slots, i64 u) { ps_cache_unpin(c, uniq_slots, u); }
-
-/* A batch is done with its slots (its backward has been issued). */
-void ps_cache_unpin(Cache *c, const i64 *slots, i64 n) {
+void ps_cache_abort(Cache *c, const i64 *uniq_slots, i64 u) {
     pthread_mutex_lock(&c->mutex);
-    unpin_all(c, slots, n);
+    apply_unpins(c);
+    unpin_now(c, uniq_slots, u);
     pthread_mutex_unlock(&c->mutex);
+    count_release(c);
 }
 
+/* A batch is done with its slots (its backward has been issued): queued, never waiting for a
+ * staging that holds the mutex. Returns 0, or -1 when out of memory (nothing queued). */
+int ps_cache_unpin(Cache *c, const i64 *slots, i64 n) {
+    pthread_mutex_lock(&c->queue);
+    if (c->n_queued + n > c->queued_cap) {
+        i64 cap = c->queued_cap ? c->queued_cap : 1024;
+        while (cap < c->n_queued + n) cap *= 2;
+        i64 *grown = (i64 *)realloc(c->queued, sizeof(i64) * (size_t)cap);
+        if (!grown) {
+            pthread_mutex_unlock(&c->queue);
+            return -1;
+        }
+        c->queued = grown;
+        c->queued_cap = cap;
+    }
+    memcpy(c->queued + c->n_queued, slots, sizeof(i64) * (size_t)n);
+    c->n_queued += n;
+    c->releases++;
+    pthread_cond_broadcast(&c->released);
+    pthread_mutex_unlock(&c->queue);
+    return 0;
+}
+
+/* Without the mutex: the slots are the running batch's, pinned, so no staging reads or writes
+ * their dirty bytes now; a staging sees the bytes after the batch's unpin (which orders them). */
 void ps_cache_mark_dirty(Cache *c, const i64 *slots, i64 n) {
-    pthread_mutex_lock(&c->mutex);
     for (i64 k = 0; k < n; k++) c->dirty[slots[k]] = 1;
-    pthread_mutex_unlock(&c->mutex);
 }
 
 i64 ps_cache_releases(Cache *c) {
-    pthread_mutex_lock(&c->mutex);
+    pthread_mutex_lock(&c->queue);
     i64 r = c->releases;
-    pthread_mutex_unlock(&c->mutex);
+    pthread_mutex_unlock(&c->queue);
     return r;
 }
 
@@ -534,21 +497,22 @@ i64 ps_cache_wait_release(Cache *c, i64 seen, i64 timeout_ms) {
         until.tv_sec++;
         until.tv_nsec -= 1000000000L;
     }
-    pthread_mutex_lock(&c->mutex);
+    pthread_mutex_lock(&c->queue);
     while (c->releases == seen) {
         if (timeout_ms < 0)
-            pthread_cond_wait(&c->released, &c->mutex);
-        else if (pthread_cond_timedwait(&c->released, &c->mutex, &until) == ETIMEDOUT)
+            pthread_cond_wait(&c->released, &c->queue);
+        else if (pthread_cond_timedwait(&c->released, &c->queue, &until) == ETIMEDOUT)
             break;
     }
     i64 r = c->releases;
-    pthread_mutex_unlock(&c->mutex);
+    pthread_mutex_unlock(&c->queue);
     return r;
 }
 
 /* The ids of unpinned occupied slots leave the cache (their dirty rows were pushed). */
 void ps_cache_drop(Cache *c, const i64 *slots, i64 n) {
     pthread_mutex_lock(&c->mutex);
+    apply_unpins(c);
     for (i64 k = 0; k < n; k++) {
         i64 s = slots[k];
         if (c->id_of[s] == FREE_SLOT || c->pins[s] != 0) continue;
@@ -559,153 +523,6 @@ void ps_cache_drop(Cache *c, const i64 *slots, i64 n) {
         free_push(c, s);
     }
     pthread_mutex_unlock(&c->mutex);
-}
-
-/* ------------------------------------------------------------------ memory store table */
-struct MemTable {
-    pthread_mutex_t mutex; /* every public call holds it */
-    Map map; /* id -> row index */
-    char **chunks; /* rows in chunks of chunk_rows (no copy when the table grows) */
-    i64 n_chunks, chunks_cap, chunk_rows;
-    i64 row_bytes, used;
-    i64 *freed; /* row indices of deleted ids, reused before the buffer grows */
-    i64 n_freed, freed_cap;
-};
-
-static inline char *mem_row(const MemTable *t, i64 r) {
-    return t->chunks[r / t->chunk_rows] + (r % t->chunk_rows) * t->row_bytes;
-}
-
-void ps_mem_free(MemTable *t) {
-    if (!t) return;
-    pthread_mutex_destroy(&t->mutex);
-    map_release(&t->map);
-    for (i64 i = 0; i < t->n_chunks; i++) free(t->chunks[i]);
-    free(t->chunks);
-    free(t->freed);
-    free(t);
-}
-
-MemTable *ps_mem_new(i64 row_bytes) {
-    MemTable *t = (MemTable *)calloc(1, sizeof(MemTable));
-    if (!t) return NULL;
-    pthread_mutex_init(&t->mutex, NULL);
-    t->row_bytes = row_bytes;
-    t->chunk_rows = CHUNK_BYTES / row_bytes > 0 ? CHUNK_BYTES / row_bytes : 1;
-    if (!map_init(&t->map, 1024)) {
-        ps_mem_free(t);
-        return NULL;
-    }
-    return t;
-}
-
-static int mem_new_row(MemTable *t, i64 *r) {
-    if (t->n_freed > 0) {
-        *r = t->freed[--t->n_freed];
-        return 1;
-    }
-    if (t->used == t->n_chunks * t->chunk_rows) {
-        if (t->n_chunks == t->chunks_cap) {
-            i64 cap = t->chunks_cap ? 2 * t->chunks_cap : 16;
-            char **grown = (char **)realloc(t->chunks, sizeof(char *) * (size_t)cap);
-            if (!grown) return 0;
-            t->chunks = grown;
-            t->chunks_cap = cap;
-        }
-        char *chunk = (char *)malloc((size_t)(t->chunk_rows * t->row_bytes));
-        if (!chunk) return 0;
-        t->chunks[t->n_chunks++] = chunk;
-    }
-    *r = t->used++;
-    return 1;
-}
-
-/* rows of ids (duplicates allowed) into out [n, row_bytes], zeros where absent; found[i].
- * Two passes, each prefetching ahead: the ids' map entries, then their rows. */
-static int mem_get(const MemTable *t, const i64 *ids, i64 n, char *out, uint8_t *found) {
-    i64 *row = (i64 *)malloc(sizeof(i64) * (n > 0 ? n : 1));
-    if (!row) return 0;
-    for (i64 i = 0; i < n; i++) {
-        if (i + LOOKAHEAD < n) map_prefetch(&t->map, ids[i + LOOKAHEAD]);
-        row[i] = map_get(&t->map, ids[i]);
-    }
-    for (i64 i = 0; i < n; i++) {
-        if (i + LOOKAHEAD < n && row[i + LOOKAHEAD] >= 0)
-            __builtin_prefetch(mem_row(t, row[i + LOOKAHEAD]));
-        char *dst = out + i * t->row_bytes;
-        found[i] = row[i] >= 0;
-        if (row[i] >= 0)
-            memcpy(dst, mem_row(t, row[i]), (size_t)t->row_bytes);
-        else
-            memset(dst, 0, (size_t)t->row_bytes);
-    }
-    free(row);
-    return 1;
-}
-
-int ps_mem_get(MemTable *t, const i64 *ids, i64 n, char *out, uint8_t *found) {
-    pthread_mutex_lock(&t->mutex);
-    int ok = mem_get(t, ids, n, out, found);
-    pthread_mutex_unlock(&t->mutex);
-    return ok;
-}
-
-/* ids unique; returns 0 when out of memory (rows written before that stay written). */
-static int mem_put(MemTable *t, const i64 *ids, i64 n, const char *rows) {
-    for (i64 i = 0; i < n; i++) {
-        if (i + LOOKAHEAD < n) map_prefetch(&t->map, ids[i + LOOKAHEAD]);
-        i64 r = map_get(&t->map, ids[i]);
-        if (r < 0) {
-            if (!mem_new_row(t, &r) || !map_insert(&t->map, ids[i], r)) return 0;
-        }
-        memcpy(mem_row(t, r), rows + i * t->row_bytes, (size_t)t->row_bytes);
-    }
-    return 1;
-}
-
-int ps_mem_put(MemTable *t, const i64 *ids, i64 n, const char *rows) {
-    pthread_mutex_lock(&t->mutex);
-    int ok = mem_put(t, ids, n, rows);
-    pthread_mutex_unlock(&t->mutex);
-    return ok;
-}
-
-static int mem_delete(MemTable *t, const i64 *ids, i64 n) {
-    for (i64 i = 0; i < n; i++) {
-        i64 r = map_get(&t->map, ids[i]);
-        if (r < 0) continue;
-        if (t->n_freed == t->freed_cap) {
-            i64 cap = t->freed_cap ? 2 * t->freed_cap : 256;
-            i64 *grown = (i64 *)realloc(t->freed, sizeof(i64) * cap);
-            if (!grown) return 0;
-            t->freed = grown;
-            t->freed_cap = cap;
-        }
-        t->freed[t->n_freed++] = r;
-        map_erase(&t->map, ids[i]);
-    }
-    return 1;
-}
-
-int ps_mem_delete(MemTable *t, const i64 *ids, i64 n) {
-    pthread_mutex_lock(&t->mutex);
-    int ok = mem_delete(t, ids, n);
-    pthread_mutex_unlock(&t->mutex);
-    return ok;
-}
-
-/* The stored ids, in no particular order, into out[0..cap) when they fit; returns how many there
- * are (more than cap: nothing written, ask again with more room). */
-i64 ps_mem_scan(MemTable *t, i64 *out, i64 cap) {
-    pthread_mutex_lock(&t->mutex);
-    i64 count = t->map.size + t->map.has_empty_key, k = 0;
-    if (count <= cap) {
-        for (i64 i = 0; i < t->map.cap; i++)
-            if (t->map.at[i].key != EMPTY) out[k++] = t->map.at[i].key;
-        if (t->map.has_empty_key) out[k++] = EMPTY;
-    }
-    pthread_mutex_unlock(&t->mutex);
-    return count;
 }
 
 /* ------------------------------------------------------------------ init

@@ -1,7 +1,8 @@
 /* The parameter-server tier's host library: declarations shared by its parts.
  *
- *  ps_host.c   the slot cache (id -> slot map, pins, eviction), the memory:// store's tables and
- *              torchrec's uniform init;
+ *  ps_host.c   the slot cache (id -> slot map, pins, eviction) and torchrec's uniform init;
+ *  ps_mem.c    the memory:// store's tables (sharded, their batches run on ps_pool.c's threads);
+ *  ps_map.h    the id -> i64 hash map both use;
  *  ps_stage.c  a batch's staging from the ids on the device to the remapped ids on the device,
  *              in one native call (or on a worker thread of the tier's own), and the CPU row ops;
  *  ps_cuda.c   the row ops on a CUDA GPU, through the driver API (kernels from ps_rows.ptx).
@@ -33,16 +34,20 @@ i64 ps_cache_stage(Cache *c, const i64 *ids, i64 n, i64 *pos_slot, i64 *uniq_slo
                    i64 *evicted, uint8_t *push, i64 *counts);
 i64 ps_cache_commit(Cache *c, const i64 *uniq_slots, i64 u, const i64 *take, const i64 *new_ids, i64 m);
 void ps_cache_abort(Cache *c, const i64 *uniq_slots, i64 u);
-void ps_cache_unpin(Cache *c, const i64 *slots, i64 n);
+int ps_cache_unpin(Cache *c, const i64 *slots, i64 n);
 /* Waits until a batch unpins slots of this cache after `seen` (a value of ps_cache_releases), or
  * until `timeout_ms` passed; returns the releases so far. */
 i64 ps_cache_releases(Cache *c);
 i64 ps_cache_wait_release(Cache *c, i64 seen, i64 timeout_ms);
 
-/* ------------------------------------------------------------------ memory:// tables (ps_host.c) */
+/* ------------------------------------------------------------------ memory:// tables (ps_mem.c) */
 typedef struct MemTable MemTable;
 int ps_mem_get(MemTable *t, const i64 *ids, i64 n, char *out, uint8_t *found);
 int ps_mem_put(MemTable *t, const i64 *ids, i64 n, const char *rows);
+
+/* ------------------------------------------------------------------ threads (ps_pool.c) */
+void ps_parallel(int tasks, void (*fn)(void *ctx, int task), void *ctx);
+int ps_pool_workers(void);
 
 /* ------------------------------------------------------------------ init (ps_host.c) */
 void ps_init_uniform(const i64 *ids, const i64 *at, i64 n, i64 dim, i64 base, double a, double b, float *out,

@@ -51,13 +51,13 @@ class SlotCache:
         self.eviction = eviction
         self.id_of = np.full(self.cache_rows, FREE, dtype=np.int64)
         self.dirty = np.zeros(self.cache_rows, dtype=np.uint8)
-        self.pins = np.zeros(self.cache_rows, dtype=np.int32)  # batches in flight using the slot
+        self._pins = np.zeros(self.cache_rows, dtype=np.int32)  # batches in flight using the slot
         self.last_used = np.zeros(self.cache_rows, dtype=np.int64)
         self.uses = np.zeros(self.cache_rows, dtype=np.int64)
         self.stats = {"hits": 0, "misses": 0, "evictions": 0, "pushed": 0}
         self._lib = host_lib.lib()
         self._c = self._lib.ps_cache_new(self.cache_rows, int(eviction == "lfu"), ptr(self.id_of), ptr(self.dirty),
-                                         ptr(self.pins), ptr(self.last_used), ptr(self.uses))
+                                         ptr(self._pins), ptr(self.last_used), ptr(self.uses))
         if not self._c:
             raise MemoryError(f"table {table!r}: cannot allocate a cache of {cache_rows} slots")
 
@@ -113,8 +113,16 @@ class SlotCache:
         self._lib.ps_cache_abort(self._c, ptr(staged.slots), staged.slots.size)
 
     def unpin(self, slots: np.ndarray) -> None:
-        """A batch holding ``slots`` (its :attr:`Staged.slots`) is done."""
-        self._lib.ps_cache_unpin(self._c, ptr(slots), slots.size)
+        """A batch holding ``slots`` (its :attr:`Staged.slots`) is done (queued in C, applied by the
+        next call that changes the cache: it never waits for a staging in progress)."""
+        if self._lib.ps_cache_unpin(self._c, ptr(slots), slots.size) != 0:
+            raise MemoryError(f"table {self.table!r}: out of host memory unpinning {slots.size} slots")
+
+    @property
+    def pins(self) -> np.ndarray:
+        """Batches in flight holding each slot (the queued unpins applied first)."""
+        self._lib.ps_cache_sync(self._c)
+        return self._pins
 
     def mark_dirty(self, slots: np.ndarray) -> None:
         self._lib.ps_cache_mark_dirty(self._c, ptr(slots), slots.size)

@@ -1,5 +1,5 @@
-"""The tier's host library, recom_rec/csrc/ps_host.c, ps_stage.c and ps_cuda.c: compiled with the
-system C compiler (``CC``, else ``cc``) on first use, cached per source and compiler under
+"""The tier's host library, recom_rec/csrc/ps_*.c (see ps_host.h): compiled with the system C
+compiler (``CC``, else ``cc``) on first use, cached per source and compiler under
 ``RECOM_REC_HOST_CACHE`` (by default ``~/.cache/recom_rec/host``), loaded with ctypes.
 
 Why C through ctypes: the per-batch bookkeeping is a few thousand hash-map operations, which C
@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / "ps_host.c", CSRC / "ps_stage.c", CSRC / "ps_cuda.c"]
-HEADERS = [CSRC / "ps_host.h"]
+SOURCES = [CSRC / f"ps_{name}.c" for name in ("host", "mem", "pool", "stage", "cuda")]
+HEADERS = [CSRC / "ps_host.h", CSRC / "ps_map.h"]
 # -ffp-contract=off: the init must round like torch's separate multiply and add. gnu99: POSIX
 # threads, clocks and dlopen (ps_cuda.c loads the CUDA driver at run time, never at link time).
 FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-std=gnu99", "-pthread"]
@@ -42,7 +42,8 @@ _SIGNATURES = {
     "ps_cache_stage": (_I, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P]),
     "ps_cache_commit": (_I, [_P, _P, _I, _P, _P, _I]),
     "ps_cache_abort": (None, [_P, _P, _I]),
-    "ps_cache_unpin": (None, [_P, _P, _I]),
+    "ps_cache_unpin": (ctypes.c_int, [_P, _P, _I]),
+    "ps_cache_sync": (None, [_P]),
     "ps_cache_mark_dirty": (None, [_P, _P, _I]),
     "ps_cache_drop": (None, [_P, _P, _I]),
     "ps_cache_releases": (_I, [_P]),
@@ -67,10 +68,12 @@ _SIGNATURES = {
     "ps_cpu_ops_free": (None, [_P]),
     "ps_cuda_ops_new": (ctypes.c_int, [_P, ctypes.c_int, _P, ctypes.c_char_p, _P, _I]),
     "ps_cuda_ops_free": (None, [_P]),
+    "ps_cuda_order": (ctypes.c_int, [_P, _P, _P]),
     "ps_f32_to_f16": (ctypes.c_uint16, [ctypes.c_float]),
     "ps_f32_to_bf16": (ctypes.c_uint16, [ctypes.c_float]),
     "ps_f16_to_f32": (ctypes.c_float, [ctypes.c_uint16]),
     "ps_bf16_to_f32": (ctypes.c_float, [ctypes.c_uint16]),
+    "ps_pool_workers": (ctypes.c_int, []),
 }
 
 

@@ -98,6 +98,12 @@ class DeviceOps:
     def error(self) -> str:
         return _ERROR(self.ops.error)(self.ops.ctx).decode(errors="replace")
 
+    def order(self, signal: int, waiter: int) -> None:
+        """CUDA: work queued on stream ``waiter`` from now on runs after the work queued on stream
+        ``signal`` so far (raw stream handles; Stream.wait_stream without its Python objects)."""
+        if self._lib.ps_cuda_order(ctypes.byref(self.ops), signal, waiter) != 0:
+            raise RuntimeError(f"the parameter-server tier cannot order its CUDA streams: {self.error()}")
+
     def __del__(self) -> None:
         ops = getattr(self, "ops", None)
         if ops is not None and ops.ctx:

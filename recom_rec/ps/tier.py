@@ -54,6 +54,15 @@ def _row_seed(table: str, seed: int, row: int) -> int:
 _GLOBAL_RNG_LOCK = threading.Lock()
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(device: torch.device) -> int:
+    """The raw handle of ``device``'s current stream (a Stream object costs tens of microseconds)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _RAW_STREAM(index) if _RAW_STREAM is not None else torch.cuda.current_stream(index).cuda_stream
+
+
 def _signed(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
@@ -305,9 +314,15 @@ class PSTier:
         return st
 
     def _training_waits(self, device: torch.device) -> None:
-        side = self._side(device)
-        if side is not None:
-            torch.cuda.current_stream(device).wait_stream(side)
+        if device.type == "cuda":
+            side = self._side(device).cuda_stream
+            self._stager(device).device_ops.order(side, _current_stream(device))
+
+    def _tier_waits(self, device: torch.device) -> None:
+        """The tier's stream waits for what the training stream has issued so far."""
+        if device.type == "cuda":
+            side = self._side(device).cuda_stream
+            self._stager(device).device_ops.order(_current_stream(device), side)
 
     def prepare(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The module's forward hook: the KJT with PS tables' ids replaced by cache slots."""
@@ -363,9 +378,7 @@ class PSTier:
         # Made on the training stream, which reads it; the tier's stream writes it after waiting
         # for everything issued so far (the batch's ids, and the memory's last users).
         out = torch.empty_like(values) if lo == 0 and hi == values.numel() else values.clone()
-        side = self._side(device)
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(device))
+        self._tier_waits(device)
         stager = self._stager(device)
         item = values.element_size()
         tables = (native.TableJob * len(plan))()
@@ -396,12 +409,13 @@ class PSTier:
         handle: Handle = {}
         for k, (tj, (t, _, slots, *_rest)) in enumerate(zip(pending.tables, keep)):
             if k < job.done:
-                handle[t.name] = slots[:tj.counts[0]].numpy()
+                distinct, misses, hits, pushed, evictions = tj.counts
+                handle[t.name] = slots[:distinct].numpy()
                 stats = t.cache.stats
-                stats["hits"] += tj.counts[2]
-                stats["misses"] += tj.counts[1]
-                stats["pushed"] += tj.counts[3]
-                stats["evictions"] += tj.counts[4]
+                stats["hits"] += hits
+                stats["misses"] += misses
+                stats["pushed"] += pushed
+                stats["evictions"] += evictions
         if status != host_lib.STAGE_OK:
             self.release(handle)
             t, tj = keep[job.done][0], pending.tables[job.done]
@@ -437,9 +451,7 @@ class PSTier:
         stream has issued so far (the batch's backward): its rows may be evicted after this."""
         if not handle:
             return
-        side = self._side(device or self._device())
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(device))
+        self._tier_waits(device or self._device())
         for name, slots in handle.items():
             self.tables[name].cache.unpin(slots)
 

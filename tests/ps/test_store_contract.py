@@ -136,3 +136,24 @@ def test_closed_store_refuses_work(store_url):
     store.close()  # idempotent
     with pytest.raises(StoreError, match="closed"):
         store.get("t", torch.tensor([1]), 1, torch.float32)
+
+
+def test_large_batches_with_absent_duplicate_and_deleted_ids(store):
+    # Batches past a few hundred ids run memory://'s shards on several threads (where the machine
+    # has the cores): the same answers as one id at a time.
+    g = torch.Generator().manual_seed(11)
+    ids = torch.unique(torch.randint(0, 2**40, (6000,), generator=g))
+    rows = random_rows(ids.numel(), 16, torch.float32, seed=3)
+    store.put("big", ids, rows)
+    absent = ids[:300] + 2**41
+    asked = torch.cat([ids, ids[:1000], absent])[torch.randperm(ids.numel() + 1300, generator=g)]
+    got, found = store.get("big", asked, 16, torch.float32)
+    expected = dict(zip(ids.tolist(), rows))
+    for i, (k, hit) in enumerate(zip(asked.tolist(), found.tolist())):
+        assert hit == (k in expected)
+        assert torch.equal(got[i], expected[k] if hit else torch.zeros(16))
+    store.delete("big", ids[::2])
+    assert torch.equal(store.scan_ids("big"), torch.sort(ids[1::2]).values)
+    store.put("big", ids[::2], rows[::2] + 1)  # rows of deleted ids are reused
+    got, found = store.get("big", ids, 16, torch.float32)
+    assert found.all() and torch.equal(got[::2], rows[::2] + 1) and torch.equal(got[1::2], rows[1::2])
