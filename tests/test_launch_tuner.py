@@ -216,3 +216,21 @@ def test_forget_drops_decisions_and_trials():
     stream.ms = {F: 2.0, B: 1.0}  # another model at the same address: tuned afresh
     launch(tuner, stream, 5)
     assert tuner.decisions() == {shape(): "bags"}
+
+
+def test_a_tuner_of_other_launches_reports_and_forces_by_its_own_names(monkeypatch):
+    names = {False: "pieces", True: "singletons"}
+    stream = FakeStream({False: 2.0, True: 1.0})
+    tuner = stream.tuner(names=names, env="RECOM_REC_BACKWARD_PATH")
+    for _ in range(20):
+        tuner.launch(shape(), stream.run, DEVICE)
+    assert list(tuner.decisions().values()) == ["singletons"]
+    monkeypatch.setenv("RECOM_REC_BACKWARD_PATH", "pieces")
+    forced = LaunchOrderTuner.from_env(env="RECOM_REC_BACKWARD_PATH", names=names, record_event=stream.record_event,
+                                       capturing=stream.is_capturing)
+    stream.launches.clear()
+    forced.launch(shape(), stream.run, DEVICE)
+    assert stream.launches == [False]
+    monkeypatch.setenv("RECOM_REC_BACKWARD_PATH", "bags")
+    with pytest.raises(ValueError, match="RECOM_REC_BACKWARD_PATH must be 'auto', 'pieces' or 'singletons'"):
+        LaunchOrderTuner.from_env(env="RECOM_REC_BACKWARD_PATH", names=names)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# On the GPU machine (device tool, carry [".gpu"] and, when built before, [".cuda_ext"]): build or
+# On the GPU machine (device tool, carry [".gpu"] and, when built before, [".cuda_ext_xz"]): build or
 # load the CUDA backend, run the GPU suites (kernels on every backend, NCCL sharding on every GPU),
-# then the benchmarks. Each stage has its own time limit; logs under $OUT.
+# then the benchmarks. Each stage has its own time limit; logs under $OUT. A build comes back as
+# $OUT/<cache folder>.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that folder, so
+# the next machine loads it instead of building (~190 s) while the source is unchanged.
 #   STAGES="tests nccl dlrm bench ps profile" BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 # (ps: the parameter-server workload on memory:// and on a redis-server this script starts)
 set -o pipefail
@@ -11,9 +13,15 @@ OUT="${OUT:-out}"; mkdir -p "$OUT"
 export RECOM_REC_CUDA_CACHE="$PWD/.cuda_ext"
 STAGES="${STAGES-tests nccl dlrm bench}"  # set but empty: build/load only
 t0=$(date +%s)
+for f in .cuda_ext_xz/*.so.xz; do
+  [ -f "$f" ] || continue
+  d=".cuda_ext/$(basename "$f" .so.xz)"; mkdir -p "$d"; xz -dc "$f" > "$d/recom_rec_cuda_sm90.so"
+done
 python3 -c "from recom_rec.kernels import pooled_cuda; print('cuda backend:', pooled_cuda.build_error() or 'ok')" 2>&1 | tail -1
 echo "build/load $(( $(date +%s) - t0 )) s"
-for d in .cuda_ext/*/; do cp "$d"*.so "$OUT/$(basename "$d").so" 2>/dev/null; done
+for d in .cuda_ext/*/; do
+  [ -f ".cuda_ext_xz/$(basename "$d").so.xz" ] || xz -T0 -c "$d"*.so > "$OUT/$(basename "$d").so.xz" 2>/dev/null
+done
 stage() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 if [[ " $STAGES " == *" tests "* ]]; then
   stage tests
@@ -34,15 +42,22 @@ if [[ " $STAGES " == *" dlrm "* ]]; then
 fi
 if [[ " $STAGES " == *" bench "* ]]; then
   stage bench
-  timeout ${BENCH_TIMEOUT:-240} python3 -m recom_rec.bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 \
-    | grep -v "is_fx_tracing\|it/s\]\|Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|run_backward" | tee "$OUT/bench.log" | tail -30
+  timeout ${BENCH_TIMEOUT:-240} python3 -m recom_rec.bench --out /tmp/bench ${BENCH_ARGS:-} 2>&1 \
+    | grep -v "is_fx_tracing\|it/s\]\|Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|run_backward\|WARNING\|cannot determine" \
+    | tee "$OUT/bench.log" | tail -30; cp /tmp/bench.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STAGES " == *" ps "* ]]; then
   stage ps
-  redis-server --port 6399 --save '' --appendonly no --daemonize yes --logfile "$OUT/redis.log" >/dev/null
+  redis-server --port 6399 --save '' --appendonly no --daemonize yes --logfile /tmp/redis.log >/dev/null
   timeout ${PS_TIMEOUT:-240} python3 -m recom_rec.bench --workloads ps --ps-urls memory://bench \
-    redis://127.0.0.1:6399/0 --out "$OUT/ps" 2>&1 | grep -v "Warning\|warn\|^ *$\|is_fx_tracing" | tee "$OUT/ps.log" | tail -12
+    redis://127.0.0.1:6399/0 --out /tmp/ps 2>&1 | grep -v "Warning\|warn\|^ *$\|is_fx_tracing\|WARNING\|33m\|0m\|compat" \
+    | tee "$OUT/ps.log" | tail -14; cp /tmp/ps.json "$OUT/" 2>/dev/null
   redis-cli -p 6399 shutdown nosave >/dev/null 2>&1
+fi
+if [[ " $STAGES " == *" psprof "* ]]; then
+  stage psprof
+  timeout ${PSPROF_TIMEOUT:-150} python3 tools/profile_ps.py --prefetch 1 --top 25 2>&1 \
+    | grep -v "Warning\|warn\|^ *$\|is_fx_tracing" > "$OUT/psprof.log"; head -12 "$OUT/psprof.log"
 fi
 if [[ " $STAGES " == *" profile "* ]]; then
   stage profile

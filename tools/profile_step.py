@@ -12,7 +12,7 @@ import torch
 from recom_rec.bench.peers import make_peer
 from recom_rec.bench.timing import time_ms
 from recom_rec.bench.workloads import get_workload
-from recom_rec.kernels.pooled_cuda import FORWARD_ORDER_TUNER
+from recom_rec.kernels.pooled_cuda import BACKWARD_PATH_TUNER, FORWARD_ORDER_TUNER
 
 
 def host_issue_ms(fn, steps: int = 20) -> float:
@@ -26,9 +26,10 @@ def host_issue_ms(fn, steps: int = 20) -> float:
     return host
 
 
-def new_launch_orders(seen: set) -> str:
-    """The CUDA forward's launch orders decided since the last call (one per group shape)."""
-    new = FORWARD_ORDER_TUNER.decisions_since(seen)
+def new_launch_orders(seen: set, tuner=FORWARD_ORDER_TUNER) -> str:
+    """What a tuner (the CUDA forward's launch order, the backward's path) decided since the last
+    call (one per group shape)."""
+    new = tuner.decisions_since(seen)
     return ", ".join(f"{s.num_features} features x {s.batch_size} dim {s.max_dim}: {o}" for s, o in new.items())
 
 
@@ -76,7 +77,7 @@ def main():
     p.add_argument("--host", action="store_true", help="print a cProfile of the step's host side")
     args = p.parse_args()
     dev = torch.device("cuda")
-    seen_orders = set()
+    seen_orders, seen_paths = set(), set()
     for wname in args.workloads:
         w = get_workload(wname, False)
         kjt = w.make_input(dev)
@@ -96,6 +97,9 @@ def main():
             orders = new_launch_orders(seen_orders)
             if orders:
                 print(f"    forward launch order: {orders}", flush=True)
+            paths = new_launch_orders(seen_paths, BACKWARD_PATH_TUNER)
+            if paths:
+                print(f"    backward path: {paths}", flush=True)
             print(kernel_table(step), flush=True)
             if args.host:
                 print(host_profile(step), flush=True)

@@ -80,21 +80,25 @@ def _graph_replay(peer, kjt, device):
     return graph.replay
 
 
-def _new_launch_orders() -> str:
-    """The CUDA forward's launch orders the tuner decided since the last call (one per group
-    shape; they were measured during the warm-up and the first timed runs)."""
-    from ..kernels.pooled_cuda import FORWARD_ORDER_TUNER
+def _tuners():
+    """The CUDA backend's measured choices: the forward's launch order, the backward's path."""
+    from ..kernels.pooled_cuda import BACKWARD_PATH_TUNER, FORWARD_ORDER_TUNER
 
-    return "+".join(FORWARD_ORDER_TUNER.decisions_since(_REPORTED_SHAPES).values())
+    return {"launch_order": FORWARD_ORDER_TUNER, "backward_path": BACKWARD_PATH_TUNER}
 
 
-_REPORTED_SHAPES: set = set()
+def _new_decisions(which: str) -> str:
+    """What a tuner decided since the last call (one per group shape; measured during the warm-up
+    and the first timed runs)."""
+    return "+".join(_tuners()[which].decisions_since(_REPORTED_SHAPES.setdefault(which, set())).values())
+
+
+_REPORTED_SHAPES: dict = {}
 
 
 def _forget_launch_orders() -> None:
-    from ..kernels.pooled_cuda import FORWARD_ORDER_TUNER
-
-    FORWARD_ORDER_TUNER.forget()
+    for tuner in _tuners().values():
+        tuner.forget()
     _REPORTED_SHAPES.clear()
 
 
@@ -124,8 +128,9 @@ def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
                 peer.train_step(kjt, grad)
         try:
             row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
-            if phase == "forward" and pname.startswith("recom_rec") and device.type == "cuda":
-                row["launch_order"] = _new_launch_orders()
+            if pname.startswith("recom_rec") and device.type == "cuda":
+                which = "launch_order" if phase.startswith("forward") else "backward_path"
+                row[which] = _new_decisions(which)
             if phase in ("forward", "forward-graph"):
                 row["gbs"] = w.lookup_bytes() / (row["ms"] * 1e-3) / 1e9
                 row["ceiling_share"] = row["gbs"] / ceiling

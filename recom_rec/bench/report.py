@@ -40,6 +40,9 @@ def format_table(meta: dict, results: List[dict], peers: List[str]) -> str:
     orders = [f"{r['workload']} {r['launch_order']}" for r in results if r.get("launch_order")]
     if orders:
         lines.append("CUDA forward launch order, measured per shape: " + ", ".join(orders))
+    paths = [f"{r['workload']} {r['phase']} {r['backward_path']}" for r in results if r.get("backward_path")]
+    if paths:
+        lines.append("CUDA backward path, measured per shape: " + ", ".join(paths))
     errors = [r for r in results if "error" in r]
     for r in errors:
         lines.append(f"error: {r['workload']} {r['phase']} {r['peer']}: {r['error']}")

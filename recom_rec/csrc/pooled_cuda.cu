@@ -441,6 +441,80 @@ __global__ void __launch_bounds__(256) piece_kernel(const K* __restrict__ row_ke
   }
 }
 
+// Whether row `key` has more than one lookup in the batch (the plan kernel marks those rows).
+__device__ __forceinline__ bool is_multi(const uint32_t* __restrict__ multi, int64_t key) {
+  return (__ldg(multi + (key >> 5)) >> (key & 31)) & 1u;
+}
+
+// Rows read by exactly one lookup of the batch, in bag order: the plan gives them no piece, and
+// here the lanes of a bag (a group sized by its feature's dim, as in the forward) finish each of
+// its lookups whose row is not marked multi. The bag's gradient row is read from L1/L2 once per
+// lookup instead of from DRAM (sorted by row, the lookups of one bag scatter over the whole piece
+// list, and each read of its gradient row costs a DRAM round trip); the arithmetic is the piece
+// kernel's for a one-lookup piece (acc = g * scale, then finish_row), so either path gives the
+// same bits. UNROLL lookups of a bag have their ids, marks and weight rows in flight at once.
+// Where the lane layout would change the order of row-wise Adagrad's sum of squares (rows not
+// 4-aligned, or V = 4), the groups take the piece kernel's width a.G. Grid: (blocks of bags,
+// features).
+template <typename W, typename I, int OPT, int V>
+__global__ void __launch_bounds__(256) singleton_kernel(
+    const I* __restrict__ values, const I* __restrict__ offsets, const float* __restrict__ psw,
+    const int64_t* __restrict__ key_index, const uint32_t* __restrict__ multi, const float* __restrict__ grad,
+    PieceArgs a, int64_t batch_size, int64_t total_dim, bool grad_vec, W* __restrict__ out) {
+  constexpr int UNROLL = V == 1 ? (OPT == 2 ? 2 : 4) : 1;
+  const int64_t feature = blockIdx.y;
+  const int64_t* m = a.meta + feature * META_W;
+  const int64_t dim = m[0], base = m[1], col = m[2], row_base = m[5];
+  const bool mean = m[3] == 1;
+  const int64_t key_at = key_index[feature] * batch_size;
+  const bool row_vec = dim % 4 == 0 && base % 4 == 0 && grad_vec && col % 4 == 0;
+  const int own = group_lanes((int)((dim + 4 * V - 1) / (4 * V)));  // 4 * V * G columns cover the dim
+  const int G = (OPT == 2 && (V != 1 || !row_vec)) ? a.G : own;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / G, sl = lane % G;
+  const int per_warp = 32 / G;
+  const RowLanes L = row_lanes(dim, base, grad_vec && col % 4 == 0, sl, G);
+  float t;
+  const Hyper h = read_hyper<OPT>(a, t);
+  const int64_t stride = (int64_t)gridDim.x * (blockDim.x >> 5) * per_warp;
+  for (int64_t b0 = ((int64_t)blockIdx.x * (blockDim.x >> 5) + warp) * per_warp; b0 < batch_size; b0 += stride) {
+    const int64_t b = b0 + sub;
+    const bool live = b < batch_size;
+    const int64_t start = live ? (int64_t)offsets[key_at + b] : 0;
+    const int len = live ? (int)((int64_t)offsets[key_at + b + 1] - start) : 0;
+    int most = len;  // the warp's longest bag: the loop below stays warp-uniform (finish_row's shuffles)
+    for (int off = 16; off > 0; off >>= 1) most = max(most, __shfl_xor_sync(0xffffffffu, most, off));
+    const float bag_scale = mean ? 1.f / (float)(len > 1 ? len : 1) : 1.f;
+    const float* g = grad + b * total_dim + col;
+    for (int j0 = 0; j0 < most; j0 += UNROLL) {
+      int64_t key[UNROLL];
+      unsigned fin = 0;  // bit u: lookup j0 + u is live and its row has no other lookup
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) key[u] = row_base + (j0 + u < len ? (int64_t)values[start + j0 + u] : 0);
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) fin |= (j0 + u < len && !is_multi(multi, key[u])) ? 1u << u : 0u;
+      float4 w[UNROLL][V];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          w[u][k] = (OPT >= 0 && (fin >> u & 1)) ? L.load_rw(out + base + (key[u] - row_base) * dim, k)
+                                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const bool f = fin >> u & 1;
+        const float s = psw && f ? bag_scale * psw[start + j0 + u] : bag_scale;
+        float4 acc[V];
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (f) L.add(acc[k], g, k, s);
+        }
+        finish_row<W, OPT, V>(acc, w[u], L, f, out, base + (key[u] - row_base) * dim, key[u], a.s1, a.s2, h, t);
+      }
+    }
+  }
+}
+
 // Rows of more than PIECE lookups (hot ids, tiny tables): one group of G lanes per row adds the
 // row's pieces' partial sums in piece order (deterministic) and finishes the row. The Triton
 // backend's pooled_triton._split_row_kernel adds the same partials in tiles of BLOCK_K.
@@ -594,12 +668,14 @@ __device__ int64_t row_start_before(const K* __restrict__ key, int64_t p, int la
 // Cuts the sorted keys into pieces exactly as pooled_triton._plan_kernel: a piece starts where a
 // row starts and every PIECE lookups into it; pieces (start << 2 | split << 1 | first) and the
 // starts of rows longer than PIECE are appended to two lists (counts[0], counts[1], bumped by one
-// 64-bit atomic a block). A thread holds PLAN_ITEMS consecutive positions.
+// 64-bit atomic a block). A thread holds PLAN_ITEMS consecutive positions. With `multi`, rows of a
+// single lookup get no piece (singleton_kernel finishes them) and the others are marked in it.
 template <typename K>
 __global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const K* __restrict__ key, int64_t n,
                                                             int64_t* __restrict__ pieces,
                                                             int64_t* __restrict__ split_rows,
-                                                            int32_t* __restrict__ counts) {
+                                                            int32_t* __restrict__ counts,
+                                                            uint32_t* __restrict__ multi) {
   using Scan32 = cub::BlockScan<int32_t, PLAN_THREADS>;
   __shared__ typename Scan32::TempStorage tmp;
   __shared__ int64_t opens_at;  // start of the row the block opens in, when it began earlier
@@ -612,7 +688,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const K* __restrict_
       lo = row_start_before(key, block0, threadIdx.x);
     if (threadIdx.x == 0) opens_at = lo;
   }
-  bool live[PLAN_ITEMS], first[PLAN_ITEMS], longer[PLAN_ITEMS];
+  bool live[PLAN_ITEMS], first[PLAN_ITEMS], longer[PLAN_ITEMS], single[PLAN_ITEMS];
   int32_t last_first[PLAN_ITEMS];
 #pragma unroll
   for (int i = 0; i < PLAN_ITEMS; ++i) {
@@ -621,6 +697,8 @@ __global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const K* __restrict_
     const K k = live[i] ? key[p] : K(0);
     first[i] = live[i] && (p == 0 || key[p - 1] != k);
     longer[i] = live[i] && p + PIECE < n && key[p + PIECE] == k;
+    single[i] = first[i] && !(p + 1 < n && key[p + 1] == k);
+    if (multi && first[i] && !single[i]) atomicOr(multi + ((int64_t)k >> 5), 1u << ((int64_t)k & 31));
     last_first[i] = first[i] ? (int32_t)(p - block0) : -1;
   }
   // The last row start at or before each position within the block (offsets in the block).
@@ -634,7 +712,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const K* __restrict_
     const int64_t p = p0 + i;
     const int64_t run_start = last_first[i] >= 0 ? block0 + last_first[i] : opens_at;
     const int64_t depth = p - run_start;
-    const bool start = live[i] && depth % PIECE == 0;
+    const bool start = live[i] && depth % PIECE == 0 && !(multi && single[i]);
     const bool split = start && (depth >= PIECE || longer[i]);
     const bool row = first[i] && longer[i];
     is_start[i] = start;
@@ -717,12 +795,14 @@ at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, cons
 // payloads' bag scales. `packed` (the caller's choice: no sample weights, features x batch below
 // 2^31) selects the packed payload, feature * batch_size + bag. `feature_base` is absent when
 // every key is read by one feature (a lookup's index is then its position in values); `key_bits`
-// bounds the row keys (the group's rows), `key64` their width.
+// bounds the row keys (the group's rows), `key64` their width. `multi_words` > 0 (a bitmap of that
+// many 32-bit words, one bit per row, the last result) leaves rows of one lookup out of the pieces
+// for singleton_update and marks the others.
 std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor& offsets,
                                       const c10::optional<at::Tensor>& psw, const at::Tensor& meta,
                                       const at::Tensor& key_index, const c10::optional<at::Tensor>& feature_base,
                                       int64_t batch_size, int64_t total_dim, int64_t n, int64_t key_bits, bool key64,
-                                      bool packed) {
+                                      bool packed, int64_t multi_words) {
   c10::cuda::CUDAGuard guard(values.device());
   TORCH_CHECK(n < (int64_t)INT32_MAX, "recom_rec cuda backend: a group's backward takes at most 2^31 - 1 lookups");
   TORCH_CHECK(values.scalar_type() == offsets.scalar_type(), "values and offsets must share a dtype");
@@ -743,7 +823,8 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
   auto pieces = at::empty({n}, dev.dtype(at::kLong));
   auto split_rows = at::empty({n / (PIECE + 1) + 1}, dev.dtype(at::kLong));
   auto counts = at::zeros({2}, dev.dtype(at::kInt));
-  std::vector<at::Tensor> result{sorted_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale};
+  auto multi = multi_words > 0 ? at::zeros({multi_words}, dev.dtype(at::kInt)) : at::empty({0}, dev.dtype(at::kInt));
+  std::vector<at::Tensor> result{sorted_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi};
   if (n == 0 || F == 0 || batch_size == 0) return result;
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
@@ -771,7 +852,8 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
                                                    bits, stream));
     plan_kernel<K><<<(unsigned)((n + PLAN_BLOCK - 1) / PLAN_BLOCK), PLAN_THREADS, 0, stream>>>(
         reinterpret_cast<const K*>(sorted_key.data_ptr()), n, pieces.data_ptr<int64_t>(),
-        split_rows.data_ptr<int64_t>(), counts.data_ptr<int32_t>());
+        split_rows.data_ptr<int64_t>(), counts.data_ptr<int32_t>(),
+        multi_words > 0 ? reinterpret_cast<uint32_t*>(multi.data_ptr<int32_t>()) : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   const bool v64 = values.scalar_type() == at::kLong;
@@ -850,9 +932,65 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
   });
 }
 
+// The lookups whose rows plan_backward left out of the pieces (one lookup in the batch), finished
+// in bag order by singleton_kernel; the same arguments as piece_update where they mean the same.
+void singleton_update(const at::Tensor& values, const at::Tensor& offsets, const c10::optional<at::Tensor>& psw,
+                      const at::Tensor& meta, const at::Tensor& key_index, const at::Tensor& multi,
+                      const at::Tensor& grad, int64_t batch_size, const at::Tensor& out, const at::Tensor& state1,
+                      const at::Tensor& state2, const at::Tensor& hyper, const at::Tensor& step, int64_t opt,
+                      int64_t max_dim) {
+  c10::cuda::CUDAGuard guard(out.device());
+  const int64_t F = meta.size(0);
+  if (F == 0 || batch_size == 0) return;
+  TORCH_CHECK(F <= 65535, "singleton_update takes at most 65535 features a group");
+  TORCH_CHECK(values.scalar_type() == offsets.scalar_type(), "values and offsets must share a dtype");
+  const bool four = max_dim > 128;
+  constexpr int threads = 256;
+  const int g = group_lanes((int)((max_dim + 3) / 4));  // piece_update's lanes per piece (a.G)
+  const int64_t bags_per_block = (32 / group_lanes((int)((max_dim + (four ? 15 : 3)) / (four ? 16 : 4)))) *
+                                 (threads / 32);
+  const dim3 grid((unsigned)std::min<int64_t>((batch_size + bags_per_block - 1) / bags_per_block, INT32_MAX),
+                  (unsigned)F);
+  const bool grad_vec = reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0 && grad.size(1) % 4 == 0;
+  const PieceArgs args{nullptr, nullptr, nullptr, 0, nullptr, 0,
+                       state1.scalar_type() == at::kFloat ? state1.data_ptr<float>() : nullptr,
+                       state2.scalar_type() == at::kFloat ? state2.data_ptr<float>() : nullptr,
+                       hyper.scalar_type() == at::kFloat ? hyper.data_ptr<float>() : nullptr,
+                       step.scalar_type() == at::kLong ? step.data_ptr<int64_t>() : nullptr,
+                       meta.data_ptr<int64_t>(), g};
+  const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(multi.data_ptr<int32_t>());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_weight(out.scalar_type(), [&](auto wt) {
+    using W = decltype(wt);
+    auto launch = [&](auto it, auto opt_c) {
+      using I = decltype(it);
+      constexpr int OPT = decltype(opt_c)::value;
+      auto k = four ? singleton_kernel<W, I, OPT, 4> : singleton_kernel<W, I, OPT, 1>;
+      k<<<grid, threads, 0, stream>>>(values.data_ptr<I>(), offsets.data_ptr<I>(), w, key_index.data_ptr<int64_t>(),
+                                      bits, grad.data_ptr<float>(), args, batch_size, grad.size(1), grad_vec,
+                                      wptr<W>(out));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    auto with_index = [&](auto opt_c) {
+      if (values.scalar_type() == at::kLong) launch(int64_t{}, opt_c);
+      else launch(int32_t{}, opt_c);
+    };
+    switch (opt) {
+      case -1: with_index(std::integral_constant<int, -1>{}); break;
+      case 0: with_index(std::integral_constant<int, 0>{}); break;
+      case 1: with_index(std::integral_constant<int, 1>{}); break;
+      case 2: with_index(std::integral_constant<int, 2>{}); break;
+      case 3: with_index(std::integral_constant<int, 3>{}); break;
+      default: TORCH_CHECK(false, "unknown optimizer kind ", opt);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pooled_forward", &pooled_forward, "fused pooled embedding forward (CUDA)");
   m.def("piece_update", &piece_update, "backward piece and split-row kernels with the fused optimizer (CUDA)");
   m.def("plan_backward", &plan_backward, "backward plan: expand, sort, pieces (CUDA)");
+  m.def("singleton_update", &singleton_update, "backward of the rows of one lookup, in bag order (CUDA)");
 }
 #endif

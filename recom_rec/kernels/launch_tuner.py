@@ -1,4 +1,6 @@
-"""Picks the faster launch order of the CUDA forward kernel per launch shape, by measuring it.
+"""Picks the faster of two equivalent launches per launch shape, by measuring them: the CUDA
+forward kernel's launch order, and the CUDA backward's path (pooled_cuda.BACKWARD_PATH_TUNER:
+rows of one lookup through the pieces or through their own kernel).
 
 The forward kernel runs feature-major (every feature's first bags at once) or bag-major (one
 feature's bags at once, its repeated rows staying in L2); both give bit-identical results, only
@@ -69,14 +71,16 @@ def stream_is_capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-def parse_forced_order(value: Optional[str]) -> Optional[bool]:
-    """``RECOM_REC_FORWARD_ORDER``'s value as a forced order, or None to tune."""
+def parse_forced_order(value: Optional[str], names: Dict[bool, str] = ORDER_NAMES,
+                       env: str = ORDER_ENV) -> Optional[bool]:
+    """``RECOM_REC_FORWARD_ORDER``'s value (or ``env``'s, naming ``names``) as a forced choice, or
+    None to tune."""
     if value is None or value in ("", "auto"):
         return None
-    for order, name in ORDER_NAMES.items():
+    for order, name in names.items():
         if value == name:
             return order
-    raise ValueError(f"{ORDER_ENV} must be 'auto', 'features' or 'bags' (got {value!r})")
+    raise ValueError(f"{env} must be 'auto', {names[False]!r} or {names[True]!r} (got {value!r})")
 
 
 def trial_plan(candidates: Tuple[bool, ...], trials: int) -> List[Tuple[bool, bool]]:
@@ -117,13 +121,16 @@ class _ShapeTrials:
 
 class LaunchOrderTuner:
     """Per ``ForwardLaunchShape``, the launch order (the extension's ``bag_major`` flag) that
-    measured faster. ``record_event(device)`` and ``capturing(device)`` are the CUDA hooks, to be
-    replaced by fakes in tests."""
+    measured faster; or, with other ``names``, any two launches (False, True) that compute the same
+    thing, keyed by any hashable shape with a ``num_features``. ``record_event(device)`` and
+    ``capturing(device)`` are the CUDA hooks, to be replaced by fakes in tests."""
 
     def __init__(self, trials: int = TRIALS, forced_order: Optional[str] = None,
-                 record_event: Callable = record_timing_event, capturing: Callable = stream_is_capturing):
+                 record_event: Callable = record_timing_event, capturing: Callable = stream_is_capturing,
+                 names: Dict[bool, str] = ORDER_NAMES, env: str = ORDER_ENV):
         self.trials = trials
-        self.forced_order = parse_forced_order(forced_order)
+        self.names = names
+        self.forced_order = parse_forced_order(forced_order, names, env)
         self._record_event = record_event
         self._capturing = capturing
         self._decided: Dict[ForwardLaunchShape, bool] = {}
@@ -132,8 +139,8 @@ class LaunchOrderTuner:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_env(cls, **kwargs) -> "LaunchOrderTuner":
-        return cls(forced_order=os.environ.get(ORDER_ENV), **kwargs)
+    def from_env(cls, env: str = ORDER_ENV, **kwargs) -> "LaunchOrderTuner":
+        return cls(forced_order=os.environ.get(env), env=env, **kwargs)
 
     def launch(self, shape: ForwardLaunchShape, run: Callable[[bool], Result], device: torch.device) -> Result:
         """``run(bag_major)`` in the order chosen for ``shape``, timed while the shape is on trial."""
@@ -187,9 +194,9 @@ class LaunchOrderTuner:
             self._trials.clear()
 
     def decisions(self) -> Dict[ForwardLaunchShape, str]:
-        """The decided shapes and their order's name ("features" or "bags")."""
+        """The decided shapes and their choice's name ("features" or "bags" for the forward)."""
         with self._lock:
-            return {shape: ORDER_NAMES[order] for shape, order in self._decided.items()}
+            return {shape: self.names[order] for shape, order in self._decided.items()}
 
     def decisions_since(self, seen: set) -> Dict[ForwardLaunchShape, str]:
         """The decisions whose shapes are not in ``seen`` (reports of what a run decided);

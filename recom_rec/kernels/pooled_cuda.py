@@ -12,6 +12,7 @@ the Triton kernel.
 A group the CUDA kernels do not cover (a dim above ``MAX_DIM``, a weight buffer that is not
 16-byte aligned) runs on the Triton backend instead.
 """
+import functools
 import hashlib
 import importlib.util
 import os
@@ -19,7 +20,7 @@ import sys
 import threading
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -30,6 +31,15 @@ MAX_DIM = 512  # the piece kernel's widest variant: 4 float4 accumulators per la
 # Experiment knob (tools/profile_step.py): lanes per piece of the backward, 0 = sized by the
 # widest row (see piece_update in the source).
 PIECE_LANES = int(os.environ.get("RECOM_REC_PIECE_LANES", "0"))
+# The backward's path per shape: every row through the pieces, or rows of one lookup in the batch
+# finished in bag order by their own kernel (plan_backward's bitmap, singleton_update in the
+# source; the same bits). Neither wins everywhere (H100: singletons on many-500, many-1000 and
+# mixed, pieces on dlrm-kaggle's one-id bags and on zipf, whose rows repeat), so the first backward
+# launches of a shape measure both (launch_tuner). RECOM_REC_BACKWARD_PATH = pieces | singletons
+# forces one. Singletons need a bitmap of the group's rows: at most SINGLETON_MAX_ROWS of them.
+SINGLETON_MAX_ROWS = 1 << 29
+BACKWARD_PATH_TUNER = LaunchOrderTuner.from_env(env="RECOM_REC_BACKWARD_PATH",
+                                                names={False: "pieces", True: "singletons"})
 # The forward's launch order per shape, measured on its first launches (RECOM_REC_FORWARD_ORDER =
 # "features" | "bags" forces one; see pooled_forward_kernel in the source for the two orders).
 FORWARD_ORDER_TUNER = LaunchOrderTuner.from_env()
@@ -117,8 +127,22 @@ def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
         flat.device)
 
 
+class BackwardShape(NamedTuple):
+    """What a backward's timing depends on (BACKWARD_PATH_TUNER's key; see ForwardLaunchShape)."""
+    weights_at: int
+    num_features: int
+    batch_size: int
+    total_dim: int
+    max_dim: int
+    lookups_bucket: int
+    weight_dtype: torch.dtype
+    index_dtype: torch.dtype
+    weighted: bool
+    optimizer: int
+
+
 def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim,
-               num_lookups):
+               num_lookups, singles=False):
     """pooled_triton._triton_plan in one call to the extension: the expand and plan kernels ported,
     and a CUB sort of just the key bits the rows need (torch.sort: all 32/64 bits, 64-bit order).
     Without sample weights the sort carries each lookup's (feature, bag) packed in 32 bits, so
@@ -130,26 +154,49 @@ def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, bat
         offsets = offsets.to(values.dtype)
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
     packed = psw is None and feature_meta.shape[0] * batch_size < 2**31 - 1
-    plan = _extension().plan_backward(values.contiguous(), offsets.contiguous(), psw, feature_meta.contiguous(),
-                                      key_index, None if positional else feature_base.contiguous(), batch_size,
-                                      total_dim, n, max(1, (row_count - 1).bit_length()), row_count >= 2**31, packed)
-    return (*plan, batch_size if packed else 0)
+    singles = singles and row_count <= SINGLETON_MAX_ROWS and feature_meta.shape[0] <= 65535
+    values, offsets, feature_meta = values.contiguous(), offsets.contiguous(), feature_meta.contiguous()
+    plan = _extension().plan_backward(values, offsets, psw, feature_meta, key_index,
+                                      None if positional else feature_base.contiguous(), batch_size, total_dim, n,
+                                      max(1, (row_count - 1).bit_length()), row_count >= 2**31, packed,
+                                      (row_count + 31) // 32 if singles else 0)
+    # the last item: what singleton_update needs (None: every row went to the pieces)
+    singletons = (values, offsets, psw, key_index, batch_size) if singles else None
+    return (*plan, batch_size if packed else 0, singletons)
 
 
 def _cuda_pieces(plan, grad_output, feature_meta, n, partials, partial_stride, out, state1, state2, hyper, step,
                  opt, max_dim):
-    """The piece and split-row kernels on a _cuda_plan."""
-    row_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, packed_batch = plan
-    _extension().piece_update(row_key, order, src, scale, feature, bag_scale, packed_batch, grad_output,
-                              feature_meta, pieces, split_rows, counts, n, partials, partial_stride, out, state1,
-                              state2, hyper, step, opt, max_dim, PIECE_LANES if 16 * PIECE_LANES >= max_dim else 0)
+    """The piece and split-row kernels on a _cuda_plan, then the rows of one lookup."""
+    row_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi, packed_batch, singles = plan
+    ext = _extension()
+    ext.piece_update(row_key, order, src, scale, feature, bag_scale, packed_batch, grad_output, feature_meta, pieces,
+                     split_rows, counts, n, partials, partial_stride, out, state1, state2, hyper, step, opt, max_dim,
+                     PIECE_LANES if 16 * PIECE_LANES >= max_dim else 0)
+    if singles is not None:
+        values, offsets, psw, key_index, batch_size = singles
+        ext.singleton_update(values, offsets, psw, feature_meta, key_index, multi, grad_output, batch_size, out,
+                             state1, state2, hyper, step, opt, max_dim)
 
 
-def _backward_kernels(out: torch.Tensor, max_dim: int) -> dict:
-    """The CUDA planning and piece (and split-row) kernels for pooled_triton._run_backward, where they
-    cover ``out``."""
-    cuda = supports(out, max_dim)
-    return {"pieces": _cuda_pieces if cuda else None, "planner": _cuda_plan if cuda else None}
+def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sample_weights, feature_meta,
+                  key_index, batch_size, max_dim, num_rows, opt, num_lookups) -> None:
+    """pooled_triton._run_backward with the CUDA planning and piece kernels where they cover ``out``,
+    on the path BACKWARD_PATH_TUNER picks for the shape."""
+    def run(singles: bool):
+        cuda = supports(out, max_dim)
+        pooled_triton._run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights,
+                                    feature_meta, key_index, batch_size, max_dim, num_rows, opt, num_lookups,
+                                    pieces=_cuda_pieces if cuda else None,
+                                    planner=functools.partial(_cuda_plan, singles=singles) if cuda else None)
+
+    rows = num_rows if num_rows >= 0 else out.numel()
+    if not supports(out, max_dim) or rows > SINGLETON_MAX_ROWS:
+        return run(False)
+    shape = BackwardShape(out.data_ptr(), feature_meta.shape[0], batch_size, grad_output.shape[1], max_dim,
+                          1 << max(values.numel() - 1, 0).bit_length(), out.dtype, values.dtype,
+                          per_sample_weights is not None, opt)
+    return BACKWARD_PATH_TUNER.launch(shape, run, out.device)
 
 
 def backward(grad_output, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_numel,
@@ -157,9 +204,8 @@ def backward(grad_output, values, offsets, per_sample_weights, feature_meta, key
     grad = torch.zeros(total_numel, dtype=dtype, device=grad_output.device)
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return grad
-    pooled_triton._run_backward(grad_output, grad, [], None, None, values, offsets, per_sample_weights,
-                                feature_meta, key_index, batch_size, max_dim, num_rows, -1, num_lookups,
-                                **_backward_kernels(grad, max_dim))
+    _run_backward(grad, [], None, None, grad_output, values, offsets, per_sample_weights, feature_meta, key_index,
+                  batch_size, max_dim, num_rows, -1, num_lookups)
     return grad
 
 
@@ -167,6 +213,5 @@ def fused_update(grad_output, flat, states, state_is_row, hyper, step, values, o
                  feature_meta, key_index, batch_size, max_dim, kind, num_lookups=-1, num_rows=-1) -> None:
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return
-    pooled_triton._run_backward(grad_output, flat, states, hyper, step, values, offsets, per_sample_weights,
-                                feature_meta, key_index, batch_size, max_dim, num_rows, kind, num_lookups,
-                                **_backward_kernels(flat, max_dim))
+    _run_backward(flat, states, hyper, step, grad_output, values, offsets, per_sample_weights, feature_meta,
+                  key_index, batch_size, max_dim, num_rows, kind, num_lookups)
