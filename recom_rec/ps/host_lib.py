@@ -80,7 +80,7 @@ _SIGNATURES = {
 def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        raise RuntimeError("recom_rec's parameter-server tier compiles recom_rec/csrc/ps_host.c on first use "
+        raise RuntimeError("recom_rec's parameter-server tier compiles recom_rec/csrc/ps_*.c on first use "
                            "and needs a C compiler: install gcc or set CC")
     return cc
 
