@@ -183,10 +183,7 @@ static int cuda_fetch_ids(void *ctx, const void *src, int id_bytes, i64 n, i64 *
     if (!p) return -1;
     CHECK(cu.MemcpyDtoHAsync(p, (CUdeviceptr)(uintptr_t)src, (size_t)(n * id_bytes), o->stream), "cuMemcpyDtoHAsync");
     CHECK(cu.StreamSynchronize(o->stream), "cuStreamSynchronize");
-    if (id_bytes == 8)
-        memcpy(dst, p, sizeof(i64) * (size_t)n);
-    else
-        for (i64 i = 0; i < n; i++) dst[i] = ((const int32_t *)p)[i];
+    ps_ids_to_int64(p, id_bytes, n, dst);
     return 0;
 }
 
@@ -221,38 +218,38 @@ static LayoutArgs layout_args(const RowLayout *L) {
     return a;
 }
 
-static int cuda_read_rows(void *ctx, const RowLayout *L, const i64 *slots, i64 k, float *dst) {
-    CudaOps *o = (CudaOps *)ctx;
-    if (k == 0) return 0;
-    if (enter(o)) return -1;
+/* Gather (read) or scatter (write) the rows of `slots` between the cache and the device buffer
+ * d_rows: the slots go up first; a scatter's rows come up from `host` (pinned) before the kernel. */
+static int move_rows(CudaOps *o, const RowLayout *L, const i64 *slots, i64 k, int write, const float *host,
+                     CUdeviceptr *d_rows) {
     const i64 bytes = k * L->width * (i64)sizeof(float);
-    CUdeviceptr d_slots = upload(o, PIN_READ, DEV_SLOTS, slots, k * (i64)sizeof(i64));
-    CUdeviceptr d_rows = d_slots ? device_buffer(o, DEV_ROWS, bytes) : 0;
-    if (!d_rows) return -1;
+    CUdeviceptr d_slots = upload(o, write ? PIN_WRITE : PIN_READ, DEV_SLOTS, slots, k * (i64)sizeof(i64));
+    *d_rows = d_slots ? device_buffer(o, DEV_ROWS, bytes) : 0;
+    if (!*d_rows) return -1;
+    if (write) CHECK(cu.MemcpyHtoDAsync(*d_rows, host, (size_t)bytes, o->stream), "cuMemcpyHtoDAsync");
     LayoutArgs a = layout_args(L);
     long long kk = k;
     void *params[] = {&a.weight, &a.wdtype, &a.wstride, &a.dim, &a.s0, &a.w0, &a.s1, &a.w1, &a.width,
-                      &d_slots, &kk, &d_rows};
-    if (launch(o, o->gather, k * L->width, params, "ps_gather_rows")) return -1;
-    CHECK(cu.MemcpyDtoHAsync(dst, d_rows, (size_t)bytes, o->stream), "cuMemcpyDtoHAsync");
+                      &d_slots, &kk, d_rows};
+    return launch(o, write ? o->scatter : o->gather, k * L->width, params,
+                  write ? "ps_scatter_rows" : "ps_gather_rows");
+}
+
+static int cuda_read_rows(void *ctx, const RowLayout *L, const i64 *slots, i64 k, float *dst) {
+    CudaOps *o = (CudaOps *)ctx;
+    CUdeviceptr d_rows;
+    if (k == 0) return 0;
+    if (enter(o) || move_rows(o, L, slots, k, 0, NULL, &d_rows)) return -1;
+    CHECK(cu.MemcpyDtoHAsync(dst, d_rows, (size_t)(k * L->width) * sizeof(float), o->stream), "cuMemcpyDtoHAsync");
     CHECK(cu.StreamSynchronize(o->stream), "cuStreamSynchronize");
     return 0;
 }
 
 static int cuda_write_rows(void *ctx, const RowLayout *L, const i64 *slots, i64 k, const float *src) {
     CudaOps *o = (CudaOps *)ctx;
+    CUdeviceptr d_rows;
     if (k == 0) return 0;
-    if (enter(o)) return -1;
-    const i64 bytes = k * L->width * (i64)sizeof(float);
-    CUdeviceptr d_slots = upload(o, PIN_WRITE, DEV_SLOTS, slots, k * (i64)sizeof(i64));
-    CUdeviceptr d_rows = d_slots ? device_buffer(o, DEV_ROWS, bytes) : 0;
-    if (!d_rows) return -1;
-    CHECK(cu.MemcpyHtoDAsync(d_rows, src, (size_t)bytes, o->stream), "cuMemcpyHtoDAsync"); /* src is pinned */
-    LayoutArgs a = layout_args(L);
-    long long kk = k;
-    void *params[] = {&a.weight, &a.wdtype, &a.wstride, &a.dim, &a.s0, &a.w0, &a.s1, &a.w1, &a.width,
-                      &d_slots, &kk, &d_rows};
-    return launch(o, o->scatter, k * L->width, params, "ps_scatter_rows");
+    return enter(o) || move_rows(o, L, slots, k, 1, src, &d_rows) ? -1 : 0; /* src is pinned */
 }
 
 static int cuda_init_rows(void *ctx, const RowLayout *L, const i64 *slots, const i64 *ids, i64 k) {
@@ -286,10 +283,7 @@ static int cuda_put_ids(void *ctx, const i64 *values, i64 n, void *dst, int id_b
     if (enter(o)) return -1;
     void *p = pinned(o, PIN_OUT, n * id_bytes);
     if (!p) return -1;
-    if (id_bytes == 8)
-        memcpy(p, values, sizeof(i64) * (size_t)n);
-    else
-        for (i64 i = 0; i < n; i++) ((int32_t *)p)[i] = (int32_t)values[i];
+    ps_ids_from_int64(values, n, p, id_bytes);
     CHECK(cu.MemcpyHtoDAsync((CUdeviceptr)(uintptr_t)dst, p, (size_t)(n * id_bytes), o->stream), "cuMemcpyHtoDAsync");
     return 0;
 }

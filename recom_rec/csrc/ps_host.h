@@ -116,6 +116,10 @@ typedef struct {
     int (*init)(void *ctx, const i64 *ids, i64 n, float *rows);
 } StoreOps;
 
+/* `n` ids `id_bytes` (4 or 8) wide to int64, and back (the row ops' host side). */
+void ps_ids_to_int64(const void *src, int id_bytes, i64 n, i64 *dst);
+void ps_ids_from_int64(const i64 *src, i64 n, void *dst, int id_bytes);
+
 /* One table's part of a staging job. */
 typedef struct {
     Cache *cache;

@@ -404,12 +404,23 @@ static inline void store_elem(void *base, i64 dtype, i64 at, float v) {
         ((uint16_t *)base)[at] = ps_f32_to_bf16(v);
 }
 
-static int cpu_fetch_ids(void *ctx, const void *src, int id_bytes, i64 n, i64 *dst) {
-    (void)ctx;
+void ps_ids_to_int64(const void *src, int id_bytes, i64 n, i64 *dst) {
     if (id_bytes == 8)
         memcpy(dst, src, sizeof(i64) * (size_t)n);
     else
         for (i64 i = 0; i < n; i++) dst[i] = ((const int32_t *)src)[i];
+}
+
+void ps_ids_from_int64(const i64 *src, i64 n, void *dst, int id_bytes) {
+    if (id_bytes == 8)
+        memcpy(dst, src, sizeof(i64) * (size_t)n);
+    else
+        for (i64 i = 0; i < n; i++) ((int32_t *)dst)[i] = (int32_t)src[i];
+}
+
+static int cpu_fetch_ids(void *ctx, const void *src, int id_bytes, i64 n, i64 *dst) {
+    (void)ctx;
+    ps_ids_to_int64(src, id_bytes, n, dst);
     return 0;
 }
 
@@ -470,10 +481,7 @@ static int cpu_init_rows(void *ctx, const RowLayout *L, const i64 *slots, const 
 
 static int cpu_put_ids(void *ctx, const i64 *values, i64 n, void *dst, int id_bytes) {
     (void)ctx;
-    if (id_bytes == 8)
-        memcpy(dst, values, sizeof(i64) * (size_t)n);
-    else
-        for (i64 i = 0; i < n; i++) ((int32_t *)dst)[i] = (int32_t)values[i];
+    ps_ids_from_int64(values, n, dst, id_bytes);
     return 0;
 }
 

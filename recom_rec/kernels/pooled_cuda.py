@@ -12,6 +12,7 @@ the Triton kernel.
 A group the CUDA kernels do not cover (a dim above ``MAX_DIM``, a weight buffer that is not
 16-byte aligned) runs on the Triton backend instead.
 """
+from collections import namedtuple
 import functools
 import hashlib
 import importlib.util
@@ -20,7 +21,7 @@ import sys
 import threading
 from functools import lru_cache
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -127,18 +128,8 @@ def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
         flat.device)
 
 
-class BackwardShape(NamedTuple):
-    """What a backward's timing depends on (BACKWARD_PATH_TUNER's key; see ForwardLaunchShape)."""
-    weights_at: int
-    num_features: int
-    batch_size: int
-    total_dim: int
-    max_dim: int
-    lookups_bucket: int
-    weight_dtype: torch.dtype
-    index_dtype: torch.dtype
-    weighted: bool
-    optimizer: int
+# What a backward's timing depends on (BACKWARD_PATH_TUNER's key): a forward's shape and the optimizer.
+BackwardShape = namedtuple("BackwardShape", ForwardLaunchShape._fields + ("optimizer",))
 
 
 def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim,
@@ -193,9 +184,8 @@ def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sa
     rows = num_rows if num_rows >= 0 else out.numel()
     if not supports(out, max_dim) or rows > SINGLETON_MAX_ROWS:
         return run(False)
-    shape = BackwardShape(out.data_ptr(), feature_meta.shape[0], batch_size, grad_output.shape[1], max_dim,
-                          1 << max(values.numel() - 1, 0).bit_length(), out.dtype, values.dtype,
-                          per_sample_weights is not None, opt)
+    shape = BackwardShape(*ForwardLaunchShape.of(out, values, per_sample_weights, feature_meta, batch_size,
+                                                 grad_output.shape[1], max_dim), opt)
     return BACKWARD_PATH_TUNER.launch(shape, run, out.device)
 
 
