@@ -141,7 +141,6 @@ typedef struct Job {
     void *out;
     TableJob *tables;
     i64 n_tables;
-    i64 wait_ms;       /* how long a table may wait for other batches to unpin slots (< 0: forever) */
     /* out */
     i64 status;
     i64 done;

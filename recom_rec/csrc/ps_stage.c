@@ -98,12 +98,13 @@ static i64 stage_table(const RowOps *ops, Scratch *s, Job *job, TableJob *tj, pt
         status = ps_cache_stage(tj->cache, s->ids, n, s->pos_slot, tj->slots, s->take, s->new_ids, s->evicted,
                                 s->push, counts);
         lap(times, T_STAGE, &t);
-        if (status != STAGE_WOULD_BLOCK || job->wait_ms == 0) break;
+        if (status != STAGE_WOULD_BLOCK) break;
+        /* other batches in flight hold the slots: wait for one to be released (`seen` was read
+         * before the stage, so a release in between is not missed) */
         pthread_mutex_unlock(run);
-        ps_cache_wait_release(tj->cache, seen, job->wait_ms < 0 ? 100 : job->wait_ms);
+        ps_cache_wait_release(tj->cache, seen, -1);
         pthread_mutex_lock(run);
         lap(times, T_WAIT, &t);
-        if (job->wait_ms > 0) job->wait_ms = 0; /* one wait of that length, then give up */
     }
     tj->counts[0] = counts[0];
     tj->counts[1] = counts[1];

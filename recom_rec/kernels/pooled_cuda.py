@@ -145,7 +145,6 @@ def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, bat
         offsets = offsets.to(values.dtype)
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
     packed = psw is None and feature_meta.shape[0] * batch_size < 2**31 - 1
-    singles = singles and row_count <= SINGLETON_MAX_ROWS and feature_meta.shape[0] <= 65535
     values, offsets, feature_meta = values.contiguous(), offsets.contiguous(), feature_meta.contiguous()
     plan = _extension().plan_backward(values, offsets, psw, feature_meta, key_index,
                                       None if positional else feature_base.contiguous(), batch_size, total_dim, n,
@@ -174,15 +173,17 @@ def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sa
                   key_index, batch_size, max_dim, num_rows, opt, num_lookups) -> None:
     """pooled_triton._run_backward with the CUDA planning and piece kernels where they cover ``out``,
     on the path BACKWARD_PATH_TUNER picks for the shape."""
+    cuda = supports(out, max_dim)
+
     def run(singles: bool):
-        cuda = supports(out, max_dim)
         pooled_triton._run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights,
                                     feature_meta, key_index, batch_size, max_dim, num_rows, opt, num_lookups,
                                     pieces=_cuda_pieces if cuda else None,
                                     planner=functools.partial(_cuda_plan, singles=singles) if cuda else None)
 
     rows = num_rows if num_rows >= 0 else out.numel()
-    if not supports(out, max_dim) or rows > SINGLETON_MAX_ROWS:
+    # singletons need a bitmap of the rows and put the features on the grid's y axis
+    if not cuda or rows > SINGLETON_MAX_ROWS or feature_meta.shape[0] > 65535:
         return run(False)
     shape = BackwardShape(*ForwardLaunchShape.of(out, values, per_sample_weights, feature_meta, batch_size,
                                                  grad_output.shape[1], max_dim), opt)

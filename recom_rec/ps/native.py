@@ -45,7 +45,7 @@ class TableJob(ctypes.Structure):
 
 class Job(ctypes.Structure):
     _fields_ = [("span", _P), ("id_bytes", _I), ("n", _I), ("out", _P), ("tables", _P), ("n_tables", _I),
-                ("wait_ms", _I), ("status", _I), ("done", _I), ("error_at", _I), ("state", _I), ("next", _P)]
+                ("status", _I), ("done", _I), ("error_at", _I), ("state", _I), ("next", _P)]
 
 
 _ERROR = ctypes.CFUNCTYPE(ctypes.c_char_p, _P)

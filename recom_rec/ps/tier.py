@@ -152,10 +152,11 @@ class _Table:
 
 
 class _Pending:
-    """A batch's staging job and what it refers to, alive until the job is finished."""
+    """A batch's staging job, alive until the job is finished: ``parts`` (table, its TableJob, the
+    slots array it fills) per PS table, ``refs`` whatever else the job's pointers point into."""
 
-    def __init__(self, kjt, job, tables, keep, out, stager, ran) -> None:
-        self.kjt, self.job, self.tables, self.keep, self.out = kjt, job, tables, keep, out
+    def __init__(self, kjt, job, parts, refs, out, stager, ran) -> None:
+        self.kjt, self.job, self.parts, self.refs, self.out = kjt, job, parts, refs, out
         self.stager = stager
         self.ran = ran  # run in the calling thread (done), else submitted to the worker
 
@@ -332,10 +333,8 @@ class PSTier:
             remapped, handle = entry[1], entry[2]  # staged by wrap(); wrap() releases it
             self.prefetched += 1
         else:
-            self.release(self._sync_handle, device)  # the previous batch is done
-            self._sync_handle = None
-            pending = self._start(kjt, device, submit=False)
-            remapped, handle = (kjt, {}) if pending is None else self.finish(pending)
+            self.release_sync(device)  # the previous batch is done
+            remapped, handle = self.stage(kjt, device)
             self._sync_handle = handle
         if torch.is_grad_enabled() and handle:  # training: the batch's rows will change
             for name, slots in handle.items():
@@ -346,10 +345,11 @@ class PSTier:
     def uses(self, kjt: KeyedJaggedTensor) -> bool:
         return any(k in t.features for k in kjt.keys() for t in self.tables.values())
 
-    def stage(self, kjt: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, Handle]:
+    def stage(self, kjt: KeyedJaggedTensor,
+              device: Optional[torch.device] = None) -> Tuple[KeyedJaggedTensor, Handle]:
         """Pin the batch's rows in the cache (pulling and evicting as needed) and remap its ids,
         in this thread."""
-        pending = self._start(kjt, self._device(), submit=False)
+        pending = self._start(kjt, device or self._device(), submit=False)
         return (kjt, {}) if pending is None else self.finish(pending)
 
     def submit(self, kjt: KeyedJaggedTensor) -> Optional[_Pending]:
@@ -382,18 +382,18 @@ class PSTier:
         stager = self._stager(device)
         item = values.element_size()
         tables = (native.TableJob * len(plan))()
-        keep = []
+        parts, refs = [], [tables, values]
         for tj, (t, segs) in zip(tables, plan):
             self._refresh_native(t)
             seg = torch.tensor([x - lo for ab in segs for x in ab], dtype=torch.int64)
             slots = torch.empty(sum(b - a for a, b in segs), dtype=torch.int64)
-            keep.append((t, seg, slots, t.store_ops, t.layout, t.py_ops, t.native_store))
+            parts.append((t, tj, slots))
+            refs += [seg, t.store_ops, t.layout, t.py_ops, t.native_store]
             tj.cache, tj.store, tj.layout = t.cache.handle, ctypes.addressof(t.store_ops), ctypes.addressof(t.layout)
             tj.segs, tj.n_segs, tj.slots = seg.data_ptr(), len(segs), slots.data_ptr()
         job = native.Job(span=values.data_ptr() + lo * item, id_bytes=item, n=hi - lo,
-                         out=out.data_ptr() + lo * item, tables=ctypes.addressof(tables), n_tables=len(plan),
-                         wait_ms=-1)
-        pending = _Pending(kjt, job, tables, (keep, values), out, stager, ran=not submit)
+                         out=out.data_ptr() + lo * item, tables=ctypes.addressof(tables), n_tables=len(plan))
+        pending = _Pending(kjt, job, parts, refs, out, stager, ran=not submit)
         if submit:
             stager.submit(job)
         else:
@@ -405,20 +405,18 @@ class PSTier:
         done). A failed job raises, with every slot it had pinned released."""
         job = pending.job
         status = job.status if pending.ran else pending.stager.wait(job)
-        keep, _ = pending.keep
         handle: Handle = {}
-        for k, (tj, (t, _, slots, *_rest)) in enumerate(zip(pending.tables, keep)):
-            if k < job.done:
-                distinct, misses, hits, pushed, evictions = tj.counts
-                handle[t.name] = slots[:distinct].numpy()
-                stats = t.cache.stats
-                stats["hits"] += hits
-                stats["misses"] += misses
-                stats["pushed"] += pushed
-                stats["evictions"] += evictions
+        for t, tj, slots in pending.parts[:job.done]:
+            distinct, misses, hits, pushed, evictions = tj.counts
+            handle[t.name] = slots[:distinct].numpy()
+            stats = t.cache.stats
+            stats["hits"] += hits
+            stats["misses"] += misses
+            stats["pushed"] += pushed
+            stats["evictions"] += evictions
         if status != host_lib.STAGE_OK:
             self.release(handle)
-            t, tj = keep[job.done][0], pending.tables[job.done]
+            t, tj, _ = pending.parts[job.done]
             raise self._job_error(t, tj, status, job, pending.stager)
         kjt = pending.kjt
         remapped = KeyedJaggedTensor(
@@ -482,10 +480,10 @@ class PSTier:
         """Seconds per phase of the staging jobs since the last call (recom_rec/csrc/ps_stage.c)."""
         return self._stager_of.times() if self._stager_of is not None else {}
 
-    def release_sync(self) -> None:
+    def release_sync(self, device: Optional[torch.device] = None) -> None:
         """Unpin the batch the last synchronous ``prepare`` staged (it is done once the next batch
         comes, from ``prepare`` or from ``wrap``, which calls this before it starts staging)."""
-        self.release(self._sync_handle)
+        self.release(self._sync_handle, device)
         self._sync_handle = None
 
     def register_prepared(self, kjt, remapped, handle) -> None:
