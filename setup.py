@@ -6,9 +6,8 @@ setup(
     description="Fused, table-batched embedding layers for torchrec models (Triton/CUDA), "
     "with a parameter-server tier and a DistributedModelParallel plugin.",
     packages=find_packages(include=["recom_rec", "recom_rec.*"]),
-    # Compiled on first use from the installed sources: the CUDA backend (on a GPU machine, nvcc)
-    # and the parameter-server tier's host library (any machine, the C compiler).
-    package_data={"recom_rec": ["csrc/*.cu", "csrc/*.c", "csrc/*.h", "csrc/*.ptx"]},
+    # The C/CUDA sources live in csrc/ at the top level (csrc/lookup: the CUDA lookup kernels;
+    # csrc/ps: the parameter-server tier's host library and row kernels), compiled on first use.
     python_requires=">=3.10",
     # torch, torchrec and fbgemm-gpu are deliberately not listed: their CUDA or CPU builds must
     # be chosen by the user (see the Makefile), and listing them would make pip pull CUDA wheels.

@@ -40,7 +40,7 @@ template __global__ void singleton_kernel<{w}, {i}, {opt}, {v}>(const {i}*, cons
 
 @pytest.mark.parametrize("weight,index", [("float", "int64_t"), ("__half", "int32_t"), ("__nv_bfloat16", "int64_t")])
 def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path, weight, index):
-    """The CUDA C++ backend's kernels (recom_rec/csrc) build for the H100 with nvcc, every
+    """The CUDA C++ backend's kernels (csrc) build for the H100 with nvcc, every
     optimizer, both accumulator widths; the V=1 variants (dims <= 128, the common case) keep
     their accumulators in registers."""
     nvcc = shutil.which("nvcc")

@@ -1,4 +1,4 @@
-"""Regenerates recom_rec/csrc/ps_rows.ptx from ps_rows.cu (run after editing the .cu; needs nvcc).
+"""Regenerates csrc/ps/ps_rows.ptx from ps_rows.cu (run after editing the .cu; needs nvcc).
 
 The tier's CUDA row ops load the PTX through the driver API, so users need no CUDA toolkit. The
 first line records the source's hash; tests/ps/test_row_ops.py checks that it matches the .cu and
@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parent.parent / "recom_rec" / "csrc"
+CSRC = Path(__file__).resolve().parent.parent / "csrc" / "ps"
 SOURCE, TARGET = CSRC / "ps_rows.cu", CSRC / "ps_rows.ptx"
 ARCH = "compute_75"
 ISA = "7.0"

@@ -4,7 +4,7 @@ Builds the ``ps`` benchmark's model and batches (full size on the GPU, small on 
 the warm-up batches, then stages each timed batch alone (the same loop as the benchmark's
 ``staging ms`` column), three times: once to warm up (first-use kernel loads, Triton compiles),
 once under cProfile (functions by own and cumulative time), and once reading the native job's
-own timers (``--sections``: ms per batch of each phase of recom_rec/csrc/ps_stage.c).
+own timers (``--sections``: ms per batch of each phase of csrc/ps/ps_stage.c).
 With ``--prefetch N`` it profiles the training loop under ``wrap(prefetch=N)`` instead.
 Usage: python tools/profile_ps.py [--url memory://prof] [--top 30] [--sections | --prefetch N]
 """

@@ -1,4 +1,4 @@
-"""The CUDA C++ backend (``backend="cuda"``): recom_rec/csrc/pooled_cuda.cu, built with
+"""The CUDA C++ backend (``backend="cuda"``): csrc/lookup/pooled_cuda.cu, built with
 ``torch.utils.cpp_extension`` on first use and cached per source, torch version and GPU
 architecture (``RECOM_REC_CUDA_CACHE``, by default ``~/.cache/recom_rec/cuda``).
 
@@ -44,7 +44,7 @@ BACKWARD_PATH_TUNER = LaunchOrderTuner.from_env(env="RECOM_REC_BACKWARD_PATH",
 # The forward's launch order per shape, measured on its first launches (RECOM_REC_FORWARD_ORDER =
 # "features" | "bags" forces one; see pooled_forward_kernel in the source for the two orders).
 FORWARD_ORDER_TUNER = LaunchOrderTuner.from_env()
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "pooled_cuda.cu"
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "lookup" / "pooled_cuda.cu"
 _build_lock = threading.Lock()
 
 
@@ -95,7 +95,7 @@ def _extension():
         from torch.utils import cpp_extension
 
         if cpp_extension.CUDA_HOME is None:
-            raise RuntimeError("the CUDA backend needs nvcc (CUDA_HOME) to build recom_rec/csrc on first use")
+            raise RuntimeError("the CUDA backend needs nvcc (CUDA_HOME) to build csrc/lookup on first use")
         folder.mkdir(parents=True, exist_ok=True)
         # A first use pauses for the build (about 100 s on the H100): say so once.
         print(f"recom_rec: building the CUDA kernels for sm_{arch} (first use; cached in {folder})",

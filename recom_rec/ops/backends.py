@@ -1,6 +1,6 @@
 """Chooses the implementation behind the fused-lookup ops: "torch" (vectorised torch, any
 device), "triton" (GPU, or CPU under ``TRITON_INTERPRET=1``), "cuda" (CUDA C++ from
-recom_rec/csrc, built on first use) and "auto"."""
+csrc, built on first use) and "auto"."""
 import os
 
 import torch

@@ -1,5 +1,5 @@
 """Slot map of one PS-backed table's cache: which id sits in which slot, which slots batches in
-flight hold, and which slot to evict. The work is done in C (recom_rec/csrc/ps_host.c, through
+flight hold, and which slot to evict. The work is done in C (csrc/ps/ps_host.c, through
 :mod:`.host_lib`); the per-slot arrays are numpy arrays here, readable (and, between calls,
 writable) from Python.
 

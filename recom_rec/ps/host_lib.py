@@ -1,4 +1,4 @@
-"""The tier's host library, recom_rec/csrc/ps_*.c (see ps_host.h): compiled with the system C
+"""The tier's host library, csrc/ps/ps_*.c (see ps_host.h): compiled with the system C
 compiler (``CC``, else ``cc``) on first use, cached per source and compiler under
 ``RECOM_REC_HOST_CACHE`` (by default ``~/.cache/recom_rec/host``), loaded with ctypes.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc" / "ps"
 SOURCES = [CSRC / f"ps_{name}.c" for name in ("host", "mem", "pool", "stage", "cuda")]
 HEADERS = [CSRC / "ps_host.h", CSRC / "ps_map.h"]
 # -ffp-contract=off: the init must round like torch's separate multiply and add. gnu99: POSIX
@@ -80,7 +80,7 @@ _SIGNATURES = {
 def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        raise RuntimeError("recom_rec's parameter-server tier compiles recom_rec/csrc/ps_*.c on first use "
+        raise RuntimeError("recom_rec's parameter-server tier compiles csrc/ps/ps_*.c on first use "
                            "and needs a C compiler: install gcc or set CC")
     return cc
 
@@ -106,11 +106,11 @@ def lib() -> ctypes.CDLL:
                     done = subprocess.run([cc, *FLAGS, "-o", str(built), *map(str, SOURCES), *LIBS],
                                           capture_output=True, text=True)
                 except OSError as exc:
-                    raise RuntimeError(f"recom_rec's parameter-server tier compiles recom_rec/csrc/ps_*.c on first "
+                    raise RuntimeError(f"recom_rec's parameter-server tier compiles csrc/ps/ps_*.c on first "
                                        f"use, but the C compiler {cc!r} cannot run ({exc}); install gcc or set CC"
                                        ) from None
                 if done.returncode != 0:
-                    raise RuntimeError(f"building recom_rec/csrc/ps_*.c with {cc} failed:\n{done.stderr[-4000:]}")
+                    raise RuntimeError(f"building csrc/ps/ps_*.c with {cc} failed:\n{done.stderr[-4000:]}")
                 os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own
         handle = ctypes.CDLL(str(target))
     for name, (restype, argtypes) in _SIGNATURES.items():

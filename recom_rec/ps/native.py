@@ -1,4 +1,4 @@
-"""The native side of a batch's staging (recom_rec/csrc/ps_stage.c, ps_cuda.c) as Python sees it:
+"""The native side of a batch's staging (csrc/ps/ps_stage.c, ps_cuda.c) as Python sees it:
 the ctypes mirrors of its structs, the row ops of a device (CPU, or a CUDA GPU through the
 driver API), a table's store ops (memory:// natively, any other store through Python callbacks),
 and :class:`Stager`, which runs a job in the calling thread or on its own worker thread.
@@ -19,7 +19,7 @@ from . import host_lib
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 MAX_STATES = 2
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-PTX = Path(__file__).resolve().parent.parent / "csrc" / "ps_rows.ptx"
+PTX = Path(__file__).resolve().parents[2] / "csrc" / "ps" / "ps_rows.ptx"
 PTX_SOURCE = PTX.with_suffix(".cu")
 
 

@@ -165,7 +165,7 @@ class PSTier:
     """Attached to a ``recom_rec.EmbeddingBagCollection`` built with ``ps={...}`` as ``module._ps``.
 
     A batch's staging (find its ids' slots, push dirty victims, pull misses, remap) is one native
-    job (recom_rec/csrc/ps_stage.c), run in the calling thread by :meth:`stage`, or on the tier's
+    job (csrc/ps/ps_stage.c), run in the calling thread by :meth:`stage`, or on the tier's
     worker thread by :meth:`submit` and :meth:`finish` (``wrap``). Jobs run one at a time; flush and
     load take the stager's lock to run between them."""
 
@@ -477,7 +477,7 @@ class PSTier:
                 stager.unlock()
 
     def stager_times(self) -> Dict[str, float]:
-        """Seconds per phase of the staging jobs since the last call (recom_rec/csrc/ps_stage.c)."""
+        """Seconds per phase of the staging jobs since the last call (csrc/ps/ps_stage.c)."""
         return self._stager_of.times() if self._stager_of is not None else {}
 
     def release_sync(self, device: Optional[torch.device] = None) -> None:

@@ -29,7 +29,7 @@ def _find_kjts(batch: Any, out: List[KeyedJaggedTensor], depth: int = 0) -> List
 
 class _Wrapped:
     """The loop: the dataloader is read in the training thread; each batch's staging is a job on
-    its tiers' worker threads (native code, no GIL: recom_rec/csrc/ps_stage.c), submitted
+    its tiers' worker threads (native code, no GIL: csrc/ps/ps_stage.c), submitted
     ``prefetch`` batches ahead and waited for when the batch is handed out."""
 
     def __init__(self, dataloader: Iterable, model, prefetch: int) -> None:

@@ -1,4 +1,4 @@
-"""The row ops a staging job moves rows with (recom_rec/csrc/ps_stage.c on the CPU, ps_cuda.c and
+"""The row ops a staging job moves rows with (csrc/ps/ps_stage.c on the CPU, ps_cuda.c and
 the PTX kernels of ps_rows.cu on a GPU), called directly: store rows out of and into cache slots
 of every weight dtype, with optimizer states, and never-seen rows by torchrec's uniform rule,
 against torch. RECOM_TEST_DEVICE=cuda runs the CUDA ops."""

@@ -1,4 +1,4 @@
-"""The C slot cache (recom_rec/csrc/ps_host.c) against a pure-Python model of the same rules, and
+"""The C slot cache (csrc/ps/ps_host.c) against a pure-Python model of the same rules, and
 the C init against ``init_rows`` (torch)."""
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("RECOM_REC_HOST_CACHE", str(tmp_path / "cache"))  # nothing built there yet
     host_lib.lib.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match=r"compiles recom_rec/csrc/ps_\*\.c on first use.*no-such-cc.*install gcc or set CC"):
+        with pytest.raises(RuntimeError, match=r"compiles csrc/ps/ps_\*\.c on first use.*no-such-cc.*install gcc or set CC"):
             host_lib.lib()
     finally:
         host_lib.lib.cache_clear()  # the next caller loads the real build again

@@ -4,7 +4,7 @@
 handle opened with the same name in this process (like a tiny in-process server), and its
 data outlives the handles until :func:`drop_memory_namespace` is called.
 
-Each table is a C table (recom_rec/csrc/ps_mem.c): id -> row hash maps and growing row chunks,
+Each table is a C table (csrc/ps/ps_mem.c): id -> row hash maps and growing row chunks,
 sharded where a pool of threads runs a batch's shards at once, rows kept as their raw bytes; a
 batch's get or put is one call that releases the GIL. The
 parameter-server tier's staging calls a table's C functions directly (:meth:`MemoryStore.native_table`).
