@@ -47,3 +47,23 @@ def test_bench_pinned_backend_and_sharded_dlrm_on_gloo(tmp_path):
     data = json.loads(out.with_suffix(".json").read_text())
     dlrm = {(r["world"], r["peer"]) for r in data["results"] if r["workload"] == "sharded-dlrm" and r["ms"] > 0}
     assert dlrm == {(1, "recom_rec"), (1, "torchrec"), (2, "recom_rec"), (2, "torchrec")}, dlrm
+
+
+def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
+    """``--workloads sweep --small``: every point's forward agrees with fbgemm's, each phase has a
+    ratio, the summary and the heatmap are written."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, "-m", "recom_rec.bench", "--workloads", "sweep", "--small", "--iters", "1", "--warmup", "0",
+         "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "geomean" in result.stdout and "MISMATCH" not in result.stdout, result.stdout
+    data = json.loads(out.with_suffix(".json").read_text())
+    forward = [r for r in data["results"] if r["phase"] == "forward"]
+    compared = [r for r in forward if r["fbgemm"]]
+    assert compared and all(r["agree"] for r in compared), [(r["point"], r.get("max_rel_diff")) for r in compared]
+    assert {"grid", "zipf", "weighted", "mean", "dtype", "odd dim"} <= {r["axis"] for r in forward}
+    assert set(data["summary"]) >= {"forward", "sgd", "rowwise_adagrad"}
+    assert data["summary"]["forward"]["points"] == len(compared)
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -7,7 +7,8 @@ from torchrec import KeyedJaggedTensor
 from torchrec.modules.embedding_configs import DataType
 
 import recom_rec
-from ebc_cases import DEVICE, KERNEL_BACKENDS, cases, make_kjt
+from ebc_cases import DEVICE, KERNEL_BACKENDS, Case, cases, make_kjt
+from torchrec import EmbeddingBagConfig, PoolingType
 from recom_rec.ops.reference import reference_pooled
 
 SMALL = dict(max_tables=6, max_dim=40, max_rows=300, max_batch=5, max_len=5)
@@ -146,3 +147,18 @@ def test_hot_rows_longer_than_a_chunk(dims):
     for backend in KERNEL_BACKENDS[1:]:
         for a, b in zip(grads["torch"], grads[backend]):
             torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dims", [(256, 8), (132, 516), (1028, 100), (17, 388)])
+def test_wide_rows_and_long_bags_against_reference(backend, dims):
+    """The CUDA forward's multi-chunk lanes (dims above 128: 2 or 4 float4 chunks a lane, above
+    512: several passes) and rows of long bags, mixed with narrow and unaligned tables; empty bags,
+    sum and mean, sample weights, both half types."""
+    for weighted, data_type in ((False, DataType.FP32), (True, DataType.FP16), (False, DataType.BF16)):
+        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=50, feature_names=[f"f{i}"],
+                                     pooling=PoolingType.MEAN if i % 2 else PoolingType.SUM, data_type=data_type)
+                  for i, d in enumerate(dims)]
+        kjt = make_kjt(tables, 3, 37, seed=sum(dims), is_weighted=weighted)
+        case = Case(tables, kjt, weighted)
+        _check_forward_backward(case, backend)

@@ -81,6 +81,52 @@ __device__ __forceinline__ bool vec_ok(int64_t dim, int64_t base, int64_t col, i
 }
 
 // ---- forward ---------------------------------------------------------------------------------
+// One bag's sum over chunks c0, c0 + G, ... (V of them, those below `chunks`) of 16-byte columns,
+// U rows a step: V * U loads in flight a lane. Rows are added in input order (bit-identical to the
+// one-chunk loop and to the Triton kernel in fp32).
+template <typename W, typename I, int V, int U>
+__device__ __forceinline__ void pool_vec(const W* __restrict__ table, const I* __restrict__ values,
+                                         const float* __restrict__ psw, int64_t start, int64_t end, int64_t dim,
+                                         int c0, int G, int chunks, float inv, float* __restrict__ o) {
+  float4 acc[V];
+  bool on[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    on[k] = c0 + k * G < chunks;
+  }
+  int64_t i = start;
+  for (; i + U <= end; i += U) {
+    float4 r[U][V];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const W* w = table + (int64_t)values[i + u] * dim + 4 * c0;
+#pragma unroll
+      for (int k = 0; k < V; ++k) r[u][k] = on[k] ? load4(w + 4 * k * G) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float s = psw ? psw[i + u] : 1.f;
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] = fma4(r[u][k], s, acc[k]);
+    }
+  }
+  for (; i < end; ++i) {
+    const W* w = table + (int64_t)values[i] * dim + 4 * c0;
+    const float s = psw ? psw[i] : 1.f;
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      if (on[k]) acc[k] = fma4(load4(w + 4 * k * G), s, acc[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    if (on[k]) {
+      acc[k].x *= inv; acc[k].y *= inv; acc[k].z *= inv; acc[k].w *= inv;
+      store4(o + 4 * (c0 + k * G), acc[k]);
+    }
+  }
+}
+
 // Grid (features, blocks of bags), or (blocks of bags, features) when `bag_major`: blocks are
 // scheduled x-fastest, so feature-major runs every feature's first bags at once (the output rows
 // of those bags are written together) and bag-major runs one feature's bags at once (its table's
@@ -113,30 +159,36 @@ __global__ void __launch_bounds__(256) pooled_forward_kernel(
     const float inv = (mean && end > start) ? 1.0f / (float)(end - start) : 1.0f;
     float* o = out + b * total_dim + col;
     if (vec) {
-      for (int c = sl; c < chunks; c += G) {
-        const W* w = flat + base + 4 * c;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        int64_t i = start;
-        for (; i + 4 <= end; i += 4) {  // four rows in flight
-          const int64_t i0 = values[i], i1 = values[i + 1], i2 = values[i + 2], i3 = values[i + 3];
-          const float4 r0 = load4(w + i0 * dim), r1 = load4(w + i1 * dim);
-          const float4 r2 = load4(w + i2 * dim), r3 = load4(w + i3 * dim);
-          if (psw) {
-            acc = fma4(r0, psw[i], acc); acc = fma4(r1, psw[i + 1], acc);
-            acc = fma4(r2, psw[i + 2], acc); acc = fma4(r3, psw[i + 3], acc);
-          } else {
-            acc = fma4(r0, 1.f, acc); acc = fma4(r1, 1.f, acc); acc = fma4(r2, 1.f, acc); acc = fma4(r3, 1.f, acc);
-          }
+      // A lane holds up to four of the row's 16-byte chunks (dims up to 512 in one pass at G = 32;
+      // wider rows take more passes) and walks the bag once per pass: 4 to 8 rows' loads in flight
+      // a lane, the bag's ids read once rather than once per chunk (v13, perf-notes).
+      const int per_lane = (chunks + G - 1) / G;
+      for (int c0 = sl; c0 < chunks; c0 += 4 * G) {
+        const int left = per_lane - (c0 - sl) / G;  // this lane's chunks from c0 on
+        if (left >= 3) {
+          pool_vec<W, I, 4, 2>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o);
+        } else if (left == 2) {
+          pool_vec<W, I, 2, 4>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o);
+        } else {
+          pool_vec<W, I, 1, 8>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o);
         }
-        for (; i < end; ++i) acc = fma4(load4(w + (int64_t)values[i] * dim), psw ? psw[i] : 1.f, acc);
-        acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
-        store4(o + 4 * c, acc);
       }
     } else {
+      // Scalar columns (unaligned rows, odd dims): four rows' loads in flight a lane.
       for (int c = sl; c < chunks; c += G) {
         const W* w = flat + base + c;
         float acc = 0.f;
-        for (int64_t i = start; i < end; ++i) acc += to_f(w[(int64_t)values[i] * dim]) * (psw ? psw[i] : 1.f);
+        int64_t i = start;
+        for (; i + 4 <= end; i += 4) {
+          const float r0 = to_f(w[(int64_t)values[i] * dim]), r1 = to_f(w[(int64_t)values[i + 1] * dim]);
+          const float r2 = to_f(w[(int64_t)values[i + 2] * dim]), r3 = to_f(w[(int64_t)values[i + 3] * dim]);
+          if (psw) {
+            acc += r0 * psw[i]; acc += r1 * psw[i + 1]; acc += r2 * psw[i + 2]; acc += r3 * psw[i + 3];
+          } else {
+            acc += r0; acc += r1; acc += r2; acc += r3;
+          }
+        }
+        for (; i < end; ++i) acc += to_f(w[(int64_t)values[i] * dim]) * (psw ? psw[i] : 1.f);
         o[c] = acc * inv;
       }
     }
@@ -752,8 +804,8 @@ W* wptr(const at::Tensor& t) { return reinterpret_cast<W*>(t.data_ptr()); }
 }  // namespace
 
 #ifndef RECOM_REC_KERNELS_ONLY
-// Pooled forward of a group: out [batch_size, total_dim] fp32. The caller has checked dims
-// <= 512 and converted offsets to values' dtype and per-sample weights to fp32.
+// Pooled forward of a group: out [batch_size, total_dim] fp32, any dim. The caller has converted
+// offsets to values' dtype and per-sample weights to fp32.
 at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, const at::Tensor& offsets,
                           const c10::optional<at::Tensor>& psw, const at::Tensor& meta, const at::Tensor& key_index,
                           int64_t batch_size, int64_t total_dim, int64_t max_dim, bool bag_major) {

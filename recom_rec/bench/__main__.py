@@ -30,8 +30,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m recom_rec.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS),
-                   choices=list(WORKLOADS) + ["ps", "sharded-dlrm"],
-                   help="not in the default set: 'ps', a 1e8-row table in the parameter-server tier (see "
+                   choices=list(WORKLOADS) + ["ps", "sharded-dlrm", "sweep"],
+                   help="not in the default set: 'sweep', ours against fbgemm over a grid of table layouts "
+                   "(recom_rec/bench/sweep.py; --warmup/--iters/--out apply); 'ps', a 1e8-row table in the parameter-server tier (see "
                    "--ps-urls); 'sharded-dlrm', a DLRM training step under DistributedModelParallel, ours vs "
                    "torchrec's sharder (see --worlds)")
     p.add_argument("--worlds", nargs="+", type=int, default=None,
@@ -81,10 +82,12 @@ def _graph_replay(peer, kjt, device):
 
 
 def _tuners():
-    """The CUDA backend's measured choices: the forward's launch order, the backward's path."""
+    """The measured choices: auto's forward kernels, the CUDA forward's launch order (a pinned
+    backend), the CUDA backward's path."""
     from ..kernels.pooled_cuda import BACKWARD_PATH_TUNER, FORWARD_ORDER_TUNER
+    from ..kernels.selection import FORWARD
 
-    return {"launch_order": FORWARD_ORDER_TUNER, "backward_path": BACKWARD_PATH_TUNER}
+    return {"forward_choice": FORWARD, "launch_order": FORWARD_ORDER_TUNER, "backward_path": BACKWARD_PATH_TUNER}
 
 
 def _new_decisions(which: str) -> str:
@@ -129,8 +132,11 @@ def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
         try:
             row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
             if pname.startswith("recom_rec") and device.type == "cuda":
-                which = "launch_order" if phase.startswith("forward") else "backward_path"
-                row[which] = _new_decisions(which)
+                if phase.startswith("forward"):
+                    row["launch_order"] = "+".join(filter(None, (_new_decisions("forward_choice"),
+                                                                 _new_decisions("launch_order"))))
+                else:
+                    row["backward_path"] = _new_decisions("backward_path")
             if phase in ("forward", "forward-graph"):
                 row["gbs"] = w.lookup_bytes() / (row["ms"] * 1e-3) / 1e9
                 row["ceiling_share"] = row["gbs"] / ceiling
@@ -174,6 +180,16 @@ def run(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if "sweep" in args.workloads:
+        from .sweep import main_sweep
+
+        device = torch.device(args.device)
+        ceiling = copy_bandwidth_gbs(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
+        main_sweep(args, device, ceiling)
+        args.workloads = [w for w in args.workloads if w != "sweep"]
+        if not args.workloads:
+            return
+        args.out += "-workloads"
     meta, results = run(args)
     if results:
         print(format_table(meta, results, args.peers))

@@ -59,6 +59,10 @@ class ForwardLaunchShape(NamedTuple):
                    flat.dtype, values.dtype, per_sample_weights is not None)
 
 
+def _orders_for(shape) -> Tuple[bool, ...]:
+    return (FEATURE_MAJOR, BAG_MAJOR) if shape.num_features <= MAX_BAG_MAJOR_FEATURES else (FEATURE_MAJOR,)
+
+
 def record_timing_event(device: torch.device):
     """A timing event recorded now on ``device``'s current stream (the one the extension launches on)."""
     event = torch.cuda.Event(enable_timing=True)
@@ -80,7 +84,8 @@ def parse_forced_order(value: Optional[str], names: Dict[bool, str] = ORDER_NAME
     for order, name in names.items():
         if value == name:
             return order
-    raise ValueError(f"{env} must be 'auto', {names[False]!r} or {names[True]!r} (got {value!r})")
+    choices = [repr(name) for name in names.values()]
+    raise ValueError(f"{env} must be 'auto', {', '.join(choices[:-1])} or {choices[-1]} (got {value!r})")
 
 
 def trial_plan(candidates: Tuple[bool, ...], trials: int) -> List[Tuple[bool, bool]]:
@@ -127,9 +132,14 @@ class LaunchOrderTuner:
 
     def __init__(self, trials: int = TRIALS, forced_order: Optional[str] = None,
                  record_event: Callable = record_timing_event, capturing: Callable = stream_is_capturing,
-                 names: Dict[bool, str] = ORDER_NAMES, env: str = ORDER_ENV):
+                 names: Dict[bool, str] = ORDER_NAMES, env: str = ORDER_ENV,
+                 candidates: Optional[Callable] = None, default=DEFAULT_ORDER):
         self.trials = trials
         self.names = names
+        # ``candidates(shape)``: the choices to measure for a shape (default: both launch orders,
+        # bag-major only where the features fit the grid's y axis); ``default`` runs undecided.
+        self._candidates = candidates or _orders_for
+        self.default = default
         self.forced_order = parse_forced_order(forced_order, names, env)
         self._record_event = record_event
         self._capturing = capturing
@@ -144,9 +154,9 @@ class LaunchOrderTuner:
 
     def launch(self, shape: ForwardLaunchShape, run: Callable[[bool], Result], device: torch.device) -> Result:
         """``run(bag_major)`` in the order chosen for ``shape``, timed while the shape is on trial."""
-        candidates = (FEATURE_MAJOR, BAG_MAJOR) if shape.num_features <= MAX_BAG_MAJOR_FEATURES else (FEATURE_MAJOR,)
+        candidates = self._candidates(shape)
         if self.forced_order is not None:
-            return run(self.forced_order if self.forced_order in candidates else DEFAULT_ORDER)
+            return run(self.forced_order if self.forced_order in candidates else self.default)
         decided = self._decided.get(shape)  # read without the lock: a dict lookup is atomic
         if decided is not None:
             return run(decided)
@@ -155,7 +165,7 @@ class LaunchOrderTuner:
                 self._decided[shape] = candidates[0]
             return run(candidates[0])
         if self._capturing(device):
-            return run(DEFAULT_ORDER)
+            return run(self.default)
         with self._lock:
             order, timed = self._next_launch(shape, candidates)
         if not timed:
@@ -183,7 +193,7 @@ class LaunchOrderTuner:
         if trials.planned < len(trials.plan):
             trials.planned += 1
             return trials.plan[trials.planned - 1]
-        return DEFAULT_ORDER, False  # every sample launched: wait for them to finish, untimed
+        return self.default, False  # every sample launched: wait for them to finish, untimed
 
     def forget(self) -> None:
         """Drop every decision and trial. A model built where a freed one's weights were gets the

@@ -29,9 +29,6 @@ from . import pooled_triton
 from .launch_tuner import ForwardLaunchShape, LaunchOrderTuner
 
 MAX_DIM = 512  # the piece kernel's widest variant: 4 float4 accumulators per lane x 32 lanes
-# Experiment knob (tools/profile_step.py): lanes per piece of the backward, 0 = sized by the
-# widest row (see piece_update in the source).
-PIECE_LANES = int(os.environ.get("RECOM_REC_PIECE_LANES", "0"))
 # The backward's path per shape: every row through the pieces, or rows of one lookup in the batch
 # finished in bag order by their own kernel (plan_backward's bitmap, singleton_update in the
 # source; the same bits). Neither wins everywhere (H100: singletons on many-500, many-1000 and
@@ -106,26 +103,42 @@ def _extension():
 
 
 def supports(flat: torch.Tensor, max_dim: int) -> bool:
-    """Whether the CUDA kernels cover this group (else the Triton backend runs it)."""
-    return flat.is_cuda and max_dim <= MAX_DIM and flat.data_ptr() % 16 == 0
+    """Whether the CUDA backward kernels cover this group (else the Triton backend runs it)."""
+    return supports_forward(flat) and max_dim <= MAX_DIM
 
 
-def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim):
-    if not supports(flat, max_dim):
-        return pooled_triton.forward(flat, values, offsets, per_sample_weights, feature_meta, key_index,
-                                     batch_size, total_dim, max_dim)
+def supports_forward(flat: torch.Tensor) -> bool:
+    """Whether the CUDA forward kernel covers this group: any dim (wide rows take several passes
+    of four 16-byte chunks a lane), a 16-byte aligned weight buffer."""
+    return flat.is_cuda and flat.data_ptr() % 16 == 0
+
+
+def forward_args(values, offsets, per_sample_weights, feature_meta, key_index):
+    """The forward kernel's inputs in the types it takes (offsets in the values' dtype, fp32 sample
+    weights, int64 keys); builds the extension on first use."""
+    _extension()
     if offsets.dtype != values.dtype:
         offsets = offsets.to(values.dtype)
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
+    return (values.contiguous(), offsets.contiguous(), psw, feature_meta.contiguous(),
+            key_index.to(torch.int64).contiguous())
+
+
+def forward_launch(flat, values, offsets, psw, feature_meta, key_index, batch_size, total_dim, max_dim, bag_major):
+    """One forward launch in the given order, on forward_args' inputs."""
+    return _extension().pooled_forward(flat, values, offsets, psw, feature_meta, key_index, batch_size, total_dim,
+                                       max_dim, bag_major)
+
+
+def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim):
+    if not supports_forward(flat):
+        return pooled_triton.forward(flat, values, offsets, per_sample_weights, feature_meta, key_index,
+                                     batch_size, total_dim, max_dim)
     # The arguments (and a first use's build) are ready before a timed trial's first event.
-    extension = _extension()
-    values, offsets = values.contiguous(), offsets.contiguous()
-    feature_meta, key_index = feature_meta.contiguous(), key_index.to(torch.int64).contiguous()
+    args = forward_args(values, offsets, per_sample_weights, feature_meta, key_index)
     shape = ForwardLaunchShape.of(flat, values, per_sample_weights, feature_meta, batch_size, total_dim, max_dim)
     return FORWARD_ORDER_TUNER.launch(
-        shape, lambda bag_major: extension.pooled_forward(flat, values, offsets, psw, feature_meta, key_index,
-                                                          batch_size, total_dim, max_dim, bag_major),
-        flat.device)
+        shape, lambda bag_major: forward_launch(flat, *args, batch_size, total_dim, max_dim, bag_major), flat.device)
 
 
 # What a backward's timing depends on (BACKWARD_PATH_TUNER's key): a forward's shape and the optimizer.
@@ -162,7 +175,7 @@ def _cuda_pieces(plan, grad_output, feature_meta, n, partials, partial_stride, o
     ext = _extension()
     ext.piece_update(row_key, order, src, scale, feature, bag_scale, packed_batch, grad_output, feature_meta, pieces,
                      split_rows, counts, n, partials, partial_stride, out, state1, state2, hyper, step, opt, max_dim,
-                     PIECE_LANES if 16 * PIECE_LANES >= max_dim else 0)
+                     0)  # lanes per piece: 0 = sized by the widest row
     if singles is not None:
         values, offsets, psw, key_index, batch_size = singles
         ext.singleton_update(values, offsets, psw, feature_meta, key_index, multi, grad_output, batch_size, out,

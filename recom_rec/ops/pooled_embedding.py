@@ -31,29 +31,28 @@ def _cuda():
     return pooled_cuda
 
 
-def _auto_prefers_cuda(phase: str, num_features: int, total_dim: int, max_dim: int) -> bool:
-    """``backend="auto"`` on a GPU, per shape, from the H100 measurements in docs/perf-notes.md
-    (v6, v7, v10): the CUDA kernels' backward won on every workload; their forward wins where a
-    launch mixes dims (a lane group per bag sized by its own dim, where Triton pads every feature
-    to the widest) and on rows up to dim 32 since its launch order is measured per shape (v10, one
-    machine: many-500 0.757 vs 0.847 ms, zipf 0.493 vs 0.575, many-1000 dim 16 as before), and
-    loses on wide rows (dlrm-kaggle, dim 128: 0.999 vs 0.717 ms)."""
-    if phase != "forward":
-        return True
-    return total_dim != max_dim * num_features or max_dim <= 32
-
-
 def _impl(backend: str, device: torch.device, phase: str = "backward", num_features: int = 0,
           total_dim: int = 0, max_dim: int = 0):
-    """The module implementing forward / backward / fused_update for this backend and device."""
+    """The module implementing forward / backward / fused_update for this backend and device.
+    ``auto`` on a GPU: the forward kernels measured per shape (kernels/selection.py), the backward
+    on the CUDA kernels where they build."""
     resolved = resolve_backend(backend, device)
-    if backend == "auto" and resolved == "triton" and _auto_prefers_cuda(phase, num_features, total_dim, max_dim):
+    if backend == "auto" and resolved == "triton":
+        if phase == "forward":
+            return _selection()
         resolved = "cuda" if _cuda_builds() else "triton"
     if resolved == "cuda":
         return _cuda()
     if resolved == "triton":
         return _triton()
     return torch_backend
+
+
+@lru_cache(maxsize=None)
+def _selection():
+    from ..kernels import selection
+
+    return selection
 
 
 @lru_cache(maxsize=None)

@@ -1,0 +1,370 @@
+"""``python -m recom_rec.bench --workloads sweep``: ours against fbgemm's TBE over a grid of table
+layouts, to find the shapes where the fused kernel loses (issue 18).
+
+The points: a base point (16 tables x 100k rows, dim 64, batch 4096, ragged bags of mean 10
+ids, uniform ids, sum pooling, fp32) varied one axis at a time (batch, table count, Zipf ids,
+sample weights, mean pooling, fp16/bf16 tables, odd dims for ours alone: fbgemm wants multiples
+of 4), plus a dim x ids-per-bag grid. Ragged bags have lengths uniform in [0, 2 * mean]; "1"
+means exactly one id per bag. A point's batch and rows shrink where the table count or bag
+length would exceed fixed memory and time caps (MAX_LOOKUPS, MAX_READ_BYTES, MAX_WEIGHT_BYTES),
+and the printed point says so.
+
+Each point builds ours and fbgemm with the same weights, checks their forward outputs agree on
+the same KJT, then times the forward (no_grad), a fused SGD step and a fused row-wise Adagrad
+step (forward + backward with the optimizer inside, for both). Ratios are fbgemm ms / ours ms.
+"""
+import gc
+import json
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from torchrec import DataType, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+
+import recom_rec
+
+from .timing import time_ms
+from .workloads import zipf_ids
+
+PHASES = ("forward", "sgd", "rowwise_adagrad")
+GRID_DIMS = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
+GRID_IDS = (1, 10, 50, 200)  # 1: exactly one id per bag; else the mean of ragged lengths
+MAX_LOOKUPS = 16_000_000
+MAX_READ_BYTES = 16e9  # rows a forward reads: bounds the slowest points' time
+MAX_WEIGHT_BYTES = 4e9  # one copy of the tables (ours and fbgemm's each hold one)
+BANDWIDTH_BOUND_BYTES = 100e6  # rows read at or above this: the forward is judged against the copy ceiling
+
+
+@dataclass(frozen=True)
+class Point:
+    axis: str  # which axis this point varies from the base ("grid" for the dim x ids grid)
+    tables: int = 16
+    rows: int = 100_000
+    dim: int = 64
+    batch: int = 4096
+    ids: int = 10
+    zipf: bool = False
+    weighted: bool = False
+    mean: bool = False
+    dtype: str = "fp32"
+    fbgemm: bool = True  # fbgemm takes dims in multiples of 4 only
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self.dtype == "fp32" else 2
+
+    def label(self) -> str:
+        ids = "1 id" if self.ids == 1 else f"~{self.ids} ids"
+        extra = [x for x, on in (("zipf", self.zipf), ("weighted", self.weighted), ("mean", self.mean)) if on]
+        return (f"{self.tables}x{self.rows} D={self.dim} B={self.batch} {ids} {self.dtype}"
+                + (" " + " ".join(extra) if extra else ""))
+
+    def fitted(self) -> "Point":
+        """This point with batch and rows cut to the caps."""
+        batch = min(self.batch, MAX_LOOKUPS // (self.tables * self.ids),
+                    int(MAX_READ_BYTES // (self.tables * self.ids * self.dim * self.itemsize)))
+        rows = min(self.rows, int(MAX_WEIGHT_BYTES // (self.tables * self.dim * self.itemsize)))
+        return replace(self, batch=max(batch, 1), rows=max(rows, 1))
+
+
+def points(small: bool) -> List[Point]:
+    if small:  # the CPU test's: every kind of point, tiny
+        base = Point("base", tables=2, rows=500, dim=8, batch=16, ids=3)
+        grid = [replace(base, axis="grid", dim=d, ids=i) for d in (4, 16) for i in (1, 3)]
+        axes = [replace(base, axis="zipf", zipf=True), replace(base, axis="weighted", weighted=True),
+                replace(base, axis="mean", mean=True), replace(base, axis="dtype", dtype="fp16"),
+                replace(base, axis="odd dim", dim=17, fbgemm=False)]
+        return [p.fitted() for p in grid + axes]
+    base = Point("base")
+    grid = [replace(base, axis="grid", dim=d, ids=i) for d in GRID_DIMS for i in GRID_IDS]
+    axes = [replace(base, axis="batch", batch=b) for b in (64, 2048, 65536)]
+    axes += [replace(base, axis="tables", tables=t) for t in (1, 26, 500, 4000)]
+    axes += [replace(base, axis="zipf", zipf=True), replace(base, axis="zipf", zipf=True, dim=256, ids=50),
+             replace(base, axis="weighted", weighted=True), replace(base, axis="mean", mean=True),
+             replace(base, axis="dtype", dtype="fp16"), replace(base, axis="dtype", dtype="bf16"),
+             replace(base, axis="dtype", dtype="fp16", dim=256, ids=50)]
+    axes += [replace(base, axis="odd dim", dim=d, fbgemm=False) for d in (17, 100)]
+    return [p.fitted() for p in grid + axes]
+
+
+_DATA_TYPES = {"fp32": (DataType.FP32, torch.float32), "fp16": (DataType.FP16, torch.float16),
+               "bf16": (DataType.BF16, torch.bfloat16)}
+
+
+def make_kjt(p: Point, device: torch.device, seed: int = 0) -> KeyedJaggedTensor:
+    """Table-major KJT (key ``f{i}`` for table ``i``), int64 ids, ragged lengths (or exactly 1)."""
+    rng = np.random.default_rng(seed)
+    lengths = (np.ones((p.tables, p.batch), dtype=np.int64) if p.ids == 1
+               else rng.integers(0, 2 * p.ids + 1, (p.tables, p.batch)))
+    count = int(lengths.sum())
+    ids = zipf_ids(rng, 1.1, p.rows, count) if p.zipf else rng.integers(0, p.rows, count)
+    weights = torch.from_numpy(rng.uniform(0.5, 1.5, count).astype(np.float32)).to(device) if p.weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f{i}" for i in range(p.tables)], values=torch.from_numpy(ids).to(device),
+        lengths=torch.from_numpy(lengths.reshape(-1)).to(device), weights=weights)
+
+
+def rows_read_bytes(p: Point, kjt: KeyedJaggedTensor) -> int:
+    return kjt.values().numel() * p.dim * p.itemsize
+
+
+class _Ours:
+    def __init__(self, p: Point, device, optimizer: Optional[str], weights: List[torch.Tensor], backend: str):
+        data_type = _DATA_TYPES[p.dtype][0]
+        pooling = PoolingType.MEAN if p.mean else PoolingType.SUM
+        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=p.dim, num_embeddings=p.rows,
+                                     feature_names=[f"f{i}"], pooling=pooling, data_type=data_type)
+                  for i in range(p.tables)]
+        self.module = recom_rec.EmbeddingBagCollection(tables, is_weighted=p.weighted, device=device,
+                                                       backend=backend, validate_inputs=False)
+        with torch.no_grad():
+            for i, w in enumerate(weights):
+                self.module.embedding_bags[f"t{i}"].weight.copy_(w)
+        if optimizer:
+            self.module.enable_fused_optimizer(optimizer, lr=0.01)
+
+    def forward(self, kjt):
+        return self.module(kjt).values()
+
+    def train_step(self, kjt, grad):
+        self.module(kjt).values().backward(grad)
+
+
+class _Fbgemm:
+    def __init__(self, p: Point, device, optimizer: Optional[str], weights: List[torch.Tensor]):
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        cuda = device.type == "cuda"
+        location = EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST
+        compute = ComputeDevice.CUDA if cuda else ComputeDevice.CPU
+        opt = EmbOptimType.EXACT_ROWWISE_ADAGRAD if optimizer == "rowwise_adagrad" else EmbOptimType.EXACT_SGD
+        precision = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "bf16": SparseType.BF16}[p.dtype]
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(p.rows, p.dim, location, compute)] * p.tables, optimizer=opt, learning_rate=0.01,
+            pooling_mode=PoolingMode.MEAN if p.mean else PoolingMode.SUM, weights_precision=precision,
+            output_dtype=SparseType.FP32, device=device if cuda else None)
+        with torch.no_grad():
+            for dst, w in zip(self.tbe.split_embedding_weights(), weights):
+                dst.copy_(w)
+
+    def forward(self, kjt):
+        return self.tbe(kjt.values(), kjt.offsets(), per_sample_weights=kjt.weights_or_none())
+
+    def train_step(self, kjt, grad):
+        self.tbe(kjt.values(), kjt.offsets(), per_sample_weights=kjt.weights_or_none()).backward(grad)
+
+
+def _time_peer(make, kjt, grad, device, phase, warmup, iters):
+    peer = make("sgd" if phase == "forward" else phase)
+    if phase == "forward":
+        def step():
+            with torch.no_grad():
+                peer.forward(kjt)
+    else:
+        def step():
+            peer.train_step(kjt, grad)
+    ms = time_ms(step, device, warmup=warmup, iters=iters)
+    del peer, step
+    return ms
+
+
+def _agree(p: Point, ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """Max relative difference of the two forwards (normalised by the output's scale)."""
+    scale = theirs.abs().max().item() or 1.0
+    return (ours - theirs).abs().max().item() / scale
+
+
+def run_point(p: Point, device: torch.device, warmup: int, iters: int, backend: str = "auto",
+              with_fbgemm: bool = True) -> List[dict]:
+    kjt = make_kjt(p, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    dtype = _DATA_TYPES[p.dtype][1]
+    weights = [(torch.rand(p.rows, p.dim, generator=gen, device=device) - 0.5).to(dtype) for _ in range(p.tables)]
+    grad = torch.ones(p.batch, p.tables * p.dim, device=device)
+    base = {"point": p.label(), "axis": p.axis, **asdict(p), "rows_read_bytes": rows_read_bytes(p, kjt),
+            "lookup_bytes": rows_read_bytes(p, kjt) + p.batch * p.tables * p.dim * 4}
+    peers = {"recom_rec": lambda opt: _Ours(p, device, opt, weights, backend)}
+    if with_fbgemm and p.fbgemm:
+        peers["fbgemm"] = lambda opt: _Fbgemm(p, device, opt, weights)
+    out = {}
+    for name, make in peers.items():
+        try:
+            peer = make(None)
+            with torch.no_grad():
+                out[name] = peer.forward(kjt).float()
+            del peer
+        except (RuntimeError, ValueError, NotImplementedError, torch.OutOfMemoryError) as e:
+            peers.pop(name)
+            base.setdefault("errors", {})[name] = str(e)[:200]
+            break
+    if "fbgemm" in out and "recom_rec" in out:
+        base["max_rel_diff"] = _agree(p, out["recom_rec"], out["fbgemm"])
+        base["agree"] = base["max_rel_diff"] <= (1e-5 if p.dtype == "fp32" else 1e-2)
+    del out
+    rows = []
+    for phase in PHASES:
+        row = {**base, "phase": phase}
+        for name, make in list(peers.items()):
+            try:
+                row[f"{name}_ms"] = _time_peer(make, kjt, grad, device, phase, warmup, iters)
+            except (RuntimeError, ValueError, NotImplementedError, torch.OutOfMemoryError) as e:
+                row.setdefault("errors", {})[name] = str(e)[:200]
+            gc.collect()
+        if row.get("recom_rec_ms") and row.get("fbgemm_ms"):
+            row["ratio"] = row["fbgemm_ms"] / row["recom_rec_ms"]
+        rows.append(row)
+    del weights, kjt, grad
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _forget_choices() -> None:
+    """Forget the CUDA backend's measured choices: the next point's model may sit where the last
+    one's weights were (the address is part of a choice's key)."""
+    from ..kernels import selection
+
+    selection.forget_all()
+
+
+_OPTIMIZER_CODES = {"sgd": 0, "rowwise_adagrad": 2}  # optim.spec kinds, the backward path's key
+
+
+def _record_choices(rows: List[dict]) -> None:
+    """What the point's model chose, by measurement: the forward's kernels, the backward's path."""
+    from ..kernels import pooled_cuda, selection
+
+    forward = sorted(set(selection.FORWARD.decisions().values()))
+    paths = pooled_cuda.BACKWARD_PATH_TUNER.decisions()
+    for r in rows:
+        if r["phase"] == "forward":
+            r["choice"] = "+".join(forward)
+        else:
+            r["choice"] = "+".join(sorted({v for k, v in paths.items() if k.optimizer == _OPTIMIZER_CODES[r["phase"]]}))
+
+
+def run_sweep(device: torch.device, small: bool, warmup: int, iters: int, backend: str = "auto",
+              ceiling_gbs: Optional[float] = None, progress=None) -> List[dict]:
+    results = []
+    for p in points(small):
+        if device.type == "cuda":
+            _forget_choices()
+        rows = run_point(p, device, warmup, iters, backend)
+        if device.type == "cuda":
+            _record_choices(rows)
+        for r in rows:
+            if r["phase"] == "forward" and r.get("recom_rec_ms") and ceiling_gbs:
+                r["ceiling_share"] = r["lookup_bytes"] / (r["recom_rec_ms"] * 1e-3) / 1e9 / ceiling_gbs
+                if r.get("fbgemm_ms"):
+                    r["fbgemm_ceiling_share"] = r["lookup_bytes"] / (r["fbgemm_ms"] * 1e-3) / 1e9 / ceiling_gbs
+        results.extend(rows)
+        if progress:
+            progress(rows)
+    return results
+
+
+def summarize(results: List[dict]) -> Dict[str, dict]:
+    """Per phase: points with a ratio, the minimum and geometric mean, the points below 1.0x and
+    the five worst."""
+    summary = {}
+    for phase in PHASES:
+        rated = [r for r in results if r["phase"] == phase and r.get("ratio")]
+        if not rated:
+            continue
+        ratios = [r["ratio"] for r in rated]
+        worst = sorted(rated, key=lambda r: r["ratio"])
+        summary[phase] = {
+            "points": len(rated), "min": min(ratios),
+            "geomean": math.exp(statistics.fmean(math.log(x) for x in ratios)),
+            "below_1": [(r["point"], round(r["ratio"], 3)) for r in worst if r["ratio"] < 1.0],
+            "worst5": [(r["point"], round(r["ratio"], 3)) for r in worst[:5]],
+        }
+    fwd = [r for r in results if r["phase"] == "forward" and r.get("ceiling_share")
+           and r["rows_read_bytes"] >= BANDWIDTH_BOUND_BYTES]
+    if fwd:
+        summary["forward_bandwidth_bound"] = {
+            "points": len(fwd), "min_ceiling_share": min(r["ceiling_share"] for r in fwd),
+            "below_85pct": [(r["point"], round(r["ceiling_share"], 3)) for r in fwd if r["ceiling_share"] < 0.85]}
+    return summary
+
+
+def format_results(meta: dict, results: List[dict], summary: Dict[str, dict]) -> str:
+    lines = [f"sweep on {meta['device']} (copy ceiling {meta['copy_gbs']:.0f} GB/s), ratio = fbgemm ms / ours ms"]
+    head = f"{'point':52} {'phase':16} {'ours ms':>9} {'fbgemm ms':>9} {'ratio':>6} {'copy%':>6} {'choice':>10}"
+    lines.append(head)
+    for r in results:
+        share = f"{100 * r['ceiling_share']:.0f}%" if r.get("ceiling_share") else "-"
+        ours = f"{r['recom_rec_ms']:.3f}" if r.get("recom_rec_ms") else "error"
+        theirs = f"{r['fbgemm_ms']:.3f}" if r.get("fbgemm_ms") else "-"
+        ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
+        flag = "" if r.get("agree", True) else f"  MISMATCH {r.get('max_rel_diff'):.1e}"
+        lines.append(f"{r['point']:52} {r['phase']:16} {ours:>9} {theirs:>9} {ratio:>6} {share:>6} "
+                     f"{r.get('choice', ''):>10}{flag}")
+    for phase, s in summary.items():
+        if phase == "forward_bandwidth_bound":
+            lines.append(f"forward, rows read >= 100 MB: {s['points']} points, min {100 * s['min_ceiling_share']:.0f}% "
+                         f"of copy; below 85%: {len(s['below_85pct'])}")
+            continue
+        lines.append(f"{phase}: {s['points']} points, min {s['min']:.2f}x, geomean {s['geomean']:.2f}x, "
+                     f"below 1.0x: {len(s['below_1'])}; worst: "
+                     + "; ".join(f"{n} {x:.2f}x" for n, x in s["worst5"]))
+    return "\n".join(lines)
+
+
+def plot_heatmap(results: List[dict], path: str) -> None:
+    """Ratio over dim x ids per bag (the grid points), one panel per phase."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = [r for r in results if r["axis"] == "grid"]
+    dims = sorted({r["dim"] for r in grid})
+    ids = sorted({r["ids"] for r in grid})
+    fig, axes = plt.subplots(1, len(PHASES), figsize=(5 * len(PHASES), 4), squeeze=False)
+    for ax, phase in zip(axes[0], PHASES):
+        m = np.full((len(ids), len(dims)), np.nan)
+        for r in grid:
+            if r["phase"] == phase and r.get("ratio"):
+                m[ids.index(r["ids"]), dims.index(r["dim"])] = r["ratio"]
+        im = ax.imshow(np.log2(m), cmap="RdYlGn", vmin=-1.5, vmax=1.5, aspect="auto")
+        for (i, j), v in np.ndenumerate(m):
+            if not np.isnan(v):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(dims)), [str(d) for d in dims])
+        ax.set_yticks(range(len(ids)), ["1" if i == 1 else f"~{i}" for i in ids])
+        ax.set_xlabel("dim")
+        ax.set_ylabel("ids per bag")
+        ax.set_title(f"{phase}: fbgemm ms / ours ms")
+    fig.colorbar(im, ax=axes[0].tolist(), label="log2 ratio")
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main_sweep(args, device: torch.device, ceiling: float) -> None:
+    small = args.small or device.type == "cpu"
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "copy_gbs": ceiling, "small": small, "backend": args.backend}
+
+    def progress(rows):
+        print(format_results(meta, rows, {}).split("\n", 2)[2], flush=True)
+
+    results = run_sweep(device, small, args.warmup, args.iters, args.backend, ceiling, progress)
+    summary = summarize(results)
+    print(format_results(meta, results, summary).split("\n")[0])
+    print("\n".join(format_results(meta, [], summary).split("\n")[2:]))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "summary": summary, "results": results}, f, indent=1)
+    plot_heatmap(results, args.out + ".png")
+    print(f"wrote {args.out}.json and {args.out}.png")

@@ -1,0 +1,84 @@
+"""``backend="auto"`` on a GPU: which kernels run a group's forward, chosen per shape by measuring
+them (issue 18), rather than by a rule on dims.
+
+The candidates compute the same pooled output: the Triton kernel, and the CUDA kernel in either
+launch order (feature-major, bag-major; see launch_tuner). The first launches of a shape run each
+once untimed, then in A B B A order timed with CUDA events; the shape keeps the one of the
+smallest median (launch_tuner.LaunchOrderTuner, whose key includes the weights' address, so two
+models of one shape tune apart). Where the CUDA extension is unavailable or does not cover the
+group (a weight buffer that is not 16-byte aligned), Triton runs.
+
+The backward always takes the CUDA kernels where they build and cover the group (they won on
+every workload measured, docs/perf-notes.md v6-v12); pooled_cuda measures its path per shape.
+"""
+from functools import lru_cache
+from typing import Optional
+
+from .launch_tuner import MAX_BAG_MAJOR_FEATURES, ForwardLaunchShape, LaunchOrderTuner
+
+TRITON, CUDA_FEATURES, CUDA_BAGS = "triton", "cuda:features", "cuda:bags"
+CHOICES = (CUDA_FEATURES, CUDA_BAGS, TRITON)
+
+
+def _candidates(shape: ForwardLaunchShape):
+    if not shape.cuda_ok:
+        return (TRITON,)
+    return CHOICES if shape.num_features <= MAX_BAG_MAJOR_FEATURES else (CUDA_FEATURES, TRITON)
+
+
+# The tuner's key: the forward's launch shape and whether the CUDA kernels cover it.
+class ForwardChoiceShape(tuple):
+    __slots__ = ()
+
+    def __new__(cls, launch: ForwardLaunchShape, cuda_ok: bool):
+        return tuple.__new__(cls, (launch, cuda_ok))
+
+    launch = property(lambda self: self[0])
+    cuda_ok = property(lambda self: self[1])
+    num_features = property(lambda self: self[0].num_features)
+
+
+FORWARD = LaunchOrderTuner(names={c: c for c in CHOICES}, candidates=_candidates, default=CUDA_FEATURES)
+
+
+def force_forward(choice: Optional[str]) -> None:
+    """Tests and tools: run every shape's forward with ``choice`` (one of CHOICES; None: measure).
+    A choice a shape cannot take (CUDA where it is unavailable) falls back to the default."""
+    if choice is not None and choice not in CHOICES:
+        raise ValueError(f"forward choice must be one of {CHOICES} (got {choice!r})")
+    FORWARD.forced_order = choice
+
+
+@lru_cache(maxsize=None)
+def _cuda_builds() -> bool:
+    from . import pooled_cuda
+
+    return pooled_cuda.build_error() is None
+
+
+def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim):
+    from . import pooled_cuda, pooled_triton
+
+    cuda_ok = _cuda_builds() and pooled_cuda.supports_forward(flat)
+    shape = ForwardChoiceShape(ForwardLaunchShape.of(flat, values, per_sample_weights, feature_meta, batch_size,
+                                                     total_dim, max_dim), cuda_ok)
+    if cuda_ok:  # a first use's build and the arguments' conversions before any timed trial
+        args = pooled_cuda.forward_args(values, offsets, per_sample_weights, feature_meta, key_index)
+
+    def run(choice):
+        if choice == TRITON or not cuda_ok:
+            return pooled_triton.forward(flat, values, offsets, per_sample_weights, feature_meta, key_index,
+                                         batch_size, total_dim, max_dim)
+        return pooled_cuda.forward_launch(flat, *args, batch_size, total_dim, max_dim, choice == CUDA_BAGS)
+
+    return FORWARD.launch(shape, run, flat.device)
+
+
+def forget_all() -> None:
+    """Drop every measured choice (forward kernels, the CUDA forward's order, the backward's path):
+    a model built where a freed one's weights were would inherit its choices."""
+    FORWARD.forget()
+    from . import pooled_cuda
+
+    pooled_cuda.FORWARD_ORDER_TUNER.forget()
+    pooled_cuda.BACKWARD_PATH_TUNER.forget()
