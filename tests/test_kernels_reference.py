@@ -150,10 +150,10 @@ def test_hot_rows_longer_than_a_chunk(dims):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-@pytest.mark.parametrize("dims", [(256, 8), (132, 516), (1028, 100), (17, 388)])
+@pytest.mark.parametrize("dims", [(256, 8), (132, 516), (1024, 12), (1028, 100), (17, 388)])
 def test_wide_rows_and_long_bags_against_reference(backend, dims):
     """The CUDA forward's multi-chunk lanes (dims above 128: 2 or 4 float4 chunks a lane, above
-    512: several passes) and rows of long bags, mixed with narrow and unaligned tables; empty bags,
+    512: several passes; the backward's 8-chunk lanes up to 1024) and rows of long bags, mixed with narrow and unaligned tables; empty bags,
     sum and mean, sample weights, both half types."""
     for weighted, data_type in ((False, DataType.FP32), (True, DataType.FP16), (False, DataType.BF16)):
         tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=50, feature_names=[f"f{i}"],

@@ -111,12 +111,23 @@ __device__ __forceinline__ void pool_vec(const W* __restrict__ table, const I* _
       for (int k = 0; k < V; ++k) acc[k] = fma4(r[u][k], s, acc[k]);
     }
   }
-  for (; i < end; ++i) {
-    const W* w = table + (int64_t)values[i] * dim + 4 * c0;
-    const float s = psw ? psw[i] : 1.f;
+  if (i < end) {  // the last rows (fewer than U): their loads issued together, added in order
+    float4 r[U][V];
 #pragma unroll
-    for (int k = 0; k < V; ++k)
-      if (on[k]) acc[k] = fma4(load4(w + 4 * k * G), s, acc[k]);
+    for (int u = 0; u < U; ++u) {
+      const bool in = i + u < end;
+      const W* w = table + (in ? (int64_t)values[i + u] * dim : 0) + 4 * c0;
+#pragma unroll
+      for (int k = 0; k < V; ++k) r[u][k] = (in && on[k]) ? load4(w + 4 * k * G) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (i + u < end) {
+        const float s = psw ? psw[i + u] : 1.f;
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] = fma4(r[u][k], s, acc[k]);
+      }
+    }
   }
 #pragma unroll
   for (int k = 0; k < V; ++k) {
@@ -928,12 +939,15 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
                   const at::Tensor& step, int64_t opt, int64_t max_dim, int64_t lanes) {
   c10::cuda::CUDAGuard guard(out.device());
   // Lanes per piece: by default enough for the widest row in one float4 a lane (V = 1, up to 128
-  // columns) or four (V = 4). `lanes` > 0 asks for fewer lanes with four float4 each (V = 4,
+  // columns), four (V = 4, up to 512) or eight (V = 8, up to 1024: MAX_DIM). `lanes` > 0 asks for fewer lanes with four float4 each (V = 4,
   // 16 * lanes >= max_dim): more pieces per warp when most rows are narrower than the widest.
   TORCH_CHECK(lanes == 0 || (lanes <= 32 && (lanes & (lanes - 1)) == 0 && 16 * lanes >= max_dim),
               "piece lanes must be a power of two <= 32 covering max_dim in four float4s, got ", lanes);
-  const int G = lanes > 0 ? (int)lanes : group_lanes((int)((max_dim + 3) / 4));
-  const bool four = lanes > 0 || max_dim > 128;
+  const bool four = lanes > 0 || max_dim > 128, eight = lanes == 0 && max_dim > 512;
+  // As many lanes as the widest row needs at V float4 a lane: a 256-wide row takes 16 lanes at
+  // V = 4 (32 left half of them idle, v13), two pieces a warp.
+  const int V = eight ? 8 : four ? 4 : 1;
+  const int G = lanes > 0 ? (int)lanes : group_lanes((int)((max_dim + 4 * V - 1) / (4 * V)));
   // A persistent grid: a few waves of resident blocks (as pooled_triton._programs), never more
   // than there are pieces (split rows) for; the kernels read the counts on the device.
   constexpr int threads = 256, waves = 8;
@@ -960,11 +974,12 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
       using K = decltype(kt);
       constexpr int OPT = decltype(opt_c)::value;
       const K* keys = reinterpret_cast<const K*>(row_key.data_ptr());
-      auto pk = four ? piece_kernel<W, K, OPT, 4> : piece_kernel<W, K, OPT, 1>;
+      auto pk = eight ? piece_kernel<W, K, OPT, 8> : four ? piece_kernel<W, K, OPT, 4> : piece_kernel<W, K, OPT, 1>;
       pk<<<grid_for(n), threads, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, grad.data_ptr<float>(), args,
                                              wptr<W>(out));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      auto sk = four ? split_row_kernel<W, K, OPT, 4> : split_row_kernel<W, K, OPT, 1>;
+      auto sk = eight ? split_row_kernel<W, K, OPT, 8>
+                      : four ? split_row_kernel<W, K, OPT, 4> : split_row_kernel<W, K, OPT, 1>;
       sk<<<grid_for(split_rows.numel()), threads, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args,
                                                                 wptr<W>(out));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -996,11 +1011,10 @@ void singleton_update(const at::Tensor& values, const at::Tensor& offsets, const
   if (F == 0 || batch_size == 0) return;
   TORCH_CHECK(F <= 65535, "singleton_update takes at most 65535 features a group");
   TORCH_CHECK(values.scalar_type() == offsets.scalar_type(), "values and offsets must share a dtype");
-  const bool four = max_dim > 128;
+  const int V = max_dim > 512 ? 8 : max_dim > 128 ? 4 : 1;  // as piece_update
   constexpr int threads = 256;
-  const int g = group_lanes((int)((max_dim + 3) / 4));  // piece_update's lanes per piece (a.G)
-  const int64_t bags_per_block = (32 / group_lanes((int)((max_dim + (four ? 15 : 3)) / (four ? 16 : 4)))) *
-                                 (threads / 32);
+  const int g = group_lanes((int)((max_dim + 4 * V - 1) / (4 * V)));  // piece_update's lanes per piece (a.G)
+  const int64_t bags_per_block = (32 / group_lanes((int)((max_dim + 4 * V - 1) / (4 * V)))) * (threads / 32);
   const dim3 grid((unsigned)std::min<int64_t>((batch_size + bags_per_block - 1) / bags_per_block, INT32_MAX),
                   (unsigned)F);
   const bool grad_vec = reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0 && grad.size(1) % 4 == 0;
@@ -1018,7 +1032,8 @@ void singleton_update(const at::Tensor& values, const at::Tensor& offsets, const
     auto launch = [&](auto it, auto opt_c) {
       using I = decltype(it);
       constexpr int OPT = decltype(opt_c)::value;
-      auto k = four ? singleton_kernel<W, I, OPT, 4> : singleton_kernel<W, I, OPT, 1>;
+      auto k = V == 8 ? singleton_kernel<W, I, OPT, 8> : V == 4 ? singleton_kernel<W, I, OPT, 4>
+                                                              : singleton_kernel<W, I, OPT, 1>;
       k<<<grid, threads, 0, stream>>>(values.data_ptr<I>(), offsets.data_ptr<I>(), w, key_index.data_ptr<int64_t>(),
                                       bits, grad.data_ptr<float>(), args, batch_size, grad.size(1), grad_vec,
                                       wptr<W>(out));

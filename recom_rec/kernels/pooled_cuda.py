@@ -28,7 +28,7 @@ import torch
 from . import pooled_triton
 from .launch_tuner import ForwardLaunchShape, LaunchOrderTuner
 
-MAX_DIM = 512  # the piece kernel's widest variant: 4 float4 accumulators per lane x 32 lanes
+MAX_DIM = 1024  # the backward kernels' widest variant: 8 float4 accumulators per lane x 32 lanes
 # The backward's path per shape: every row through the pieces, or rows of one lookup in the batch
 # finished in bag order by their own kernel (plan_backward's bitmap, singleton_update in the
 # source; the same bits). Neither wins everywhere (H100: singletons on many-500, many-1000 and
