@@ -4,7 +4,7 @@
 # then the benchmarks. Each stage has its own time limit; logs under $OUT. A build comes back as
 # $OUT/<cache folder>.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that folder, so
 # the next machine loads it instead of building (~190 s) while the source is unchanged.
-#   STAGES="tests nccl dlrm bench ps profile" BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests nccl dlrm bench sweep ps profile" BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 # (ps: the parameter-server workload on memory:// and on a redis-server this script starts)
 set -o pipefail
 source .gpu/setup.sh
@@ -45,6 +45,11 @@ if [[ " $STAGES " == *" bench "* ]]; then
   timeout ${BENCH_TIMEOUT:-240} python3 -m recom_rec.bench --out /tmp/bench ${BENCH_ARGS:-} 2>&1 \
     | grep -v "is_fx_tracing\|it/s\]\|Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|run_backward\|WARNING\|cannot determine" \
     | tee "$OUT/bench.log" | tail -30; cp /tmp/bench.json "$OUT/" 2>/dev/null
+fi
+if [[ " $STAGES " == *" sweep "* ]]; then
+  stage sweep
+  timeout ${SWEEP_TIMEOUT:-300} python3 -m recom_rec.bench --workloads sweep --out "$OUT/sweep" ${SWEEP_ARGS:---iters 20} 2>&1 \
+    | grep -v "is_fx_tracing\|Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|WARNING" > "$OUT/sweep.log"; tail -30 "$OUT/sweep.log"
 fi
 if [[ " $STAGES " == *" ps "* ]]; then
   stage ps

@@ -2,7 +2,10 @@
 
 For each workload and backend: the step time (CUDA events), the host time to issue one step (no
 sync: is the step host-bound?), and the CUDA kernels of one step from torch.profiler, longest first.
-Usage: python tools/profile_step.py [--workloads ...] [--backends cuda triton] [--optimizer sgd]
+Usage: python tools/profile_step.py [--workloads ...] [--backends cuda triton] [--optimizer sgd|none]
+       python tools/profile_step.py --points dim=1024,ids=50 dim=256,ids=50,zipf=1 --fbgemm
+(--points: sweep points, recom_rec.bench.sweep.Point fields over its base point; --optimizer none:
+dense gradients, no optimizer.)
 """
 import argparse
 import time
@@ -50,6 +53,21 @@ def kernel_table(fn, steps: int = 5, top: int = 14) -> str:
     return "\n".join(lines)
 
 
+def runtime_calls(fn, steps: int = 5) -> str:
+    """The CUDA runtime calls of one step that can stall the host or the stream (syncs, blocking
+    copies, allocations): a step whose kernels sum to less than its time has a bubble."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    watched = ("Synchronize", "Memcpy", "cudaMalloc", "cudaFree", "cudaHostAlloc", "item", "nonzero")
+    rows = [(e.cpu_time_total / steps, e.count / steps, e.key) for e in prof.key_averages()
+            if any(w in e.key for w in watched)]
+    rows.sort(reverse=True)
+    return "\n".join(f"    {us:9.1f} us {calls:5.1f}x  {name[:90]}" for us, calls, name in rows[:12])
+
+
 def host_profile(fn, steps: int = 10, top: int = 30) -> str:
     """cProfile of the host side of ``steps`` steps, by own time."""
     import cProfile
@@ -68,6 +86,54 @@ def host_profile(fn, steps: int = 10, top: int = 30) -> str:
     return buf.getvalue()
 
 
+def sweep_point_peers(spec: str, dev, optimizer: str, fbgemm: bool):
+    """(label, kjt, grad, [(name, peer)]) for a sweep point given as ``field=value,...``."""
+    from dataclasses import fields, replace
+
+    from recom_rec.bench import sweep
+
+    kinds = {f.name: f.type for f in fields(sweep.Point)}
+    changes = {}
+    for item in spec.split(","):
+        key, value = item.split("=")
+        kind = kinds[key]
+        changes[key] = (value if kind in (str, "str") else bool(int(value)) if kind in (bool, "bool")
+                        else int(value))
+    p = replace(sweep.Point("probe"), **changes).fitted()
+    kjt = sweep.make_kjt(p, dev)
+    dtype = sweep._DATA_TYPES[p.dtype][1]
+    gen = torch.Generator(device=dev).manual_seed(1)
+    weights = [(torch.rand(p.rows, p.dim, generator=gen, device=dev) - 0.5).to(dtype) for _ in range(p.tables)]
+    grad = torch.ones(p.batch, p.tables * p.dim, device=dev)
+    opt = None if optimizer == "none" else optimizer
+    peers = [("recom_rec", sweep._Ours(p, dev, opt, weights, "auto"))]
+    if fbgemm and p.fbgemm:
+        peers.append(("fbgemm", sweep._Fbgemm(p, dev, opt or "sgd", weights)))
+    return p.label(), kjt, grad, peers
+
+
+def report(label, name, optimizer, peer, kjt, grad, dev, seen_orders, seen_paths, host_prof):
+    step = lambda: peer.train_step(kjt, grad)  # noqa: E731
+    fwd = lambda: peer.forward(kjt)  # noqa: E731
+    ms = time_ms(step, dev, warmup=5, iters=20)
+    with torch.no_grad():
+        fms = time_ms(fwd, dev, warmup=3, iters=20)
+        fhost = host_issue_ms(fwd)
+    host = host_issue_ms(step)
+    print(f"== {label} {name} {optimizer}: step {ms:.3f} ms (host issue {host:.3f} ms); "
+          f"forward {fms:.3f} ms (host {fhost:.3f} ms)", flush=True)
+    orders = new_launch_orders(seen_orders)
+    if orders:
+        print(f"    forward launch order: {orders}", flush=True)
+    paths = new_launch_orders(seen_paths, BACKWARD_PATH_TUNER)
+    if paths:
+        print(f"    backward path: {paths}", flush=True)
+    print(kernel_table(step), flush=True)
+    print("    runtime calls per step that can stall:\n" + runtime_calls(step), flush=True)
+    if host_prof:
+        print(host_profile(step), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--workloads", nargs="+", default=["many-1000", "dlrm-kaggle", "many-500"])
@@ -75,34 +141,24 @@ def main():
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--fbgemm", action="store_true", help="profile fbgemm's TBE step too")
     p.add_argument("--host", action="store_true", help="print a cProfile of the step's host side")
+    p.add_argument("--points", nargs="*", default=[], help="sweep points instead of workloads")
     args = p.parse_args()
     dev = torch.device("cuda")
     seen_orders, seen_paths = set(), set()
-    for wname in args.workloads:
+    for spec in args.points:
+        label, kjt, grad, peers = sweep_point_peers(spec, dev, args.optimizer, args.fbgemm)
+        for name, peer in peers:
+            report(label, name, args.optimizer, peer, kjt, grad, dev, seen_orders, seen_paths, args.host)
+        del peers
+        torch.cuda.empty_cache()
+    for wname in ([] if args.points else args.workloads):
         w = get_workload(wname, False)
         kjt = w.make_input(dev)
         grad = torch.ones(w.batch_size, sum(w.dims), device=dev)
         peers = [f"recom_rec:{b}" for b in args.backends] + (["fbgemm"] if args.fbgemm else [])
         for name in peers:
             peer = make_peer(name, w, dev, args.optimizer)
-            step = lambda: peer.train_step(kjt, grad)  # noqa: E731
-            fwd = lambda: peer.forward(kjt)  # noqa: E731
-            ms = time_ms(step, dev, warmup=5, iters=20)
-            with torch.no_grad():
-                fms = time_ms(fwd, dev, warmup=3, iters=20)
-                fhost = host_issue_ms(fwd)
-            host = host_issue_ms(step)
-            print(f"== {wname} {name} {args.optimizer}: step {ms:.3f} ms (host issue {host:.3f} ms); "
-                  f"forward {fms:.3f} ms (host {fhost:.3f} ms)", flush=True)
-            orders = new_launch_orders(seen_orders)
-            if orders:
-                print(f"    forward launch order: {orders}", flush=True)
-            paths = new_launch_orders(seen_paths, BACKWARD_PATH_TUNER)
-            if paths:
-                print(f"    backward path: {paths}", flush=True)
-            print(kernel_table(step), flush=True)
-            if args.host:
-                print(host_profile(step), flush=True)
+            report(wname, name, args.optimizer, peer, kjt, grad, dev, seen_orders, seen_paths, args.host)
             del peer
             torch.cuda.empty_cache()
 

@@ -292,6 +292,23 @@ struct RowLanes {
         if (at(k, e) >= 0) comp(acc, e) += __ldg(g + at(k, e)) * s;
     }
   }
+  // All V chunks of gradient row g, scaled, added to acc. In the vec layout with g 16-byte aligned
+  // the V loads are issued before the first add (per-chunk `add` would branch on each address and
+  // serialise them: V round trips a lookup on wide rows). Same sums, same order per chunk.
+  template <int V>
+  __device__ __forceinline__ void add_row(float4 (&acc)[V], const float* g, float s) const {
+    if (vec && (reinterpret_cast<uintptr_t>(g) & 15) == 0) {
+      float4 v[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = at(k, 0) >= 0 ? load4(g + at(k, 0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        if (at(k, 0) >= 0) acc[k] = fma4(v[k], s, acc[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) add(acc[k], g, k, s);
+    }
+  }
 };
 
 // A table's rows (weights, states, partial sums) can take the 4-wide layout when their addresses
@@ -462,31 +479,34 @@ __global__ void __launch_bounds__(256) piece_kernel(const K* __restrict__ row_ke
       acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
       w[k] = (OPT >= 0 && finish) ? L.load_rw(out + row_at, k) : acc[k];
     }
-    // Sum the piece: lookups in sorted order, four sources resolved before the rows are read.
+    // Sum the piece in sorted order. Where the rows are 16-byte aligned, U lookups' sources are
+    // resolved and all their chunks loaded (predicated past the piece's end) before any is added:
+    // V * U loads in flight a lane. U shrinks as V grows to bound the registers.
+    constexpr int U = V >= 8 ? 1 : 4;
     int j = 0;
-    for (; j + 4 <= len; j += 4) {
-      float c0, c1, c2, c3;
-      const int64_t q0 = pay.source(j == 0 ? o_first : order[start + j], c0);
-      const int64_t q1 = pay.source(order[start + j + 1], c1);
-      const int64_t q2 = pay.source(order[start + j + 2], c2);
-      const int64_t q3 = pay.source(order[start + j + 3], c3);
-      const int c = L.at(0, 0);
-      const bool aligned = ((reinterpret_cast<uintptr_t>(grad + q0 + c) | reinterpret_cast<uintptr_t>(grad + q1 + c) |
-                             reinterpret_cast<uintptr_t>(grad + q2 + c) | reinterpret_cast<uintptr_t>(grad + q3 + c)) &
-                            15) == 0;
-      if (L.vec && V == 1 && aligned) {  // the common case, with all four rows' loads issued first
-        if (c >= 0) {
-          const float4 g0 = load4(grad + q0 + c), g1 = load4(grad + q1 + c);
-          const float4 g2 = load4(grad + q2 + c), g3 = load4(grad + q3 + c);
-          acc[0] = fma4(g0, c0, acc[0]); acc[0] = fma4(g1, c1, acc[0]);
-          acc[0] = fma4(g2, c2, acc[0]); acc[0] = fma4(g3, c3, acc[0]);
-        }
-      } else {
+    if (L.vec) {
+      for (; j < len; j += U) {
+        int64_t q[U];
+        float cs[U];
+        bool aligned = true;
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-          L.add(acc[k], grad + q0, k, c0); L.add(acc[k], grad + q1, k, c1);
-          L.add(acc[k], grad + q2, k, c2); L.add(acc[k], grad + q3, k, c3);
+        for (int u = 0; u < U; ++u) {
+          cs[u] = 0.f;
+          q[u] = j + u < len ? pay.source(j + u == 0 ? o_first : order[start + j + u], cs[u]) : 0;
+          aligned = aligned && (q[u] & 3) == 0;
         }
+        if (!aligned) break;  // a feature at an unaligned column: the loop below takes the rest
+        float4 g[U][V];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int k = 0; k < V; ++k)
+            g[u][k] = j + u < len && L.at(k, 0) >= 0 ? load4(grad + q[u] + L.at(k, 0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int k = 0; k < V; ++k)
+            if (j + u < len && L.at(k, 0) >= 0) acc[k] = fma4(g[u][k], cs[u], acc[k]);
       }
     }
     for (; j < len; ++j) {
@@ -568,10 +588,8 @@ __global__ void __launch_bounds__(256) singleton_kernel(
         const float s = psw && f ? bag_scale * psw[start + j0 + u] : bag_scale;
         float4 acc[V];
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-          acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (f) L.add(acc[k], g, k, s);
-        }
+        for (int k = 0; k < V; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (f) L.add_row<V>(acc, g, s);
         finish_row<W, OPT, V>(acc, w[u], L, f, out, base + (key[u] - row_base) * dim, key[u], a.s1, a.s2, h, t);
       }
     }

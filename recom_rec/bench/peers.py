@@ -29,7 +29,10 @@ class _ModulePeer(Peer):
     def __init__(self, workload, device, optimizer, module) -> None:
         super().__init__(workload, device, optimizer)
         self.module = module
-        self.opt = _dense_optimizer(optimizer, list(module.parameters()))
+        # Held once, as a user's optimizer holds its parameters: walking the module's tree each
+        # step costs ~6 us a table (6 ms a step with 1000 tables) for both module peers.
+        self.params = list(module.parameters())
+        self.opt = _dense_optimizer(optimizer, self.params)
 
     def forward(self, kjt):
         return self.module(kjt).values()
@@ -38,7 +41,7 @@ class _ModulePeer(Peer):
         self.module(kjt).values().backward(grad)
         if self.opt is not None:
             self.opt.step()
-        for p in self.module.parameters():
+        for p in self.params:
             p.grad = None
 
 
@@ -96,7 +99,7 @@ class CompiledTorchrecEBC(_ModulePeer):
         self.compiled(kjt).values().backward(grad)
         if self.opt is not None:
             self.opt.step()
-        for p in self.module.parameters():
+        for p in self.params:
             p.grad = None
 
 

@@ -245,7 +245,8 @@ def _setup_context(ctx, inputs, output):
     # Read, not saved: the step counter and the hyper-parameters change in place between steps
     # (an lr scheduler, the next forward), and several groups share them.
     ctx.hyper, ctx.step = hyper, step
-    ctx.table_shapes = [tuple(w.shape) for w in weights]
+    # The tables' Parameters only give the shapes of their gradients (views of one flat gradient).
+    ctx.tables = list(weights)
     ctx.batch_size = batch_size
     ctx.max_dim = max_dim
     ctx.backend = backend
@@ -271,7 +272,7 @@ def _grads(ctx, grad_output, wants_weights: bool, wants_psw: bool, as_ops: bool)
         grad_psw = (pooled_embedding_weights_backward(*args) if as_ops
                     else torch_backend.per_sample_weights_grad(*args)).to(per_sample_weights.dtype)
     grad_weights = None
-    if ctx.optimizer >= 0 and ctx.table_shapes and wants_weights:
+    if ctx.optimizer >= 0 and ctx.tables and wants_weights:
         # The optimizer runs here; the tables get no .grad (as with fbgemm's fused TBE).
         args = (grad_output, flat, state1, state2, ctx.state1_is_row, hyper, step, values, offsets,
                 per_sample_weights, feature_meta, key_index, ctx.batch_size, ctx.max_dim,
@@ -282,15 +283,14 @@ def _grads(ctx, grad_output, wants_weights: bool, wants_psw: bool, as_ops: bool)
             _fused_update_impl(*args)
             # As the custom op's in-place contract does: a graph that saved these sees the update.
             torch.autograd.graph.increment_version([t for t in (flat, state1, state2) if t is not None])
-    elif ctx.table_shapes and wants_weights:
+    elif ctx.tables and wants_weights:
         args = (grad_output, values, offsets, per_sample_weights, feature_meta, key_index,
                 ctx.batch_size, ctx.flat_numel, ctx.max_dim, ctx.flat_dtype, ctx.backend, ctx.num_lookups,
                 ctx.num_rows)
         grad_flat = pooled_embedding_backward(*args) if as_ops else _backward_impl(*args)
-        grad_weights, start = [], 0
-        for rows, dim in ctx.table_shapes:
-            grad_weights.append(grad_flat[start:start + rows * dim].view(rows, dim))
-            start += rows * dim
+        # The tables lie back to back in the buffer: one C++ call makes every table's view (a
+        # Python slice per table cost ~1.5 us each, 1.5 ms a step with 1000 tables).
+        grad_weights = list(torch._C._nn.unflatten_dense_tensors(grad_flat, ctx.tables))
     return grad_weights, grad_psw
 
 
@@ -299,7 +299,7 @@ def _backward(ctx, grad_output):
                                     _wants_grad(ctx.needs_input_grad[4]), as_ops=True)
     # One entry per input (autograd checks the structure; the Tensor[] input gets a list).
     if grad_weights is None:
-        grad_weights = [None] * len(ctx.table_shapes)
+        grad_weights = [None] * len(ctx.tables)
     return (grad_weights, None, None, None, grad_psw) + (None,) * 16
 
 
@@ -330,7 +330,7 @@ class _EagerLookup(torch.autograd.Function):
         grad_weights, grad_psw = _grads(ctx, grad_output.contiguous(), any(ctx.needs_input_grad[20:]),
                                         ctx.needs_input_grad[3], as_ops=False)
         if grad_weights is None:
-            grad_weights = [None] * len(ctx.table_shapes)
+            grad_weights = [None] * len(ctx.tables)
         return (None, None, None, grad_psw) + (None,) * 16 + tuple(grad_weights)
 
 
