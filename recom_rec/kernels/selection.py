@@ -46,7 +46,7 @@ def force_forward(choice: Optional[str]) -> None:
     A choice a shape cannot take (CUDA where it is unavailable) falls back to the default."""
     if choice is not None and choice not in CHOICES:
         raise ValueError(f"forward choice must be one of {CHOICES} (got {choice!r})")
-    FORWARD.forced_order = choice
+    FORWARD.force(choice)
 
 
 @lru_cache(maxsize=None)
