@@ -125,17 +125,30 @@ def build_error() -> Optional[str]:
     return None
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Where the CUDA lookup kernels load from here, or why they do not.")
+    parser.add_argument("--installed", action="store_true",
+                        help="only check the install-time build: exit 1 (saying why) unless it is usable here")
+    args = parser.parse_args(argv)
+    if args.installed:
+        try:
+            module, why_not = _installed(_gpu_arch())
+        except RuntimeError as e:
+            module, why_not = None, str(e)
+        print(f"recom_rec CUDA lookup kernels: installed build {module.__file__}" if module is not None
+              else f"recom_rec CUDA lookup kernels: no usable installed build: {why_not}")
+        return 0 if module is not None else 1
     try:
         _load()
     except Exception:  # noqa: BLE001 - show everything: this is the diagnostic
-        _load.cache_clear()
         try:
-            arch = _gpu_arch()
-            _jit_build(arch, "a verbose build, to show why the kernels do not build", verbose=True)
+            _jit_build(_gpu_arch(), "a verbose build, to show why the kernels do not build", verbose=True)
         except Exception as e:  # noqa: BLE001
             print(f"recom_rec: the CUDA lookup kernels are unavailable:\n{e}", file=sys.stderr)
             return 1
+        _load.cache_clear()
     print(f"recom_rec CUDA lookup kernels: {where()}")
     return 0
 
