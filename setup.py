@@ -78,9 +78,24 @@ class BuildPy(build_py):
 def build_ext_class(with_cuda: bool):
     if not with_cuda:
         return build_ext
-    from torch.utils import cpp_extension
+    from torch.utils.cpp_extension import BuildExtension
 
-    return cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)
+    class BuildExtensions(BuildExtension):
+        """torch's BuildExtension for the CUDA kernels only: under ninja it compiles every source
+        that is not CUDA as C++, so the C library is built first, by setuptools' own build_ext
+        (before BuildExtension rewires the compiler)."""
+
+        def build_extensions(self):
+            everything = self.extensions
+            try:
+                self.extensions = [e for e in everything if e.name != spec["LOOKUP_EXTENSION"]]
+                build_ext.build_extensions(self)
+                self.extensions = [e for e in everything if e.name == spec["LOOKUP_EXTENSION"]]
+                super().build_extensions()
+            finally:
+                self.extensions = everything
+
+    return BuildExtensions.with_options(use_ninja=shutil.which("ninja") is not None)
 
 
 cuda = cuda_extension()

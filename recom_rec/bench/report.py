@@ -114,7 +114,7 @@ def plot_results(results: List[dict], path: str, meta: dict) -> None:
         ax.set_ylim(low / 1.6, high * 1.6)
         ax.yaxis.set_major_locator(LogLocator(base=2))
         ax.yaxis.set_minor_locator(NullLocator())
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x" if y >= 1 else f"1/{1 / y:g}x"))
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels([n.replace(", ", "\n").replace("_", "_\n") for n in names], fontsize=9)
         ax.set_title(workload, fontsize=11)
