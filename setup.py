@@ -54,7 +54,7 @@ def cuda_extension():
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or spec["DEFAULT_CUDA_ARCHS"]
     os.environ["TORCH_CUDA_ARCH_LIST"] = archs  # CUDAExtension reads it; unset, it would build for every arch
     sha = spec["lookup_sha256"](CSRC)
-    defines = [spec["hash_define"](sha), f"-D{spec['ARCHS_MACRO']}={spec['arch_token'](archs)}"]
+    defines = [spec["hash_define"](sha), f"-D{spec['TARGETS_MACRO']}={spec['targets_token'](archs)}"]
     print(f"recom_rec: building the CUDA lookup kernels for TORCH_CUDA_ARCH_LIST={archs} (a few minutes of nvcc)")
     return cpp_extension.CUDAExtension(
         spec["LOOKUP_EXTENSION"],

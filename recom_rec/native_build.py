@@ -39,9 +39,10 @@ DEFAULT_CUDA_ARCHS = "9.0"  # H100 / H200; TORCH_CUDA_ARCH_LIST="8.0;9.0" builds
 
 # Both libraries carry the hash of their sources and flags (RECOM_REC_SOURCES_SHA256): a checkout
 # whose csrc/ changed after the build compiles afresh instead of loading a stale library. The CUDA
-# one carries the architectures it was built for too (RECOM_REC_CUDA_ARCHS).
+# one carries the GPUs it was built for too (RECOM_REC_CUDA_TARGETS). Neither name nor value may
+# contain "arch": torch's build then takes the flag for the user's own -gencode and adds none.
 SOURCES_HASH_MACRO = "RECOM_REC_SOURCES_SHA256"
-ARCHS_MACRO = "RECOM_REC_CUDA_ARCHS"
+TARGETS_MACRO = "RECOM_REC_CUDA_TARGETS"
 
 
 def csrc_dir() -> Optional[Path]:
@@ -76,22 +77,22 @@ def hash_define(value: str) -> str:
     return f"-D{SOURCES_HASH_MACRO}={value}"
 
 
-def arch_token(arch_list: str) -> str:
-    """TORCH_CUDA_ARCH_LIST ("9.0", "8.0;9.0+PTX") as one bare token ("archs_90_80ptx") the build
+def targets_token(arch_list: str) -> str:
+    """TORCH_CUDA_ARCH_LIST ("9.0", "8.0;9.0+PTX") as one bare token ("sm_80_90ptx") the build
     records, for the loader to check the GPU against (:func:`covers`)."""
     entries = [e for e in arch_list.replace(",", ";").replace(" ", ";").split(";") if e]
-    return "_".join(["archs"] + [e.replace(".", "").replace("+PTX", "ptx").lower() for e in entries])
+    return "_".join(["sm"] + [e.replace(".", "").replace("+PTX", "ptx").lower() for e in entries])
 
 
-def covers(token: str, arch) -> bool:
-    """Whether a build recorded as ``token`` runs on a GPU of compute capability ``arch`` (major,
-    minor): a binary for that architecture, or PTX of an older one, which the driver compiles."""
+def covers(token: str, capability) -> bool:
+    """Whether a build recorded as ``token`` runs on a GPU of compute capability ``capability``
+    (major, minor): a binary for that GPU, or PTX of an older one, which the driver compiles."""
     for entry in token.split("_")[1:]:
         version, ptx = entry.removesuffix("ptx"), entry.endswith("ptx")
         if not version.isdigit():
-            return True  # a named architecture ("hopper"): trust the build
+            return True  # a named generation ("hopper") or a suffixed one ("90a"): trust the build
         built = (int(version[:-1]), int(version[-1]))
-        if built == tuple(arch) or (ptx and built <= tuple(arch)):
+        if built == tuple(capability) or (ptx and built <= tuple(capability)):
             return True
     return False
 

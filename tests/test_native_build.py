@@ -16,8 +16,10 @@ from recom_rec.ps import host_lib
     ("8.0;9.0+PTX", (8, 0), True), ("8.0;9.0+PTX", (8, 6), False), ("8.0;9.0+PTX", (12, 0), True),
     ("8.0 8.6", (8, 6), True), ("10.0", (10, 0), True), ("Hopper", (9, 0), True)])
 def test_a_build_covers_its_architectures_and_ptx_covers_newer_ones(arch_list, arch, runs):
-    token = native_build.arch_token(arch_list)
+    token = native_build.targets_token(arch_list)
     assert token.replace("_", "").isalnum()  # passed to the compiler as a bare -D token
+    # torch's build takes any flag containing "arch" for the user's own -gencode and then adds none
+    assert "arch" not in (token + native_build.TARGETS_MACRO + native_build.SOURCES_HASH_MACRO).lower()
     assert native_build.covers(token, arch) == runs
 
 
@@ -38,11 +40,11 @@ def _fake_extension(**attrs):
 @pytest.mark.parametrize("sha_matches, archs, reason", [
     (True, "9.0", None),
     (False, "9.0", "csrc/lookup changed since the package was built"),
-    (True, "8.0", "the installed build is for other GPUs (archs_80, not sm_90)")])
+    (True, "8.0", "the installed build is for other GPUs (sm_80, not sm_90)")])
 def test_the_installed_cuda_build_is_used_only_when_current_and_for_this_gpu(monkeypatch, sha_matches, archs,
                                                                             reason):
     sha = native_build.lookup_sha256(native_build.csrc_dir())
-    fake = _fake_extension(sources_sha256=sha if sha_matches else "hstale", cuda_archs=native_build.arch_token(archs))
+    fake = _fake_extension(sources_sha256=sha if sha_matches else "hstale", cuda_targets=native_build.targets_token(archs))
     monkeypatch.setattr(cuda_ext.importlib, "import_module", lambda name: fake)
     module, why_not = cuda_ext._installed((9, 0))
     assert (module is fake) == (reason is None)

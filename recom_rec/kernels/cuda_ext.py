@@ -38,8 +38,8 @@ def _installed(arch: Tuple[int, int]):
         return None, "no build was made at install time"
     except ImportError as e:  # built against another torch, a missing CUDA runtime, ...
         return None, f"the installed build does not load ({str(e).splitlines()[0][:200]})"
-    if not spec.covers(module.cuda_archs, arch):
-        return None, f"the installed build is for other GPUs ({module.cuda_archs}, not sm_{arch[0]}{arch[1]})"
+    if not spec.covers(module.cuda_targets, arch):
+        return None, f"the installed build is for other GPUs ({module.cuda_targets}, not sm_{arch[0]}{arch[1]})"
     csrc = spec.csrc_dir()
     if csrc is not None and module.sources_sha256 != spec.lookup_sha256(csrc):
         return None, ("csrc/lookup changed since the package was built "
