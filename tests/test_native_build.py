@@ -44,7 +44,8 @@ def _fake_extension(**attrs):
 def test_the_installed_cuda_build_is_used_only_when_current_and_for_this_gpu(monkeypatch, sha_matches, archs,
                                                                             reason):
     sha = native_build.lookup_sha256(native_build.csrc_dir())
-    fake = _fake_extension(sources_sha256=sha if sha_matches else "hstale", cuda_targets=native_build.targets_token(archs))
+    fake = _fake_extension(sources_sha256=sha if sha_matches else "hstale",
+                           cuda_targets=native_build.targets_token(archs))
     monkeypatch.setattr(cuda_ext.importlib, "import_module", lambda name: fake)
     module, why_not = cuda_ext._installed((9, 0))
     assert (module is fake) == (reason is None)

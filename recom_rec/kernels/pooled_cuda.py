@@ -47,7 +47,7 @@ def supports_forward(flat: torch.Tensor) -> bool:
 
 def forward_args(values, offsets, per_sample_weights, feature_meta, key_index):
     """The forward kernel's inputs in the types it takes (offsets in the values' dtype, fp32 sample
-    weights, int64 keys); builds the extension on first use."""
+    weights, int64 keys); loads the extension first (cuda_ext)."""
     cuda_ext.extension()
     if offsets.dtype != values.dtype:
         offsets = offsets.to(values.dtype)
