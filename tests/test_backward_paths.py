@@ -20,7 +20,8 @@ OPTIMIZERS = {"dense": None, "sgd": {"lr": 0.1}, "rowwise_adagrad": {"lr": 0.1},
 def _train(case, optimizer, path, monkeypatch):
     from recom_rec.kernels import pooled_cuda
 
-    monkeypatch.setattr(pooled_cuda.BACKWARD_PATH_TUNER, "forced_order", path == "singletons")
+    monkeypatch.setattr(pooled_cuda.BACKWARD_PATH_TUNER, "forced_order", None)  # restored after the test
+    pooled_cuda.BACKWARD_PATH_TUNER.force(path)
     torch.manual_seed(0)
     module = recom_rec.EmbeddingBagCollection(case.fresh_tables(), is_weighted=case.is_weighted, device=DEVICE,
                                               backend="cuda")

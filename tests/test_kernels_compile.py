@@ -46,12 +46,14 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path, weight, index):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not installed (CI machines have it)")
-    from recom_rec.kernels.pooled_cuda import SOURCE
+    from recom_rec.native_build import LOOKUP_SOURCES, csrc_dir
+
+    source = csrc_dir() / "lookup" / LOOKUP_SOURCES[0]
 
     for opt in (-1, 0, 1, 2, 3):
         for v in (1, 4, 8):
             cu = tmp_path / f"k_{opt}_{v}.cu"
-            cu.write_text(_INSTANTIATE.format(source=SOURCE, w=weight, i=index, opt=opt, v=v))
+            cu.write_text(_INSTANTIATE.format(source=source, w=weight, i=index, opt=opt, v=v))
             result = subprocess.run([nvcc, "-c", "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90",
                                      "-Xptxas=-v", str(cu), "-o", str(tmp_path / "k.o")],
                                     capture_output=True, text=True, timeout=600)

@@ -3,8 +3,7 @@ sets per order, and fake CUDA events that finish when the test says so."""
 import pytest
 import torch
 
-from recom_rec.kernels.launch_tuner import (BAG_MAJOR, FEATURE_MAJOR, ORDER_ENV, ForwardLaunchShape,
-                                            LaunchOrderTuner)
+from recom_rec.kernels.launch_tuner import BAG_MAJOR, FEATURE_MAJOR, ForwardLaunchShape, LaunchOrderTuner
 
 DEVICE = torch.device("cpu")  # handed through to the fakes only
 
@@ -143,10 +142,10 @@ def test_graph_capture_records_nothing_and_uses_the_default_then_the_decided_ord
 
 
 @pytest.mark.parametrize("value, order", [("features", F), ("bags", B)])
-def test_env_forces_an_order(monkeypatch, value, order):
-    monkeypatch.setenv(ORDER_ENV, value)
+def test_force_runs_one_order_unmeasured(value, order):
     stream = FakeStream({F: 1.0, B: 1.0})
-    tuner = LaunchOrderTuner.from_env(record_event=stream.record_event, capturing=stream.is_capturing)
+    tuner = stream.tuner()
+    tuner.force(value)
     launch(tuner, stream, 8)
     assert stream.launches == [order] * 8 and stream.events == 0
     # Bag-major cannot take more than 65535 features: a forced "bags" runs those feature-major.
@@ -155,21 +154,18 @@ def test_env_forces_an_order(monkeypatch, value, order):
 
 
 @pytest.mark.parametrize("value", [None, "auto"])
-def test_env_unset_or_auto_tunes(monkeypatch, value):
-    if value is None:
-        monkeypatch.delenv(ORDER_ENV, raising=False)
-    else:
-        monkeypatch.setenv(ORDER_ENV, value)
+def test_force_none_or_auto_measures_again(value):
     stream = FakeStream({F: 1.0, B: 2.0})
-    tuner = LaunchOrderTuner.from_env(record_event=stream.record_event, capturing=stream.is_capturing)
+    tuner = stream.tuner()
+    tuner.force("bags")
+    tuner.force(value)
     launch(tuner, stream, 4)
     assert stream.launches == [F, B, F, B] and stream.events == 4  # two untimed, then two timed
 
 
-def test_env_bad_value_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv(ORDER_ENV, "bag-major")
-    with pytest.raises(ValueError, match=f"{ORDER_ENV} must be 'auto', 'features' or 'bags'.*'bag-major'"):
-        LaunchOrderTuner.from_env()
+def test_force_bad_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="must be 'auto', 'features' or 'bags'.*'bag-major'"):
+        LaunchOrderTuner().force("bag-major")
 
 
 def test_more_than_65535_features_run_feature_major_only():
@@ -218,19 +214,17 @@ def test_forget_drops_decisions_and_trials():
     assert tuner.decisions() == {shape(): "bags"}
 
 
-def test_a_tuner_of_other_launches_reports_and_forces_by_its_own_names(monkeypatch):
+def test_a_tuner_of_other_launches_reports_and_forces_by_its_own_names():
     names = {False: "pieces", True: "singletons"}
     stream = FakeStream({False: 2.0, True: 1.0})
-    tuner = stream.tuner(names=names, env="RECOM_REC_BACKWARD_PATH")
+    tuner = stream.tuner(names=names)
     for _ in range(20):
         tuner.launch(shape(), stream.run, DEVICE)
     assert list(tuner.decisions().values()) == ["singletons"]
-    monkeypatch.setenv("RECOM_REC_BACKWARD_PATH", "pieces")
-    forced = LaunchOrderTuner.from_env(env="RECOM_REC_BACKWARD_PATH", names=names, record_event=stream.record_event,
-                                       capturing=stream.is_capturing)
+    forced = stream.tuner(names=names)
+    forced.force("pieces")
     stream.launches.clear()
     forced.launch(shape(), stream.run, DEVICE)
     assert stream.launches == [False]
-    monkeypatch.setenv("RECOM_REC_BACKWARD_PATH", "bags")
-    with pytest.raises(ValueError, match="RECOM_REC_BACKWARD_PATH must be 'auto', 'pieces' or 'singletons'"):
-        LaunchOrderTuner.from_env(env="RECOM_REC_BACKWARD_PATH", names=names)
+    with pytest.raises(ValueError, match="must be 'auto', 'pieces' or 'singletons'"):
+        forced.force("bags")

@@ -1,27 +1,26 @@
 #!/usr/bin/env bash
-# On the GPU machine (device tool, carry [".gpu"] and, when built before, [".cuda_ext_xz"]): build or
-# load the CUDA backend, run the GPU suites (kernels on every backend, NCCL sharding on every GPU),
-# then the benchmarks. Each stage has its own time limit; logs under $OUT. A build comes back as
-# $OUT/<cache folder>.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that folder, so
-# the next machine loads it instead of building (~190 s) while the source is unchanged.
+# On the GPU machine (device tool, carry [".gpu"] and, when built before, [".cuda_ext_xz"]): build the
+# CUDA kernels in place as an install does (setup.py build_ext --inplace, ~190 s, skipped when a
+# current build is there), run the GPU suites (kernels on every backend, NCCL sharding on every
+# GPU), then the benchmarks. Each stage has its own time limit; logs under $OUT. A fresh build comes
+# back as $OUT/_lookup_cuda.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that
+# folder, so the next machine loads it instead of building while the source is unchanged.
 #   STAGES="tests nccl dlrm bench sweep ps profile" BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 # (ps: the parameter-server workload on memory:// and on a redis-server this script starts)
 set -o pipefail
 source .gpu/setup.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-out}"; mkdir -p "$OUT"
-export RECOM_REC_CUDA_CACHE="$PWD/.cuda_ext"
 STAGES="${STAGES-tests nccl dlrm bench}"  # set but empty: build/load only
 t0=$(date +%s)
-for f in .cuda_ext_xz/*.so.xz; do
-  [ -f "$f" ] || continue
-  d=".cuda_ext/$(basename "$f" .so.xz)"; mkdir -p "$d"; xz -dc "$f" > "$d/recom_rec_cuda_sm90.so"
-done
-python3 -c "from recom_rec.kernels import pooled_cuda; print('cuda backend:', pooled_cuda.build_error() or 'ok')" 2>&1 | tail -1
+if [ -f .cuda_ext_xz/_lookup_cuda.so.xz ]; then  # a carried build (checked against the sources below)
+  xz -dc .cuda_ext_xz/_lookup_cuda.so.xz > "recom_rec/kernels/_lookup_cuda$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+fi
+if ! python3 -m recom_rec.kernels.cuda_ext --installed; then
+  python3 setup.py -q build_ext --inplace 2>&1 | grep "^recom_rec:\|error" | head -20
+  python3 -m recom_rec.kernels.cuda_ext --installed && xz -T0 -c recom_rec/kernels/_lookup_cuda*.so > "$OUT/_lookup_cuda.so.xz"
+fi
 echo "build/load $(( $(date +%s) - t0 )) s"
-for d in .cuda_ext/*/; do
-  [ -f ".cuda_ext_xz/$(basename "$d").so.xz" ] || xz -T0 -c "$d"*.so > "$OUT/$(basename "$d").so.xz" 2>/dev/null
-done
 stage() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 if [[ " $STAGES " == *" tests "* ]]; then
   stage tests

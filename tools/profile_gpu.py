@@ -1,7 +1,7 @@
-"""Device-side investigation (not a benchmark): where recom_rec's time goes on a workload, and a
-sweep of the forward kernel's launch shape. Usage: python tools/profile_gpu.py OUT_DIR"""
+"""Device-side investigation (not a benchmark): where the Triton backend's time goes on a workload,
+with sweeps of its forward and backward launch shapes.
+Usage: python tools/profile_gpu.py OUT_DIR [WORKLOAD ...] [--backward-sweep] [--no-forward-sweep]"""
 import json
-import os
 import sys
 
 import torch
@@ -12,10 +12,12 @@ from recom_rec.kernels import pooled_triton
 
 import recom_rec
 
-out_dir = sys.argv[1]
+flags = {a for a in sys.argv[1:] if a.startswith("--")}
+out_dir, *workloads = [a for a in sys.argv[1:] if not a.startswith("--")]
 dev = torch.device("cuda")
+default_piece_launch = pooled_triton.piece_launch
 report = {}
-for wname in sys.argv[2:] or ["many-1000", "dlrm-kaggle", "many-500"]:
+for wname in workloads or ["many-1000", "dlrm-kaggle", "many-500"]:
     w = get_workload(wname, False)
     kjt = w.make_input(dev)
     m = recom_rec.EmbeddingBagCollection(w.tables(), device=dev, validate_inputs=False)
@@ -31,7 +33,7 @@ for wname in sys.argv[2:] or ["many-1000", "dlrm-kaggle", "many-500"]:
     rep = {"module_forward_ms": module_ms, "kernel_default_ms": time_ms(kernel_only, dev, iters=30)}
     # 2. launch-shape sweep
     sweep = {}
-    for bb in (8, 16, 32, 64, 128) if os.environ.get("SWEEP", "1") == "1" else ():
+    for bb in (8, 16, 32, 64, 128) if "--no-forward-sweep" not in flags else ():
         for nw in (1, 2, 4, 8):
             if bb * pooled_triton._block_d(max(w.dims)) > 16384:
                 continue
@@ -48,17 +50,17 @@ for wname in sys.argv[2:] or ["many-1000", "dlrm-kaggle", "many-500"]:
     rep["fused_sgd_step_ms"] = time_ms(step, dev, iters=20)
     bsweep = {}
     block_d = pooled_triton._block_d(max(w.dims))
-    for br in (1, 2, 4, 8, 16, 32) if os.environ.get("BSWEEP", "0") == "1" else ():
+    for br in (1, 2, 4, 8, 16, 32) if "--backward-sweep" in flags else ():
         for unroll in (2, 4, 8):
             for nw in (2, 4, 8):
                 if not 512 <= br * unroll * block_d <= 8192:
                     continue
-                pooled_triton.BACKWARD_LAUNCH.update(block_r=br, unroll=unroll, num_warps=nw)
+                pooled_triton.piece_launch = lambda _, shape=(br, unroll, nw): shape
                 try:
                     bsweep[f"br{br}_u{unroll}_w{nw}"] = round(time_ms(step, dev, iters=10), 3)
                 except Exception as e:  # noqa: BLE001
                     bsweep[f"br{br}_u{unroll}_w{nw}"] = str(e)[:60]
-    pooled_triton.BACKWARD_LAUNCH.clear()
+    pooled_triton.piece_launch = default_piece_launch
     rep["backward_sweep_step_ms"] = bsweep
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):

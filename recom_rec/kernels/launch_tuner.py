@@ -16,10 +16,8 @@ is capturing a CUDA graph nothing is recorded or queried (a timing event would b
 graph, and the capture must stay free of host-side CUDA calls); the capture gets the shape's
 decided order, or feature-major.
 
-``RECOM_REC_FORWARD_ORDER`` = ``features`` | ``bags`` forces one order (experiments); unset or
-``auto`` tunes.
+Tests and tools force one choice with :meth:`LaunchOrderTuner.force` (the product always measures).
 """
-import os
 import statistics
 import threading
 from dataclasses import dataclass, field
@@ -32,7 +30,6 @@ BAG_MAJOR = True
 ORDER_NAMES = {FEATURE_MAJOR: "features", BAG_MAJOR: "bags"}
 DEFAULT_ORDER = FEATURE_MAJOR  # what an undecided shape runs untimed (and in a graph capture)
 MAX_BAG_MAJOR_FEATURES = 65535  # bag-major puts the features on the grid's y axis
-ORDER_ENV = "RECOM_REC_FORWARD_ORDER"
 TRIALS = 4  # finished samples per order before a shape is decided (median: outliers are ignored)
 
 Result = TypeVar("Result")
@@ -75,17 +72,15 @@ def stream_is_capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-def parse_forced_order(value: Optional[str], names: Dict[bool, str] = ORDER_NAMES,
-                       env: str = ORDER_ENV) -> Optional[bool]:
-    """``RECOM_REC_FORWARD_ORDER``'s value (or ``env``'s, naming ``names``) as a forced choice, or
-    None to tune."""
+def parse_forced_order(value: Optional[str], names: Dict[bool, str] = ORDER_NAMES) -> Optional[bool]:
+    """The choice named ``value`` (one of ``names``' values), or None to measure (None or "auto")."""
     if value is None or value in ("", "auto"):
         return None
     for order, name in names.items():
         if value == name:
             return order
     choices = [repr(name) for name in names.values()]
-    raise ValueError(f"{env} must be 'auto', {', '.join(choices[:-1])} or {choices[-1]} (got {value!r})")
+    raise ValueError(f"the choice must be 'auto', {', '.join(choices[:-1])} or {choices[-1]} (got {value!r})")
 
 
 def trial_plan(candidates: Tuple[bool, ...], trials: int) -> List[Tuple[bool, bool]]:
@@ -130,9 +125,8 @@ class LaunchOrderTuner:
     thing, keyed by any hashable shape with a ``num_features``. ``record_event(device)`` and
     ``capturing(device)`` are the CUDA hooks, to be replaced by fakes in tests."""
 
-    def __init__(self, trials: int = TRIALS, forced_order: Optional[str] = None,
-                 record_event: Callable = record_timing_event, capturing: Callable = stream_is_capturing,
-                 names: Dict[bool, str] = ORDER_NAMES, env: str = ORDER_ENV,
+    def __init__(self, trials: int = TRIALS, record_event: Callable = record_timing_event,
+                 capturing: Callable = stream_is_capturing, names: Dict[bool, str] = ORDER_NAMES,
                  candidates: Optional[Callable] = None, default=DEFAULT_ORDER):
         self.trials = trials
         self.names = names
@@ -140,7 +134,7 @@ class LaunchOrderTuner:
         # bag-major only where the features fit the grid's y axis); ``default`` runs undecided.
         self._candidates = candidates or _orders_for
         self.default = default
-        self.forced_order = parse_forced_order(forced_order, names, env)
+        self.forced_order = None  # a choice every shape runs, unmeasured (force)
         self._record_event = record_event
         self._capturing = capturing
         self._decided: Dict[ForwardLaunchShape, bool] = {}
@@ -148,9 +142,11 @@ class LaunchOrderTuner:
         # The PS tier may run forwards from a background thread: the dicts change under this lock.
         self._lock = threading.Lock()
 
-    @classmethod
-    def from_env(cls, env: str = ORDER_ENV, **kwargs) -> "LaunchOrderTuner":
-        return cls(forced_order=os.environ.get(env), env=env, **kwargs)
+    def force(self, name: Optional[str]) -> None:
+        """Tests and tools: run every shape with the choice called ``name`` (one of ``names``'
+        values), unmeasured; None or "auto" measures again. A choice a shape cannot take (bag-major
+        beyond 65535 features) runs the default there."""
+        self.forced_order = parse_forced_order(name, self.names)
 
     def launch(self, shape: ForwardLaunchShape, run: Callable[[bool], Result], device: torch.device) -> Result:
         """``run(bag_major)`` in the order chosen for ``shape``, timed while the shape is on trial."""

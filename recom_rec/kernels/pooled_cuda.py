@@ -1,6 +1,5 @@
-"""The CUDA C++ backend (``backend="cuda"``): csrc/lookup/pooled_cuda.cu, built with
-``torch.utils.cpp_extension`` on first use and cached per source, torch version and GPU
-architecture (``RECOM_REC_CUDA_CACHE``, by default ``~/.cache/recom_rec/cuda``).
+"""The CUDA C++ backend (``backend="cuda"``): the kernels of csrc/lookup/pooled_cuda.cu, through
+the extension cuda_ext loads (built at install time, else on first use).
 
 Forward: the CUDA kernel, launched feature-major or bag-major, whichever measured faster for the
 launch's shape (launch_tuner.LaunchOrderTuner). Backward: the planning (expand, a CUB sort, plan:
@@ -14,92 +13,25 @@ A group the CUDA kernels do not cover (a dim above ``MAX_DIM``, a weight buffer 
 """
 from collections import namedtuple
 import functools
-import hashlib
-import importlib.util
-import os
-import sys
-import threading
-from functools import lru_cache
-from pathlib import Path
-from typing import Optional
 
 import torch
 
-from . import pooled_triton
+from . import cuda_ext, pooled_triton
 from .launch_tuner import ForwardLaunchShape, LaunchOrderTuner
 
+build_error = cuda_ext.build_error  # the ops ask the backend whether it can run here
 MAX_DIM = 1024  # the backward kernels' widest variant: 8 float4 accumulators per lane x 32 lanes
 # The backward's path per shape: every row through the pieces, or rows of one lookup in the batch
 # finished in bag order by their own kernel (plan_backward's bitmap, singleton_update in the
 # source; the same bits). Neither wins everywhere (H100: singletons on many-500, many-1000 and
 # mixed, pieces on dlrm-kaggle's one-id bags and on zipf, whose rows repeat), so the first backward
-# launches of a shape measure both (launch_tuner). RECOM_REC_BACKWARD_PATH = pieces | singletons
-# forces one. Singletons need a bitmap of the group's rows: at most SINGLETON_MAX_ROWS of them.
+# launches of a shape measure both (launch_tuner; tests and tools force one with
+# BACKWARD_PATH_TUNER.force). Singletons need a bitmap of the group's rows: at most SINGLETON_MAX_ROWS.
 SINGLETON_MAX_ROWS = 1 << 29
-BACKWARD_PATH_TUNER = LaunchOrderTuner.from_env(env="RECOM_REC_BACKWARD_PATH",
-                                                names={False: "pieces", True: "singletons"})
-# The forward's launch order per shape, measured on its first launches (RECOM_REC_FORWARD_ORDER =
-# "features" | "bags" forces one; see pooled_forward_kernel in the source for the two orders).
-FORWARD_ORDER_TUNER = LaunchOrderTuner.from_env()
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "lookup" / "pooled_cuda.cu"
-_build_lock = threading.Lock()
-
-
-@lru_cache(maxsize=None)
-def build_error() -> Optional[str]:
-    """Why the extension cannot be built or loaded here, or None when it can (tried once)."""
-    try:
-        _extension()
-    except Exception as e:  # noqa: BLE001 - reported to the caller as the reason
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def _flags(arch: str):
-    """The flags that shape the binary (part of the cache key)."""
-    return ["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
-
-
-def _report_flags():
-    """Diagnostics only: registers and spills per kernel, for tuning (not in the cache key)."""
-    return ["-Xptxas=-v"] if os.environ.get("RECOM_REC_PTXAS_VERBOSE") == "1" else []
-
-
-def cache_dir(arch: str) -> Path:
-    """Where the build for this source, torch version and GPU architecture lives: a new source or
-    torch gives a new folder, so a stale build is never loaded."""
-    key = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__}|{torch.version.cuda}|{arch}|{_flags(arch)}"
-                         .encode()).hexdigest()[:16]
-    root = Path(os.environ.get("RECOM_REC_CUDA_CACHE", Path.home() / ".cache" / "recom_rec" / "cuda"))
-    return root / f"sm{arch}-{key}"
-
-
-@lru_cache(maxsize=None)
-def _extension():
-    if not torch.cuda.is_available():
-        raise RuntimeError("the CUDA backend needs a CUDA build of torch and a GPU")
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}"
-    name = f"recom_rec_cuda_sm{arch}"
-    folder = cache_dir(arch)
-    built = folder / f"{name}.so"
-    with _build_lock:
-        if built.exists():  # built before for this exact source: load it without ninja
-            spec = importlib.util.spec_from_file_location(name, built)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-        from torch.utils import cpp_extension
-
-        if cpp_extension.CUDA_HOME is None:
-            raise RuntimeError("the CUDA backend needs nvcc (CUDA_HOME) to build csrc/lookup on first use")
-        folder.mkdir(parents=True, exist_ok=True)
-        # A first use pauses for the build (about 100 s on the H100): say so once.
-        print(f"recom_rec: building the CUDA kernels for sm_{arch} (first use; cached in {folder})",
-              file=sys.stderr, flush=True)
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cuda_cflags=_flags(arch) + _report_flags(),
-                                  build_directory=str(folder),
-                                  verbose=os.environ.get("RECOM_REC_BUILD_VERBOSE") == "1")
+BACKWARD_PATH_TUNER = LaunchOrderTuner(names={False: "pieces", True: "singletons"})
+# The forward's launch order per shape, measured on its first launches (see pooled_forward_kernel in
+# the source for the two orders).
+FORWARD_ORDER_TUNER = LaunchOrderTuner()
 
 
 def supports(flat: torch.Tensor, max_dim: int) -> bool:
@@ -115,8 +47,8 @@ def supports_forward(flat: torch.Tensor) -> bool:
 
 def forward_args(values, offsets, per_sample_weights, feature_meta, key_index):
     """The forward kernel's inputs in the types it takes (offsets in the values' dtype, fp32 sample
-    weights, int64 keys); builds the extension on first use."""
-    _extension()
+    weights, int64 keys); loads the extension first (cuda_ext)."""
+    cuda_ext.extension()
     if offsets.dtype != values.dtype:
         offsets = offsets.to(values.dtype)
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
@@ -126,8 +58,8 @@ def forward_args(values, offsets, per_sample_weights, feature_meta, key_index):
 
 def forward_launch(flat, values, offsets, psw, feature_meta, key_index, batch_size, total_dim, max_dim, bag_major):
     """One forward launch in the given order, on forward_args' inputs."""
-    return _extension().pooled_forward(flat, values, offsets, psw, feature_meta, key_index, batch_size, total_dim,
-                                       max_dim, bag_major)
+    return cuda_ext.extension().pooled_forward(flat, values, offsets, psw, feature_meta, key_index, batch_size,
+                                               total_dim, max_dim, bag_major)
 
 
 def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim):
@@ -159,10 +91,10 @@ def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, bat
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
     packed = psw is None and feature_meta.shape[0] * batch_size < 2**31 - 1
     values, offsets, feature_meta = values.contiguous(), offsets.contiguous(), feature_meta.contiguous()
-    plan = _extension().plan_backward(values, offsets, psw, feature_meta, key_index,
-                                      None if positional else feature_base.contiguous(), batch_size, total_dim, n,
-                                      max(1, (row_count - 1).bit_length()), row_count >= 2**31, packed,
-                                      (row_count + 31) // 32 if singles else 0)
+    plan = cuda_ext.extension().plan_backward(values, offsets, psw, feature_meta, key_index,
+                                              None if positional else feature_base.contiguous(), batch_size,
+                                              total_dim, n, max(1, (row_count - 1).bit_length()),
+                                              row_count >= 2**31, packed, (row_count + 31) // 32 if singles else 0)
     # the last item: what singleton_update needs (None: every row went to the pieces)
     singletons = (values, offsets, psw, key_index, batch_size) if singles else None
     return (*plan, batch_size if packed else 0, singletons)
@@ -172,7 +104,7 @@ def _cuda_pieces(plan, grad_output, feature_meta, n, partials, partial_stride, o
                  opt, max_dim):
     """The piece and split-row kernels on a _cuda_plan, then the rows of one lookup."""
     row_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi, packed_batch, singles = plan
-    ext = _extension()
+    ext = cuda_ext.extension()
     ext.piece_update(row_key, order, src, scale, feature, bag_scale, packed_batch, grad_output, feature_meta, pieces,
                      split_rows, counts, n, partials, partial_stride, out, state1, state2, hyper, step, opt, max_dim,
                      0)  # lanes per piece: 0 = sized by the widest row

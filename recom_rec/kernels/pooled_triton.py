@@ -389,17 +389,15 @@ def expand_block(num_lookups: int, num_bags: int) -> int:
     mean = max(1.0, num_lookups / max(1, num_bags))
     return max(64, min(1024, triton.next_power_of_2(int(-(-EXPAND_LOOKUPS // mean)))))
 PLAN_BLOCK = 1024
-# Launch-shape overrides for experiments (tools/profile_gpu.py); empty means the defaults.
-BACKWARD_LAUNCH: dict = {}
+PROGRAM_WAVES = 8  # programs per SM for the kernels that loop over an on-device list
 
 
 def piece_launch(block_d: int):
     """(lanes per program, lookups unrolled per lane, warps) of the piece kernel. From the H100
     sweep (docs/perf-notes.md, v5): 8 x 8 at 2 warps for rows of 128+ columns, 4 x 4 at 4 warps
-    for narrower ones; BACKWARD_LAUNCH overrides them for experiments."""
+    for narrower ones (tools/profile_gpu.py sweeps others by replacing this function)."""
     wide = block_d >= 128
-    return (BACKWARD_LAUNCH.get("block_r") or (8 if wide else 4), BACKWARD_LAUNCH.get("unroll") or (8 if wide else 4),
-            BACKWARD_LAUNCH.get("num_warps") or (2 if wide else 4))
+    return (8, 8, 2) if wide else (4, 4, 4)
 
 
 def split_block_k(block_d: int) -> int:
@@ -412,7 +410,7 @@ def _programs(device: torch.device, wanted: int) -> int:
     enough to fill the GPU (a few waves of resident programs), never more than there is work for."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(wanted, sms * BACKWARD_LAUNCH.get("waves", 8)))
+        return max(1, min(wanted, sms * PROGRAM_WAVES))
     return max(1, min(wanted, 16))  # the interpreter runs programs one after another
 
 

@@ -11,7 +11,6 @@ group (a weight buffer that is not 16-byte aligned), Triton runs.
 The backward always takes the CUDA kernels where they build and cover the group (they won on
 every workload measured, docs/perf-notes.md v6-v12); pooled_cuda measures its path per shape.
 """
-from functools import lru_cache
 from typing import Optional
 
 from .launch_tuner import MAX_BAG_MAJOR_FEATURES, ForwardLaunchShape, LaunchOrderTuner
@@ -46,20 +45,13 @@ def force_forward(choice: Optional[str]) -> None:
     A choice a shape cannot take (CUDA where it is unavailable) falls back to the default."""
     if choice is not None and choice not in CHOICES:
         raise ValueError(f"forward choice must be one of {CHOICES} (got {choice!r})")
-    FORWARD.forced_order = choice
-
-
-@lru_cache(maxsize=None)
-def _cuda_builds() -> bool:
-    from . import pooled_cuda
-
-    return pooled_cuda.build_error() is None
+    FORWARD.force(choice)
 
 
 def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim):
-    from . import pooled_cuda, pooled_triton
+    from . import cuda_ext, pooled_cuda, pooled_triton
 
-    cuda_ok = _cuda_builds() and pooled_cuda.supports_forward(flat)
+    cuda_ok = cuda_ext.build_error() is None and pooled_cuda.supports_forward(flat)
     shape = ForwardChoiceShape(ForwardLaunchShape.of(flat, values, per_sample_weights, feature_meta, batch_size,
                                                      total_dim, max_dim), cuda_ok)
     if cuda_ok:  # a first use's build and the arguments' conversions before any timed trial

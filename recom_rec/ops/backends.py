@@ -1,6 +1,6 @@
 """Chooses the implementation behind the fused-lookup ops: "torch" (vectorised torch, any
-device), "triton" (GPU, or CPU under ``TRITON_INTERPRET=1``), "cuda" (CUDA C++ from
-csrc, built on first use) and "auto"."""
+device), "triton" (GPU, or CPU under ``TRITON_INTERPRET=1``), "cuda" (the CUDA C++ kernels of
+csrc/lookup, built at install time, else on first use: kernels/cuda_ext.py) and "auto"."""
 import os
 
 import torch

@@ -1,6 +1,7 @@
-"""The tier's host library, csrc/ps/ps_*.c (see ps_host.h): compiled with the system C
-compiler (``CC``, else ``cc``) on first use, cached per source and compiler under
-``RECOM_REC_HOST_CACHE`` (by default ``~/.cache/recom_rec/host``), loaded with ctypes.
+"""The tier's host library, csrc/ps/ps_*.c (see ps_host.h), loaded with ctypes: the build made
+when the package was installed (recom_rec/ps/_host*.so, setup.py), else a build with the system C
+compiler (``CC``, else ``cc``) on first use, cached under ``~/.cache/recom_rec/host``
+(``RECOM_REC_CACHE``). The sources and flags are listed in recom_rec/native_build.py.
 
 Why C through ctypes: the per-batch bookkeeping is a few thousand hash-map operations, which C
 does in tens of microseconds; as torch or numpy ops it was ~100 calls of 30-40 us each. ctypes
@@ -10,24 +11,20 @@ on the tier's own worker thread), so it does not hold up the training thread.
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import importlib.machinery
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from functools import lru_cache
 from pathlib import Path
+from typing import Optional, Tuple
 
 import numpy as np
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc" / "ps"
-SOURCES = [CSRC / f"ps_{name}.c" for name in ("host", "mem", "pool", "stage", "cuda")]
-HEADERS = [CSRC / "ps_host.h", CSRC / "ps_map.h"]
-# -ffp-contract=off: the init must round like torch's separate multiply and add. gnu99: POSIX
-# threads, clocks and dlopen (ps_cuda.c loads the CUDA driver at run time, never at link time).
-FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-std=gnu99", "-pthread"]
-LIBS = ["-ldl"]
+from .. import native_build as spec
 
 (STAGE_OK, STAGE_WOULD_BLOCK, STAGE_FULL, STAGE_NEGATIVE_ID, STAGE_NO_MEMORY, STAGE_STORE_ERROR,
  STAGE_DEVICE_ERROR) = 0, -1, -2, -3, -4, -5, -6
@@ -74,7 +71,18 @@ _SIGNATURES = {
     "ps_f16_to_f32": (ctypes.c_float, [ctypes.c_uint16]),
     "ps_bf16_to_f32": (ctypes.c_float, [ctypes.c_uint16]),
     "ps_pool_workers": (ctypes.c_int, []),
+    "ps_sources_sha256": (ctypes.c_char_p, []),
 }
+
+
+def installed_library() -> Optional[Path]:
+    """The shared library setup.py built into the package, if it did."""
+    name = spec.PS_EXTENSION.rsplit(".", 1)[1]
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = Path(__file__).resolve().parent / f"{name}{suffix}"
+        if path.is_file():
+            return path
+    return None
 
 
 def _compiler() -> str:
@@ -85,38 +93,71 @@ def _compiler() -> str:
     return cc
 
 
-def _cache_file(cc: str) -> Path:
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + f"{cc}|{FLAGS}|{LIBS}".encode()
-                         ).hexdigest()[:16]
-    root = Path(os.environ.get("RECOM_REC_HOST_CACHE", Path.home() / ".cache" / "recom_rec" / "host"))
-    return root / f"ps_host-{key}.so"
+def _jit_build(csrc: Path, sha: str, why: str) -> Path:
+    """The fallback: csrc/ps compiled with the system C compiler into the cache (once per hash)."""
+    cc = _compiler()
+    target = spec.jit_cache_dir("host") / f"ps_host-{sha}-{Path(cc).name}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    sources = [str(csrc / "ps" / name) for name in spec.PS_SOURCES]
+    print(f"recom_rec: {why}", file=sys.stderr, flush=True)
+    with spec.compiling("the parameter-server library csrc/ps", "a few seconds"), \
+            tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        command = [cc, *spec.PS_CFLAGS, spec.hash_define(sha), "-shared", "-o", str(built), *sources,
+                   *("-l" + lib for lib in spec.PS_LIBRARIES)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True)
+        except OSError as exc:
+            raise RuntimeError(f"recom_rec's parameter-server tier compiles csrc/ps/ps_*.c on first use, "
+                               f"but the C compiler {cc!r} cannot run ({exc}); install gcc or set CC") from None
+        if done.returncode != 0:
+            raise RuntimeError(f"building csrc/ps/ps_*.c with {cc} failed:\n{done.stderr[-4000:]}")
+        os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own
+    return target
+
+
+def _choose() -> Tuple[Path, str]:
+    """(the library to load, where it comes from): the installed build unless the sources beside
+    it changed since, else the just-in-time build."""
+    csrc = spec.csrc_dir()
+    installed = installed_library()
+    sha = spec.ps_sha256(csrc) if csrc is not None else None
+    if installed is not None:
+        built_from = ctypes.CDLL(str(installed)).ps_sources_sha256
+        built_from.restype = ctypes.c_char_p
+        if sha is None or built_from().decode() == sha:
+            return installed, "installed"
+        why = "csrc/ps changed since the package was built (pip install --no-build-isolation -e . builds it ahead)"
+    else:
+        why = "the parameter-server library was not built at install time (pip install --no-build-isolation .)"
+    if csrc is None:
+        raise RuntimeError("recom_rec's parameter-server library was not built at install time and its sources "
+                           "(csrc/ps) are missing: reinstall recom_rec")
+    return _jit_build(csrc, sha, why), "compiled on first use"
 
 
 @lru_cache(maxsize=None)
-def lib() -> ctypes.CDLL:
-    """The loaded library (built first when this source has no cached build)."""
+def _loaded() -> Tuple[ctypes.CDLL, Path, str]:
     with _lock:
-        cc = _compiler()
-        target = _cache_file(cc)
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                try:
-                    done = subprocess.run([cc, *FLAGS, "-o", str(built), *map(str, SOURCES), *LIBS],
-                                          capture_output=True, text=True)
-                except OSError as exc:
-                    raise RuntimeError(f"recom_rec's parameter-server tier compiles csrc/ps/ps_*.c on first "
-                                       f"use, but the C compiler {cc!r} cannot run ({exc}); install gcc or set CC"
-                                       ) from None
-                if done.returncode != 0:
-                    raise RuntimeError(f"building csrc/ps/ps_*.c with {cc} failed:\n{done.stderr[-4000:]}")
-                os.replace(built, target)  # atomic: a concurrent process loads a whole file or builds its own
-        handle = ctypes.CDLL(str(target))
+        path, origin = _choose()
+        handle = ctypes.CDLL(str(path))
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(handle, name)
         fn.restype, fn.argtypes = restype, argtypes
-    return handle
+    return handle, path, origin
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library (the installed build, else built on first use)."""
+    return _loaded()[0]
+
+
+def where() -> str:
+    """Which library is loaded and where it came from ("installed" or "compiled on first use")."""
+    _, path, origin = _loaded()
+    return f"{path} ({origin})"
 
 
 def ptr(array: np.ndarray) -> int:

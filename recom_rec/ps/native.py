@@ -14,12 +14,14 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from .. import native_build
 from . import host_lib
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 MAX_STATES = 2
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-PTX = Path(__file__).resolve().parents[2] / "csrc" / "ps" / "ps_rows.ptx"
+# The row kernels' PTX, read at run time (csrc/ps in a checkout, its copy in an installed package).
+PTX = (native_build.csrc_dir() or Path("csrc")) / "ps" / "ps_rows.ptx"
 PTX_SOURCE = PTX.with_suffix(".cu")
 
 

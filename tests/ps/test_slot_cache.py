@@ -147,10 +147,11 @@ def test_c_init_matches_init_rows(bounds):
 
 def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("RECOM_REC_HOST_CACHE", str(tmp_path / "cache"))  # nothing built there yet
-    host_lib.lib.cache_clear()
+    monkeypatch.setenv("RECOM_REC_CACHE", str(tmp_path / "cache"))  # nothing built there yet
+    monkeypatch.setattr(host_lib, "installed_library", lambda: None)  # as if installed without the build
+    host_lib._loaded.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"compiles csrc/ps/ps_\*\.c on first use.*no-such-cc.*install gcc or set CC"):
             host_lib.lib()
     finally:
-        host_lib.lib.cache_clear()  # the next caller loads the real build again
+        host_lib._loaded.cache_clear()  # the next caller loads the real build again
