@@ -22,10 +22,11 @@ from pathlib import Path
 import numpy as np
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc" / "ps"
-SOURCES = [CSRC / f"ps_{name}.c" for name in ("host", "mem", "pool", "stage", "cuda")]
-HEADERS = [CSRC / "ps_host.h", CSRC / "ps_map.h"]
+SOURCES = [CSRC / f"ps_{name}.c" for name in ("host", "mem", "pool", "stage", "cuda", "resp", "tls", "redis")]
+HEADERS = [CSRC / "ps_host.h", CSRC / "ps_map.h", CSRC / "ps_redis.h"]
 # -ffp-contract=off: the init must round like torch's separate multiply and add. gnu99: POSIX
-# threads, clocks and dlopen (ps_cuda.c loads the CUDA driver at run time, never at link time).
+# threads, clocks and dlopen (ps_cuda.c loads the CUDA driver, ps_tls.c libssl, at run time, never
+# at link time).
 FLAGS = ["-O2", "-shared", "-fPIC", "-ffp-contract=off", "-std=gnu99", "-pthread"]
 LIBS = ["-ldl"]
 
@@ -74,6 +75,22 @@ _SIGNATURES = {
     "ps_f16_to_f32": (ctypes.c_float, [ctypes.c_uint16]),
     "ps_bf16_to_f32": (ctypes.c_float, [ctypes.c_uint16]),
     "ps_pool_workers": (ctypes.c_int, []),
+    "ps_redis_client_new": (_P, [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                 ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double]),
+    "ps_redis_client_add_node": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_int]),
+    "ps_redis_client_tls": (ctypes.c_int, [_P, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
+                                           ctypes.c_char_p]),
+    "ps_redis_client_free": (None, [_P]),
+    "ps_redis_client_disconnect": (None, [_P]),
+    "ps_redis_stats": (ctypes.c_int, [_P, _P]),
+    "ps_redis_table_new": (_P, [_P, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, _I]),
+    "ps_redis_table_free": (None, [_P]),
+    "ps_redis_get": (ctypes.c_int, [_P, _P, _I, _P, _P]),
+    "ps_redis_put": (ctypes.c_int, [_P, _P, _I, _P]),
+    "ps_redis_error": (ctypes.c_char_p, [_P]),
+    "ps_redis_error_kind": (ctypes.c_int, [_P]),
+    "ps_redis_store_ops": (None, [_P, _P]),
+    "ps_redis_key_slot": (ctypes.c_int, [ctypes.c_char_p, _I]),
 }
 
 
