@@ -201,6 +201,39 @@ class RedisClusterProcesses:
         for s in self.servers:
             s.stop()
 
+    def owners(self) -> dict:
+        """slot -> index of the server that serves it (CLUSTER SLOTS as the first server sees it)."""
+        c = self.servers[0].client()
+        try:
+            ranges = c.execute_command("CLUSTER SLOTS")
+        finally:
+            c.close()
+        ports = [s.port for s in self.servers]
+        return {slot: ports.index(int(r[2][1])) for r in ranges for slot in range(int(r[0]), int(r[1]) + 1)}
+
+    def migrate_slot(self, slot: int, src: int, dst: int, keys_per_call: int = 100) -> int:
+        """Move ``slot`` and its keys from server ``src`` to ``dst`` as ``redis-cli --cluster
+        reshard`` does (IMPORTING/MIGRATING, MIGRATE, SETSLOT NODE); returns the keys moved."""
+        clients = [s.client() for s in self.servers]
+        try:
+            ids = [c.execute_command("CLUSTER MYID").decode() for c in clients]
+            clients[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+            clients[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+            moved = 0
+            while True:
+                keys = clients[src].execute_command("CLUSTER", "GETKEYSINSLOT", slot, keys_per_call)
+                if not keys:
+                    break
+                clients[src].execute_command("MIGRATE", "127.0.0.1", self.servers[dst].port, "", 0, 5000,
+                                             "KEYS", *keys)
+                moved += len(keys)
+            for k in [dst, src] + [i for i in range(len(clients)) if i not in (src, dst)]:
+                clients[k].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+            return moved
+        finally:
+            for c in clients:
+                c.close()
+
     def _wait_until_ok(self) -> None:
         deadline = time.monotonic() + 20
         while True:
