@@ -130,6 +130,18 @@ class RedisStore(RowStore):
         retried attempts."""
         return self._native.stats()
 
+    def server_command_usec(self) -> float:
+        """Microseconds the server (every master of a cluster) has spent running commands since it
+        started (INFO commandstats, INFO itself excluded): the store's own time, as it counts it."""
+        if self._cluster:
+            from redis.cluster import RedisCluster
+
+            infos = list(self._client.info("commandstats", target_nodes=RedisCluster.PRIMARIES).values())
+        else:
+            infos = [self._client.info("commandstats")]
+        return float(sum(v["usec"] for info in infos for k, v in info.items()
+                         if k.startswith("cmdstat_") and k != "cmdstat_info"))
+
     def _table(self, table: str, row_bytes: int) -> NativeTable:
         return self._native.table(table, self._head(table), row_bytes)
 
