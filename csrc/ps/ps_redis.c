@@ -35,7 +35,6 @@
 
 enum { OK = 0, TRANSIENT = 1, FATAL = 2, AUTH_FAILED = 3 };
 enum { R_AUTH, R_SELECT, R_MGET, R_MSET, R_GET, R_SET, R_ASKING, R_RAW };
-enum { OP_GET, OP_PUT };
 
 /* Counters since the client was made (ps_redis_stats): commands, bytes out, bytes in, rows got,
  * rows put, exchanges, seconds in exchanges, MOVED, ASK, attempts that failed and were retried. */
@@ -88,12 +87,14 @@ typedef struct RedisTable {
     char error[1024];
 } RedisTable;
 
-/* One batch operation's state across its exchanges. */
+/* One batch operation's state across its exchanges: positions [0, n_put) are the put's keys,
+ * [n_put, n_put + n_get) the get's. */
 typedef struct {
     RedisTable *t;
-    int op;
-    const i64 *ids;
-    char *rows;
+    i64 n_put;
+    const i64 *put_ids, *get_ids;
+    const char *put_rows;
+    char *rows; /* the get's */
     uint8_t *found;
     i64 *redo, n_redo;            /* -MOVED: again after the slot map's refresh */
     i64 *ask_pos, n_ask;          /* -ASK: again on ask_node after ASKING */
@@ -231,6 +232,9 @@ oom:
     return FATAL;
 }
 
+static inline int is_put(const Batch *b, i64 pos) { return pos < b->n_put; }
+static inline i64 id_at(const Batch *b, i64 pos) { return pos < b->n_put ? b->put_ids[pos] : b->get_ids[pos - b->n_put]; }
+
 /* ------------------------------------------------------------------ replies */
 static int error_reply(Batch *b, const char *p, i64 len, const char *what) {
     i64 n = len >= 2 ? len - 2 : len; /* without \r\n */
@@ -250,6 +254,7 @@ static int take_row(Batch *b, const char *p, i64 len, i64 pos) {
     if (p[0] != '$') return error_reply(b, p, len, "GET");
     i64 head;
     const i64 k = resp_header(p, len, &head);
+    pos -= b->n_put;
     char *row = b->rows + pos * t->row_bytes;
     if (k < 0) {
         b->found[pos] = 0;
@@ -260,7 +265,7 @@ static int take_row(Batch *b, const char *p, i64 len, i64 pos) {
         snprintf(b->why, sizeof(b->why),
                  "stored row of table '%s' id %lld has %lld bytes, expected %lld; the table was written with "
                  "another width or dtype",
-                 t->name, (long long)b->ids[pos], (long long)k, (long long)t->row_bytes);
+                 t->name, (long long)b->get_ids[pos], (long long)k, (long long)t->row_bytes);
         return FATAL;
     }
     memcpy(row, p + head, (size_t)k);
@@ -486,36 +491,38 @@ static int queue_keys(RedisClient *c, Batch *b, int k, const i64 *pos, i64 n, in
     const i64 first = nd->n_pos;
     for (i64 i = 0; i < n; i++)
         if (!add_pos(nd, pos[i])) goto oom;
-    if (!c->cluster) { /* MGET / MSET of MGET_KEYS keys */
-        for (i64 a = 0; a < n; a += MGET_KEYS) {
-            const i64 m = n - a < MGET_KEYS ? n - a : MGET_KEYS;
-            const int put = b->op == OP_PUT;
+    if (!c->cluster) { /* MSET / MGET of up to MGET_KEYS keys, a command per run of puts or gets */
+        for (i64 a = 0; a < n;) {
+            const int put = is_put(b, pos[a]);
+            i64 m = 1;
+            while (a + m < n && m < MGET_KEYS && is_put(b, pos[a + m]) == put) m++;
             if (!resp_reserve(out, 1 + m * (put ? 2 : 1), m * (key_len + (put ? rb : 0)))) goto oom;
             resp_array(out, 1 + m * (put ? 2 : 1));
             resp_bulk(out, put ? "MSET" : "MGET", 4);
             for (i64 i = a; i < a + m; i++) {
-                make_key(t, b->ids[pos[i]], key);
+                make_key(t, id_at(b, pos[i]), key);
                 resp_bulk(out, key, key_len);
-                if (put) resp_bulk(out, b->rows + pos[i] * rb, rb);
+                if (put) resp_bulk(out, b->put_rows + pos[i] * rb, rb);
             }
             if (!add_req(nd, put ? R_MSET : R_MGET, first + a, m)) goto oom;
             c->stats[S_COMMANDS] += 1;
+            a += m;
         }
         return OK;
     }
     for (i64 i = 0; i < n; i++) { /* a cluster: GET / SET a key */
-        const int put = b->op == OP_PUT;
+        const int put = is_put(b, pos[i]);
         if (!resp_reserve(out, 5, 16 + key_len + (put ? rb : 0))) goto oom;
         if (asking) {
             resp_array(out, 1);
             resp_bulk(out, "ASKING", 6);
             if (!add_req(nd, R_ASKING, 0, 0)) goto oom;
         }
-        make_key(t, b->ids[pos[i]], key);
+        make_key(t, id_at(b, pos[i]), key);
         resp_array(out, put ? 3 : 2);
         resp_bulk(out, put ? "SET" : "GET", 3);
         resp_bulk(out, key, key_len);
-        if (put) resp_bulk(out, b->rows + pos[i] * rb, rb);
+        if (put) resp_bulk(out, b->put_rows + pos[i] * rb, rb);
         if (!add_req(nd, put ? R_SET : R_GET, first + i, 1)) goto oom;
         c->stats[S_COMMANDS] += 1 + asking;
     }
@@ -548,7 +555,7 @@ static int attempt(RedisClient *c, Batch *b, i64 n, i64 *todo, i64 *group) {
             if (!node) return FATAL;
             char key[600];
             for (i64 i = 0; i < n_todo; i++) {
-                make_key(t, b->ids[todo[i]], key);
+                make_key(t, id_at(b, todo[i]), key);
                 const int slot = ps_redis_key_slot(key, t->head_len + 8);
                 node[i] = c->slot_node[slot];
                 if (node[i] < 0) {
@@ -586,10 +593,13 @@ static int attempt(RedisClient *c, Batch *b, i64 n, i64 *todo, i64 *group) {
     return TRANSIENT;
 }
 
-static int run_op(RedisTable *t, int op, const i64 *ids, i64 n, char *rows, uint8_t *found) {
+/* A put of n_put rows and a get of n_get (other) ids in one exchange with the store. */
+static int run_op(RedisTable *t, const i64 *put_ids, i64 n_put, const char *put_rows, const i64 *get_ids, i64 n_get,
+                  char *rows, uint8_t *found) {
+    const i64 n = n_put + n_get;
     if (n <= 0) return 0;
     RedisClient *c = t->c;
-    const char *what = op == OP_GET ? "get" : "put";
+    const char *what = n_get == 0 ? "put" : n_put == 0 ? "get" : "put and get";
     i64 *scratch = (i64 *)malloc(sizeof(i64) * (size_t)n * 4);
     int *ask_node = (int *)malloc(sizeof(int) * (size_t)n);
     pthread_mutex_lock(&c->mu);
@@ -602,7 +612,7 @@ static int run_op(RedisTable *t, int op, const i64 *ids, i64 n, char *rows, uint
         pthread_mutex_unlock(&c->mu);
         return -1;
     }
-    Batch b = {t, op, ids, rows, found, scratch, 0, scratch + n, 0, ask_node, ""};
+    Batch b = {t, n_put, put_ids, get_ids, put_rows, rows, found, scratch, 0, scratch + n, 0, ask_node, ""};
     const double deadline = now_s() + c->retry_timeout;
     double delay = BACKOFF_START;
     int attempts = 0, s;
@@ -622,7 +632,8 @@ static int run_op(RedisTable *t, int op, const i64 *ids, i64 n, char *rows, uint
         delay = delay * 2 < BACKOFF_CAP ? delay * 2 : BACKOFF_CAP;
     }
     if (s == OK) {
-        c->stats[op == OP_GET ? S_ROWS_GOT : S_ROWS_PUT] += (double)n;
+        c->stats[S_ROWS_GOT] += (double)n_get;
+        c->stats[S_ROWS_PUT] += (double)n_put;
     } else if (s == TRANSIENT) {
         t->error_kind = 1;
         snprintf(t->error, sizeof(t->error), "%s on %s: store unreachable for %gs (%d attempts), last error: %s", what,
@@ -725,12 +736,19 @@ void ps_redis_table_free(RedisTable *t) { free(t); }
 
 /* rows [n, row_bytes] of ids (zeros where absent) and found[n]; 0, or -1 (ps_redis_error). */
 int ps_redis_get(RedisTable *t, const i64 *ids, i64 n, char *rows, uint8_t *found) {
-    return run_op(t, OP_GET, ids, n, rows, found);
+    return run_op(t, NULL, 0, NULL, ids, n, rows, found);
 }
 
 /* ids unique; 0 once every row's write was acknowledged, else -1 (ps_redis_error). */
 int ps_redis_put(RedisTable *t, const i64 *ids, i64 n, const char *rows) {
-    return run_op(t, OP_PUT, ids, n, (char *)rows, NULL);
+    return run_op(t, ids, n, rows, NULL, 0, NULL, NULL);
+}
+
+/* A put and a get of other ids (the staging job's evictions and misses) in one exchange: the puts
+ * first on each connection; 0 once every write was acknowledged and every row read. */
+int ps_redis_put_get(RedisTable *t, const i64 *put_ids, i64 n_put, const char *put_rows, const i64 *get_ids,
+                     i64 n_get, char *rows, uint8_t *found) {
+    return run_op(t, put_ids, n_put, put_rows, get_ids, n_get, rows, found);
 }
 
 const char *ps_redis_error(RedisTable *t) { return t->error; }
@@ -744,9 +762,16 @@ static int redis_store_put(void *ctx, const i64 *ids, i64 n, const float *rows) 
     return ps_redis_put((RedisTable *)ctx, ids, n, (const char *)rows);
 }
 
+static int redis_store_put_get(void *ctx, const i64 *put_ids, i64 n_put, const float *put_rows, const i64 *get_ids,
+                               i64 n_get, float *rows, uint8_t *found) {
+    return ps_redis_put_get((RedisTable *)ctx, put_ids, n_put, (const char *)put_rows, get_ids, n_get, (char *)rows,
+                            found);
+}
+
 /* A table of float32 rows as a StoreOps (`init` left as the caller set it). */
 void ps_redis_store_ops(StoreOps *out, RedisTable *t) {
     out->ctx = t;
     out->get = redis_store_get;
     out->put = redis_store_put;
+    out->put_get = redis_store_put_get;
 }

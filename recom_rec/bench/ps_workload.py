@@ -170,7 +170,7 @@ class _StoreCounters:
             for name, seconds in tier.stager_times().items():
                 phases[name] = phases.get(name, 0.0) + seconds
         out = {"job_ms": phases.get("job", 0.0) / batches * 1e3,
-               "store_ms": (phases.get("store get", 0.0) + phases.get("store put", 0.0)) / batches * 1e3}
+               "store_ms": sum(phases.get(k, 0.0) for k in ("store get", "store put", "store put+get")) / batches * 1e3}
         if "server_usec" in after:
             out["server_ms"] = (after["server_usec"] - self.before["server_usec"]) / batches * 1e-3
         if "bytes_out" in after:

@@ -47,6 +47,28 @@ def test_the_tier_stages_redis_rows_natively(redis_server, prefetch):
     assert_same_tables(m, ref)
 
 
+@pytest.mark.parametrize("where", ["server", "cluster"])
+def test_put_and_get_in_one_exchange(where, redis_server, redis_cluster):
+    # the staging job's evictions and misses: a put and a get of other ids, one exchange
+    url = (redis_server if where == "server" else redis_cluster).url(prefix=_prefix())
+    with open_store(url) as store:
+        old = torch.randn(700, 5)
+        store.put("t", torch.arange(700), old)
+        table = store.native_table("t", 5)
+        put_ids, put_rows = torch.arange(700, 1900), torch.randn(1200, 5)
+        get_ids = torch.cat([torch.arange(0, 700, 2), torch.tensor([5000])])
+        rows, found = torch.empty(get_ids.numel(), 5), torch.empty(get_ids.numel(), dtype=torch.bool)
+        before = store.native_stats()
+        assert host_lib.lib().ps_redis_put_get(table._t, put_ids.data_ptr(), 1200, put_rows.data_ptr(),
+                                               get_ids.data_ptr(), get_ids.numel(), rows.data_ptr(),
+                                               found.data_ptr()) == 0
+        after = store.native_stats()
+        assert after["exchanges"] - before["exchanges"] == 1
+        assert torch.equal(rows[:-1], old[::2]) and found[:-1].all() and not found[-1] and rows[-1].eq(0).all()
+        got, hit = store.get("t", put_ids, 5, torch.float32)
+        assert hit.all() and torch.equal(got, put_rows)
+
+
 def test_key_slots_are_the_servers(redis_cluster):
     c = redis_cluster.servers[0].client()
     try:
