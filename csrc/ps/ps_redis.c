@@ -83,7 +83,7 @@ typedef struct RedisTable {
     int head_len;
     char name[256];
     i64 row_bytes;
-    int error_kind; /* 1 unavailable, 2 any other failure */
+    int error_kind; /* 1 unavailable, 2 any other failure (ps_redis_take_error) */
     char error[1024];
 } RedisTable;
 
@@ -603,7 +603,6 @@ static int run_op(RedisTable *t, const i64 *put_ids, i64 n_put, const char *put_
     i64 *scratch = (i64 *)malloc(sizeof(i64) * (size_t)n * 4);
     int *ask_node = (int *)malloc(sizeof(int) * (size_t)n);
     pthread_mutex_lock(&c->mu);
-    t->error_kind = 0;
     if (!scratch || !ask_node) {
         free(scratch);
         free(ask_node);
@@ -751,8 +750,18 @@ int ps_redis_put_get(RedisTable *t, const i64 *put_ids, i64 n_put, const char *p
     return run_op(t, put_ids, n_put, put_rows, get_ids, n_get, rows, found);
 }
 
-const char *ps_redis_error(RedisTable *t) { return t->error; }
-int ps_redis_error_kind(RedisTable *t) { return t->error_kind; }
+/* The last failure's kind (0 none, 1 the store was unreachable past retry_timeout, 2 any other) and
+ * message into out[len], then forgets it: a failure stays until read, as a later batch (staged
+ * ahead) may run before the tier reads it. */
+int ps_redis_take_error(RedisTable *t, char *out, int len) {
+    pthread_mutex_lock(&t->c->mu);
+    const int kind = t->error_kind;
+    snprintf(out, (size_t)len, "%s", t->error);
+    t->error_kind = 0;
+    t->error[0] = 0;
+    pthread_mutex_unlock(&t->c->mu);
+    return kind;
+}
 
 static int redis_store_get(void *ctx, const i64 *ids, i64 n, float *rows, uint8_t *found) {
     return ps_redis_get((RedisTable *)ctx, ids, n, (char *)rows, found);

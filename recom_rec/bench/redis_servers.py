@@ -164,10 +164,11 @@ class RedisServer:
 class RedisClusterProcesses:
     """``n`` cluster-enabled ``redis-server`` masters joined by ``redis-cli --cluster create``."""
 
-    def __init__(self, workdir: Path, n: int = 3):
+    def __init__(self, workdir: Path, n: int = 3, appendonly: bool = False):
         self.servers = [
             RedisServer(
                 Path(workdir) / f"node{i}",
+                appendonly=appendonly,
                 # Redis listens for cluster traffic on port + 10000, which must exist and be free.
                 port=free_port(below=55536),
                 extra_args=[
@@ -234,6 +235,10 @@ class RedisClusterProcesses:
         finally:
             for c in clients:
                 c.close()
+
+    def wait_until_ok(self) -> None:
+        """Until every node reports cluster_state:ok (after a node's restart, say)."""
+        self._wait_until_ok()
 
     def _wait_until_ok(self) -> None:
         deadline = time.monotonic() + 20

@@ -88,8 +88,7 @@ _SIGNATURES = {
     "ps_redis_get": (ctypes.c_int, [_P, _P, _I, _P, _P]),
     "ps_redis_put": (ctypes.c_int, [_P, _P, _I, _P]),
     "ps_redis_put_get": (ctypes.c_int, [_P, _P, _I, _P, _P, _I, _P, _P]),
-    "ps_redis_error": (ctypes.c_char_p, [_P]),
-    "ps_redis_error_kind": (ctypes.c_int, [_P]),
+    "ps_redis_take_error": (ctypes.c_int, [_P, _P, ctypes.c_int]),
     "ps_redis_store_ops": (None, [_P, _P]),
     "ps_redis_key_slot": (ctypes.c_int, [ctypes.c_char_p, _I]),
 }

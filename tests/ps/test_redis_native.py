@@ -214,3 +214,32 @@ def test_cluster_resharded_while_training_loses_no_row(tmp_path):
         assert_same_tables(m, ref)
     finally:
         cluster.stop()
+
+
+def test_cluster_shard_killed_mid_run_loses_no_acknowledged_row(tmp_path):
+    cluster = RedisClusterProcesses(tmp_path, n=3, appendonly=True)
+    try:
+        cluster.start()
+        url = cluster.url(prefix=_prefix(), retry_timeout=0.5)
+        data = batches(8, seed=23)
+        m = ps_model(url, cache_rows=40)
+        ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
+        train(m, data[:3], 2)
+        train(ref, data[:3])
+        cache = m._ps.tables["big"].cache
+        dirty_before = set(cache.id_of[cache.dirty.astype(bool)].tolist())
+        cluster.servers[1].stop()  # SIGKILL one master: a third of the slots have no server
+        with pytest.raises(StoreUnavailable) as info:
+            train(m, data[3:5], 2)
+        assert "unreachable" in str(info.value)
+        assert dirty_before <= set(cache.id_of[cache.dirty.astype(bool)].tolist())
+        assert not cache.pins.any()
+        cluster.servers[1].start()  # its AOF replays the acknowledged rows, nodes.conf its slots
+        cluster.wait_until_ok()
+        assert ps.flush(m) >= len(dirty_before)
+        outs = train(m, data[3:], 2)
+        for a, b in zip(outs, train(ref, data[3:])):
+            assert torch.equal(a, b)
+        assert_same_tables(m, ref)
+    finally:
+        cluster.stop()

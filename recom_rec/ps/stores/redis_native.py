@@ -35,20 +35,26 @@ class NativeTable:
         rows = torch.empty(ids.numel(), width, dtype=dtype)
         found = torch.empty(ids.numel(), dtype=torch.bool)
         if self._lib.ps_redis_get(self._t, ids.data_ptr(), ids.numel(), rows.data_ptr(), found.data_ptr()) != 0:
-            raise self.error()
+            raise self._failure("get")
         return rows, found
 
     def put(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         if self._lib.ps_redis_put(self._t, ids.data_ptr(), ids.numel(), rows.data_ptr()) != 0:
-            raise self.error()
+            raise self._failure("put")
+
+    def _failure(self, op: str) -> StoreError:
+        # None only if another thread took this table's error first (a staging job's own failure)
+        return self.error() or StoreError(f"{op} of table {self.table!r} failed")
 
     def error(self) -> Optional[StoreError]:
-        """The last failed get or put as the exception the store raises (None when none failed)."""
-        kind = self._lib.ps_redis_error_kind(self._t)
+        """The last failed get or put as the exception the store raises, once (None when none
+        failed since the last call)."""
+        text = ctypes.create_string_buffer(1024)
+        kind = self._lib.ps_redis_take_error(self._t, text, len(text))
         if kind == 0:
             return None
-        text = self.client.scrub(self._lib.ps_redis_error(self._t).decode(errors="replace"))
-        return StoreUnavailable(text) if kind == 1 else StoreError(text)
+        message = self.client.scrub(text.value.decode(errors="replace"))
+        return StoreUnavailable(message) if kind == 1 else StoreError(message)
 
     def fill_store_ops(self, ops) -> None:
         self._lib.ps_redis_store_ops(ctypes.byref(ops), self._t)
