@@ -243,3 +243,27 @@ def test_cluster_shard_killed_mid_run_loses_no_acknowledged_row(tmp_path):
         assert_same_tables(m, ref)
     finally:
         cluster.stop()
+
+
+def test_a_server_that_stops_answering_times_out_and_is_retried(start_redis):
+    import os
+    import signal
+
+    server = start_redis()
+    store = open_store(server.url(prefix="s", socket_timeout=0.3, retry_timeout=1))
+    try:
+        store.put("t", torch.arange(10), torch.ones(10, 4))
+        os.kill(server.proc.pid, signal.SIGSTOP)  # alive, listening, silent
+        try:
+            start = time.monotonic()
+            with pytest.raises(StoreUnavailable, match=r"unreachable for 1s.*no reply"):
+                store.get("t", torch.arange(10), 4, torch.float32)
+            assert time.monotonic() - start < 4
+            threading.Timer(0.3, os.kill, (server.proc.pid, signal.SIGCONT)).start()
+            got, found = store.get("t", torch.arange(10), 4, torch.float32)  # retried until it answers
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert found.all() and got.eq(1).all()
+        assert store.native_stats()["retries"] > 0
+    finally:
+        store.close()
