@@ -32,6 +32,7 @@
 #define MAX_ROUNDS 16 /* redirections followed in one attempt */
 #define BACKOFF_START 0.05
 #define BACKOFF_CAP 1.0
+#define KEEP_BUFFER ((size_t)16 << 20) /* a connection's buffers larger than this are freed after a batch */
 
 enum { OK = 0, TRANSIENT = 1, FATAL = 2, AUTH_FAILED = 3 };
 enum { R_AUTH, R_SELECT, R_MGET, R_MSET, R_GET, R_SET, R_ASKING, R_RAW };
@@ -386,10 +387,13 @@ static int exchange(RedisClient *c, Batch *b) {
             Conn *cn = &nd->conn;
             if (!fds[i].revents && !cn->tls) continue;
             char err[300];
-            if (conn_flush(cn, err, sizeof(err)) < 0 || conn_fill(cn, err, sizeof(err)) < 0) {
+            const long wrote = conn_flush(cn, err, sizeof(err));
+            const long read = wrote < 0 ? -1 : conn_fill(cn, err, sizeof(err));
+            if (read < 0) {
                 snprintf(b->why, sizeof(b->why), "%s:%d: %s", nd->host, nd->port, err);
                 return TRANSIENT;
             }
+            if (wrote > 0 || read > 0) last = now_s(); /* the timeout counts from the last progress */
             while (nd->next < nd->n_reqs) {
                 const char *p = cn->in.data + cn->in.off;
                 const i64 l = resp_reply_len(p, (i64)(cn->in.len - cn->in.off));
@@ -402,7 +406,6 @@ static int exchange(RedisClient *c, Batch *b) {
                 if (s != OK) return s;
                 cn->in.off += (size_t)l;
                 nd->next++;
-                last = now_s();
             }
         }
     }
@@ -629,6 +632,11 @@ static int run_op(RedisTable *t, const i64 *put_ids, i64 n_put, const char *put_
         struct timespec ts = {(time_t)pause, (long)((pause - (double)(time_t)pause) * 1e9)};
         nanosleep(&ts, NULL);
         delay = delay * 2 < BACKOFF_CAP ? delay * 2 : BACKOFF_CAP;
+    }
+    for (int k = 0; k < c->n_nodes; k++) { /* a flush's pipeline of many MB is not kept */
+        Conn *cn = &c->nodes[k]->conn;
+        if (cn->out.cap > KEEP_BUFFER) buf_release(&cn->out);
+        if (cn->in.cap > KEEP_BUFFER && cn->in.off == cn->in.len) buf_release(&cn->in);
     }
     if (s == OK) {
         c->stats[S_ROWS_GOT] += (double)n_get;

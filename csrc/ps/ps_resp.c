@@ -226,17 +226,18 @@ int conn_open(Conn *c, const char *host, int port, const char *path, const TlsCo
     return 0;
 }
 
-/* Writes what it can of c->out: 1 progress or nothing to do, 0 would block, -1 failed. */
-int conn_flush(Conn *c, char *err, size_t errlen) {
+/* Writes what it can of c->out: bytes written (>0), 0 none (done or would block), -1 failed. */
+long conn_flush(Conn *c, char *err, size_t errlen) {
+    long total = 0;
     while (c->out.off < c->out.len) {
         const size_t want = c->out.len - c->out.off;
         long k;
         if (c->tls) {
             k = ps_tls_write(c->tls, c->out.data + c->out.off, want);
-            if (k == PS_TLS_AGAIN) return 0;
+            if (k == PS_TLS_AGAIN) return total;
         } else {
             k = send(c->fd, c->out.data + c->out.off, want, MSG_NOSIGNAL);
-            if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+            if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return total;
             if (k < 0 && errno == EINTR) continue;
         }
         if (k <= 0) {
@@ -244,8 +245,9 @@ int conn_flush(Conn *c, char *err, size_t errlen) {
             return -1;
         }
         c->out.off += (size_t)k;
+        total += k;
     }
-    return 1;
+    return total;
 }
 
 /* Reads what is there into c->in: bytes read (>0), 0 would block, -1 failed or closed. */

@@ -267,3 +267,14 @@ def test_a_server_that_stops_answering_times_out_and_is_retried(start_redis):
         assert store.native_stats()["retries"] > 0
     finally:
         store.close()
+
+
+def test_pipelines_of_tens_of_megabytes(redis_server):
+    # a flush's put: larger than the buffers a connection keeps between batches (16 MB)
+    with open_store(redis_server.url(prefix=_prefix())) as store:
+        rows = torch.randn(40_000, 160)  # 25.6 MB of rows
+        store.put("t", torch.arange(40_000), rows)
+        for _ in range(2):  # the second time on buffers made again
+            got, found = store.get("t", torch.arange(40_000), 160, torch.float32)
+            assert found.all() and torch.equal(got, rows)
+        store.clear("t")
