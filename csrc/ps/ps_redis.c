@@ -72,7 +72,7 @@ typedef struct RedisClient {
     int db;
     double connect_timeout, io_timeout, retry_timeout;
     Node *nodes[MAX_NODES];
-    int n_nodes, n_seeds;
+    int n_nodes;
     int16_t slot_node[SLOTS];
     int slots_known;
     double stats[N_STATS];
@@ -430,7 +430,10 @@ static int parse_slots(RedisClient *c, Node *from, Batch *b) {
         const char *e = p, *e_end = p + len;
         i64 h, items = resp_header(e, len, &h);
         e += h;
-        if (items < 3) return FATAL;
+        if (items < 3) {
+            snprintf(b->why, sizeof(b->why), "a CLUSTER SLOTS entry of %lld items", (long long)items);
+            return FATAL;
+        }
         const i64 lo = resp_header(e, e_end - e, &h);
         e += skip(e, e_end);
         const i64 hi = resp_header(e, e_end - e, &h);
@@ -677,11 +680,7 @@ RedisClient *ps_redis_client_new(const char *redacted_url, int cluster, const ch
 }
 
 /* A server (one server: its only node; a cluster: a seed to ask for the slot map). */
-int ps_redis_client_add_node(RedisClient *c, const char *host, int port) {
-    int k = node_of(c, host, port);
-    if (k >= 0) c->n_seeds = c->n_nodes;
-    return k;
-}
+int ps_redis_client_add_node(RedisClient *c, const char *host, int port) { return node_of(c, host, port); }
 
 int ps_redis_client_tls(RedisClient *c, int verify, int check_hostname, const char *ca_certs, const char *certfile,
                         const char *keyfile) {
