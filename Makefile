@@ -30,11 +30,12 @@ $(BUILT): $(STAMP) setup.py recom_rec/native_build.py $(wildcard csrc/*/*.c csrc
 
 install: $(BUILT)
 
-# A real redis-server for the parameter-server tests (Debian's package) when it is missing.
+# A real redis-server for the parameter-server tests (Debian's package, built with TLS) when it is
+# missing, and the openssl command the rediss:// test makes its certificates with.
 redis:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@{ command -v redis-server && command -v openssl; } >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q redis-server; }
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q redis-server openssl; }
 
 test: $(BUILT) redis
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q tests $(PYTEST_ARGS)

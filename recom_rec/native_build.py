@@ -23,11 +23,15 @@ PS_SOURCES = [
     "ps_pool.c",
     "ps_stage.c",
     "ps_cuda.c",
+    "ps_resp.c",
+    "ps_tls.c",
+    "ps_redis.c",
     "ps_build_info.c",
 ]
-PS_HEADERS = ["ps_host.h", "ps_map.h"]
+PS_HEADERS = ["ps_host.h", "ps_map.h", "ps_redis.h"]
 # -ffp-contract=off: the init must round like torch's separate multiply and add. gnu99: POSIX
-# threads, clocks and dlopen (ps_cuda.c loads the CUDA driver at run time, never at link time).
+# threads, clocks and dlopen (ps_cuda.c loads the CUDA driver, ps_tls.c libssl, at run time, never
+# at link time).
 PS_CFLAGS = ["-O2", "-fPIC", "-ffp-contract=off", "-std=gnu99", "-pthread"]
 PS_LIBRARIES = ["dl"]
 

@@ -14,7 +14,7 @@ def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--workloads", "many-1000", "ps", "--phases", "forward", "sgd",
-         "--iters", "2", "--warmup", "1", "--out", str(out)],
+         "--iters", "2", "--warmup", "1", "--out", str(out), "--ps-urls", "memory://bench", "redis+cluster://local"],
         env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     text = result.stdout
@@ -27,6 +27,12 @@ def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
     assert "staging ms" in text, text
     staging = [r["staging_ms"] for r in data["results"] if r["peer"] == "ps memory://bench"]
     assert staging and staging[0] > 0
+    # the cluster the benchmark started: the store's own time and the RESP bytes per batch
+    cluster = [r for r in data["results"] if r["peer"] == "ps redis+cluster://local (3 shards) prefetch 2"]
+    assert cluster, text
+    timed = cluster[0]["timed_per_batch"]
+    assert timed["server_ms"] > 0 and timed["resp_bytes_out"] > timed["pushed_per_batch"] * 32 * 4 > 0
+    assert "server ms" in text and "RESP out kB" in text, text
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -5,7 +5,8 @@
  *  ps_map.h    the id -> i64 hash map both use;
  *  ps_stage.c  a batch's staging from the ids on the device to the remapped ids on the device,
  *              in one native call (or on a worker thread of the tier's own), and the CPU row ops;
- *  ps_cuda.c   the row ops on a CUDA GPU, through the driver API (kernels from ps_rows.ptx).
+ *  ps_cuda.c   the row ops on a CUDA GPU, through the driver API (kernels from ps_rows.ptx);
+ *  ps_resp.c, ps_tls.c, ps_redis.c (ps_redis.h)  the Redis store's rows, spoken in RESP by the job.
  *
  * Built into one shared library with the system C compiler (recom_rec/ps/host_lib.py).
  */
@@ -107,13 +108,17 @@ typedef struct RowOps {
 
 /* A table's store. get: rows [n, width] float32 (zeros where absent) and found[n]; put: ids
  * unique, acknowledged when it returns 0. init (optional, used when the layout's rule is not
- * uniform): the initial float32 rows [n, width] of ids, states included. Each returns 0 on
- * success; the tier reads a failure's reason from its own side (a Python exception). */
+ * uniform): the initial float32 rows [n, width] of ids, states included. put_get (optional): a put
+ * and a get of other ids in one exchange with the store (a server's round trip, not two); 0 when
+ * both succeeded. Each returns 0 on success; the tier reads a failure's reason from its own side
+ * (a Python exception, or the C store's message). */
 typedef struct {
     void *ctx;
     int (*get)(void *ctx, const i64 *ids, i64 n, float *rows, uint8_t *found);
     int (*put)(void *ctx, const i64 *ids, i64 n, const float *rows);
     int (*init)(void *ctx, const i64 *ids, i64 n, float *rows);
+    int (*put_get)(void *ctx, const i64 *put_ids, i64 n_put, const float *put_rows, const i64 *get_ids, i64 n_get,
+                   float *get_rows, uint8_t *found);
 } StoreOps;
 
 /* `n` ids `id_bytes` (4 or 8) wide to int64, and back (the row ops' host side). */

@@ -11,7 +11,8 @@
  * One table's staging (stage_table), the order that keeps every row safe:
  *  1. the cache reserves slots for the misses and pins the batch's slots (nothing moves yet);
  *  2. the dirty victims' rows are read and put to the store, which acknowledges them;
- *  3. the misses are got from the store; ids it lacks get their initial rows;
+ *  3. the misses are got from the store (with 2 in one exchange where the store can); ids it lacks
+ *     get their initial rows;
  *  4. the rows are written into their slots, and only then the cache commits the new ids.
  * A failure in 2-3 aborts: the slots are unpinned and every id stays where it was (a dirty row the
  * store did not acknowledge stays cached and dirty).
@@ -28,7 +29,7 @@
 #include <time.h>
 
 /* Seconds spent in each phase, summed over a stager's jobs (tools/profile_ps.py prints them). */
-enum { T_FETCH, T_STAGE, T_WAIT, T_READ, T_PUT, T_GET, T_WRITE, T_INIT, T_COMMIT, T_PUT_IDS, T_JOB, N_TIMES };
+enum { T_FETCH, T_STAGE, T_WAIT, T_READ, T_PUT, T_GET, T_WRITE, T_INIT, T_COMMIT, T_PUT_IDS, T_JOB, T_PUT_GET, N_TIMES };
 
 static double now(void) {
     struct timespec t;
@@ -120,21 +121,30 @@ static i64 stage_table(const RowOps *ops, Scratch *s, Job *job, TableJob *tj, pt
                 s->pslots[np] = s->take[k];
                 s->pids[np++] = s->evicted[k];
             }
+        float *pushed = NULL;
         if (np > 0) {
-            float *rows = (float *)ops->host_buffer(ctx, 0, np * width * (i64)sizeof(float));
-            if (!rows) return fail(tj, STAGE_NO_MEMORY, tj->slots, distinct);
-            if (ops->read_rows(ctx, L, s->pslots, np, rows)) return fail(tj, STAGE_DEVICE_ERROR, tj->slots, distinct);
+            pushed = (float *)ops->host_buffer(ctx, 0, np * width * (i64)sizeof(float));
+            if (!pushed) return fail(tj, STAGE_NO_MEMORY, tj->slots, distinct);
+            if (ops->read_rows(ctx, L, s->pslots, np, pushed)) return fail(tj, STAGE_DEVICE_ERROR, tj->slots, distinct);
             lap(times, T_READ, &t);
-            if (store->put(store->ctx, s->pids, np, rows)) return fail(tj, STAGE_STORE_ERROR, tj->slots, distinct);
-            lap(times, T_PUT, &t);
         }
         tj->counts[3] = np;
-        /* 3. pulls; rows the store lacks start from the init rule */
+        /* 3. pulls (the misses are not the pushed ids, so a store may take both at once); rows the
+         * store lacks start from the init rule */
         float *rows = (float *)ops->host_buffer(ctx, 1, m * width * (i64)sizeof(float));
         if (!rows) return fail(tj, STAGE_NO_MEMORY, tj->slots, distinct);
-        if (store->get(store->ctx, s->new_ids, m, rows, s->found))
-            return fail(tj, STAGE_STORE_ERROR, tj->slots, distinct);
-        lap(times, T_GET, &t);
+        if (np > 0 && store->put_get) {
+            if (store->put_get(store->ctx, s->pids, np, pushed, s->new_ids, m, rows, s->found))
+                return fail(tj, STAGE_STORE_ERROR, tj->slots, distinct);
+            lap(times, T_PUT_GET, &t);
+        } else {
+            if (np > 0 && store->put(store->ctx, s->pids, np, pushed))
+                return fail(tj, STAGE_STORE_ERROR, tj->slots, distinct);
+            lap(times, T_PUT, &t);
+            if (store->get(store->ctx, s->new_ids, m, rows, s->found))
+                return fail(tj, STAGE_STORE_ERROR, tj->slots, distinct);
+            lap(times, T_GET, &t);
+        }
         i64 kept = 0, fresh = 0;
         for (i64 k = 0; k < m; k++) {
             if (s->found[k]) {

@@ -38,7 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--worlds", nargs="+", type=int, default=None,
                    help="process counts for 'sharded-dlrm' (one per GPU; default 1 and every GPU)")
     p.add_argument("--ps-urls", nargs="+", default=["memory://bench"],
-                   help="stores for the 'ps' workload, e.g. memory://bench redis://127.0.0.1:6379/0")
+                   help="stores for the 'ps' workload, e.g. memory://bench redis://127.0.0.1:6379/0; redis://local and "
+                   "redis+cluster://local start a server / a 3-shard cluster on loopback for the run")
     p.add_argument("--peers", nargs="+", default=["recom_rec", "torchrec", "fbgemm"],
                    choices=list(PEERS) + list(PINNED_BACKENDS),
                    help="recom_rec:triton / recom_rec:cuda: ours with that backend pinned, beside 'recom_rec' (--backend)")

@@ -72,6 +72,22 @@ _SIGNATURES = {
     "ps_bf16_to_f32": (ctypes.c_float, [ctypes.c_uint16]),
     "ps_pool_workers": (ctypes.c_int, []),
     "ps_sources_sha256": (ctypes.c_char_p, []),
+    "ps_redis_client_new": (_P, [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                 ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double]),
+    "ps_redis_client_add_node": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.c_int]),
+    "ps_redis_client_tls": (ctypes.c_int, [_P, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
+                                           ctypes.c_char_p]),
+    "ps_redis_client_free": (None, [_P]),
+    "ps_redis_client_disconnect": (None, [_P]),
+    "ps_redis_stats": (ctypes.c_int, [_P, _P]),
+    "ps_redis_table_new": (_P, [_P, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, _I]),
+    "ps_redis_table_free": (None, [_P]),
+    "ps_redis_get": (ctypes.c_int, [_P, _P, _I, _P, _P]),
+    "ps_redis_put": (ctypes.c_int, [_P, _P, _I, _P]),
+    "ps_redis_put_get": (ctypes.c_int, [_P, _P, _I, _P, _P, _I, _P, _P]),
+    "ps_redis_take_error": (ctypes.c_int, [_P, _P, ctypes.c_int]),
+    "ps_redis_store_ops": (None, [_P, _P]),
+    "ps_redis_key_slot": (ctypes.c_int, [ctypes.c_char_p, _I]),
 }
 
 

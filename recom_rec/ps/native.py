@@ -37,7 +37,7 @@ class RowOps(ctypes.Structure):
 
 
 class StoreOps(ctypes.Structure):
-    _fields_ = [("ctx", _P), ("get", _P), ("put", _P), ("init", _P)]
+    _fields_ = [("ctx", _P), ("get", _P), ("put", _P), ("init", _P), ("put_get", _P)]
 
 
 class TableJob(ctypes.Structure):
@@ -179,7 +179,7 @@ class Stager:
         return self._lib.ps_stager_wait(self._st, ctypes.byref(job))
 
     PHASES = ("fetch ids", "cache stage", "wait for slots", "read pushed rows", "store put", "store get",
-              "write pulled rows", "init new rows", "cache commit", "remapped ids", "job")
+              "write pulled rows", "init new rows", "cache commit", "remapped ids", "job", "store put+get")
 
     def times(self) -> dict:
         """Seconds per phase of the jobs since the last call (ps_stage.c's timers)."""

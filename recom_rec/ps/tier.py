@@ -22,7 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from . import host_lib, native
 from .cache import CacheFull, SlotCache
 from .config import PSConfig
-from .stores import MemoryStore, RowStore, StoreError, open_store
+from .stores import RowStore, StoreError, open_store
 
 Handle = Dict[str, np.ndarray]  # table -> slots pinned by one batch
 
@@ -146,9 +146,10 @@ class _Table:
         self.layout_key = None  # (weight address, fused optimizer) the layout was made for
         self.store_ops = native.StoreOps()
         self.py_ops: Optional[native.PythonStoreOps] = None  # callbacks, made for the current row width
-        self.native_store = None  # the memory:// C table the store ops point at
-        self.in_memory = type(store) is MemoryStore  # read and written by the job itself (not a
-        # subclass, which may override the I/O)
+        self.native_store = None  # the store's C table the store ops point at
+        # Read and written by the job itself (memory://, redis://...): the store's own class
+        # offers a C table; a subclass, which may override the I/O, is called back in Python.
+        self.native_io = "native_table" in type(store).__dict__
 
 
 class _Pending:
@@ -265,19 +266,19 @@ class PSTier:
                 L.init_a, L.init_b = bounds
             t.layout_key = key
         width = L.width
-        mem = t.store.native_table(t.name, width) if t.in_memory else None  # a clear() replaces it
-        if t.py_ops is None or t.py_ops.width != width or mem is not t.native_store:
+        table = t.store.native_table(t.name, width) if t.native_io else None  # memory://'s clear() replaces it
+        if t.py_ops is None or t.py_ops.width != width or table is not t.native_store:
             name = t.name
             ops = native.StoreOps()
-            if mem is not None:
-                host_lib.lib().ps_mem_store_ops(ctypes.byref(ops), mem._t)
+            if table is not None:
+                table.fill_store_ops(ops)
                 py = native.PythonStoreOps(None, None, lambda ids: self._initial_rows(t, ids), width)
             else:
                 py = native.PythonStoreOps(lambda ids: t.store.get(name, ids, width, torch.float32),
                                            lambda ids, rows: t.store.put(name, ids, rows, unique_ids=True),
                                            lambda ids: self._initial_rows(t, ids), width)
             py.fill(ops)
-            t.store_ops, t.py_ops, t.native_store = ops, py, mem
+            t.store_ops, t.py_ops, t.native_store = ops, py, table
 
     # ------------------------------------------------------------------ per batch
     #
@@ -429,7 +430,9 @@ class PSTier:
     def _job_error(self, t: _Table, tj, status: int, job, stager: native.Stager) -> BaseException:
         name, rows = t.name, t.cache.cache_rows
         if status == host_lib.STAGE_STORE_ERROR:
-            exc, t.py_ops.error = t.py_ops.error, None
+            exc, t.py_ops.error = t.py_ops.error, None  # raised by a Python store or init
+            if exc is None and t.native_store is not None:
+                exc = t.native_store.error()  # the C store's (None: memory:// out of memory)
             return exc if exc is not None else StoreError(f"{t.store.url} table {name!r}: out of host memory")
         if status == host_lib.STAGE_NEGATIVE_ID:
             return ValueError(f"table {name!r}: PS-backed tables take ids >= 0, got {job.error_at}")

@@ -185,27 +185,30 @@ def test_restart_from_store_continues_exactly(redis_server):
     assert_same_tables(second, ref)
 
 
-def test_redis_killed_mid_run_loses_no_dirty_row(start_redis):
+@pytest.mark.parametrize("prefetch", [None, 2])
+def test_redis_killed_mid_run_loses_no_dirty_row(start_redis, prefetch):
+    # the rows go through the staging job's own Redis client (csrc/ps/ps_redis.c)
     server = start_redis(appendonly=True)
     url = redis_url(server, retry_timeout=0.3)
     data = batches(8, seed=4)
     m = ps_model(url)
     ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
-    train(m, data[:3])
+    train(m, data[:3], prefetch)
     train(ref, data[:3])
     cache = m._ps.tables["big"].cache
     dirty_before = set(cache.id_of[cache.dirty.astype(bool)].tolist())
     server.stop()
     with pytest.raises(StoreUnavailable) as info:
-        train(m, data[3:4])  # its misses need evictions, whose pushes fail
+        train(m, data[3:4], prefetch)  # its misses need evictions, whose pushes fail
     assert "retry" in str(info.value) or "unreachable" in str(info.value)
     dirty_after = set(cache.id_of[cache.dirty.astype(bool)].tolist())
     assert dirty_before <= dirty_after  # nothing dirty was dropped
     with pytest.raises(StoreUnavailable):
         ps.flush(m)
+    assert not cache.pins.any()
     server.start()  # same port, AOF replays the acknowledged rows
     assert ps.flush(m) >= len(dirty_before)
-    train(m, data[3:])
+    train(m, data[3:], prefetch)
     train(ref, data[3:])
     assert_same_tables(m, ref)
 

@@ -11,6 +11,7 @@ parameter-server tier's staging calls a table's C functions directly (:meth:`Mem
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Dict, Optional, Tuple
 from urllib.parse import urlsplit
@@ -60,6 +61,14 @@ class _Table:
     def delete(self, table: str, ids: torch.Tensor) -> None:
         if not self._lib.ps_mem_delete(self._t, ids.data_ptr(), ids.numel()):
             raise StoreError(f"memory:// table {table!r}: out of memory deleting rows")
+
+    def fill_store_ops(self, ops) -> None:
+        """Points a staging job's store ops (csrc/ps/ps_host.h's StoreOps) at this table."""
+        self._lib.ps_mem_store_ops(ctypes.byref(ops), self._t)
+
+    def error(self):
+        """A failed native get or put here ran out of memory (the tier says so itself)."""
+        return None
 
     def ids(self) -> torch.Tensor:
         out = np.empty(0, dtype=np.int64)
@@ -118,7 +127,7 @@ class MemoryStore(RowStore):
 
     def native_table(self, table: str, width: int) -> _Table:
         """The C table of ``table`` for float32 rows of ``width`` (made when absent), whose
-        ``_t`` the tier's staging reads and writes without Python. Fetch it per batch: a
+        store ops (:meth:`_Table.fill_store_ops`) the tier's staging calls without Python. Fetch it per batch: a
         :meth:`clear` replaces it."""
         with self._ns.lock:
             t = self._ns.tables.get(table)

@@ -13,9 +13,11 @@ little-endian, holding the row's raw bytes (``width * itemsize``). No other keys
 no id-set bookkeeping (SCAN is O(keys in the db), acceptable for checkpoints/cold starts, which
 is when the PS tier scans).
 
-Batching: keys go in chunks of ``CHUNK`` per MGET/MSET/DEL, all chunks of a call sent in one
-pipeline (single server) or through the cluster client's per-slot pipelines (cluster; no hash
-tags, so a table's rows spread over all shards).
+Rows: a batch's get and put are run by the C client of csrc/ps/ps_redis.c (:mod:`.redis_native`),
+which the tier's staging job also calls without the GIL: one server gets pipelined MGET/MSET
+commands of 512 keys; a cluster gets a GET/SET per key, pipelined per master, every master's
+pipeline in flight at once (no hash tags, so a table's rows spread over all shards), -MOVED and
+-ASK followed. redis-py keeps the control path: PING at open, SCAN, DEL.
 
 Failures: connection errors and timeouts are retried with exponential backoff until
 ``retry_timeout`` seconds have passed since the operation started, then
@@ -25,6 +27,7 @@ an unreachable server fails fast (small connect timeout + PING).
 """
 from __future__ import annotations
 
+import ssl
 import time
 from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
@@ -46,9 +49,10 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from .base import RowStore, StoreError, StoreUnavailable
+from .redis_native import NativeClient, NativeTable
 from .registry import join_url, redact_url
 
-#: Keys per MGET/MSET/DEL command.
+#: Keys per DEL command.
 CHUNK = 4096
 DEFAULT_PREFIX = "recom_rec"
 DEFAULT_RETRY_TIMEOUT = 30.0
@@ -86,10 +90,12 @@ class RedisStore(RowStore):
         prefix: str,
         retry_timeout: float,
         redacted_url: str,
+        native: NativeClient,
         secrets: Sequence[str] = (),
     ):
         super().__init__(redacted_url)
         self._client = client
+        self._native = native
         self._cluster = cluster
         self._prefix = prefix
         self._retry_timeout = retry_timeout
@@ -107,37 +113,37 @@ class RedisStore(RowStore):
     # ------------------------------------------------------------------ RowStore hooks
 
     def _get(self, table, ids, width, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self._cluster:
-            keys = self._keys(table, ids)
-            values = self._retrying("get", lambda: self._mget(keys))
-        else:
-            keys = _key_array(self._head(table), ids)
-            values = self._retrying("get", lambda: self._mget_packed(keys))
-        row_bytes = width * torch.empty(0, dtype=dtype).element_size()
-        found = torch.tensor([v is not None for v in values], dtype=torch.bool)
-        rows = torch.zeros(len(keys), width, dtype=dtype)
-        for i, v in enumerate(values):
-            if v is not None and len(v) != row_bytes:
-                raise StoreError(
-                    f"{self!r}: stored row of table {table!r} id {int(ids[i])} has {len(v)} "
-                    f"bytes, expected {row_bytes} (width {width} x {dtype}); the table was "
-                    f"written with another width or dtype"
-                )
-        payload = b"".join(v for v in values if v is not None)
-        if payload:
-            stored = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            rows[found] = stored.view(dtype).view(-1, width)
-        return rows, found
+        return self._table(table, width * _itemsize(dtype)).get(ids, width, dtype)
 
     def _put(self, table, ids, rows) -> None:
-        raw = rows.contiguous().view(torch.uint8).numpy().reshape(len(ids), -1)  # a row's bytes per line
+        self._table(table, rows.shape[1] * rows.element_size()).put(ids, rows)
+
+    def native_table(self, table: str, width: int) -> NativeTable:
+        """The C table of ``table``'s float32 rows of ``width``, which the tier's staging job reads
+        and writes itself (csrc/ps/ps_redis.c)."""
+        self._check_open()
+        return self._table(table, width * 4)
+
+    def native_stats(self) -> dict:
+        """The C client's counters since the store was opened: commands, RESP bytes out and in,
+        rows got and put, exchanges and the seconds spent in them, MOVED / ASK redirections,
+        retried attempts."""
+        return self._native.stats()
+
+    def server_command_usec(self) -> float:
+        """Microseconds the server (every master of a cluster) has spent running commands since it
+        started (INFO commandstats, INFO itself excluded): the store's own time, as it counts it."""
         if self._cluster:
-            keys = self._keys(table, ids)
-            values = [row.tobytes() for row in raw]
-            self._retrying("put", lambda: self._mset(keys, values))
+            from redis.cluster import RedisCluster
+
+            infos = list(self._client.info("commandstats", target_nodes=RedisCluster.PRIMARIES).values())
         else:
-            keys = _key_array(self._head(table), ids)
-            self._retrying("put", lambda: self._mset_packed(keys, raw))
+            infos = [self._client.info("commandstats")]
+        return float(sum(v["usec"] for info in infos for k, v in info.items()
+                         if k.startswith("cmdstat_") and k != "cmdstat_info"))
+
+    def _table(self, table: str, row_bytes: int) -> NativeTable:
+        return self._native.table(table, self._head(table), row_bytes)
 
     def _delete(self, table, ids) -> None:
         keys = self._keys(table, ids)
@@ -171,6 +177,7 @@ class RedisStore(RowStore):
         self._retrying("clear", clear)
 
     def _close(self) -> None:
+        self._native.close()
         try:
             self._client.close()
         except RedisError:
@@ -194,63 +201,6 @@ class RedisStore(RowStore):
                 yield key
 
     # ------------------------------------------------------------------ batched commands
-
-    def _mget(self, keys: List[bytes]) -> list:
-        if self._cluster:
-            out: list = []
-            for chunk in _chunks(keys):
-                out.extend(self._client.mget_nonatomic(chunk))
-            return out
-        pipe = self._client.pipeline(transaction=False)
-        for chunk in _chunks(keys):
-            pipe.mget(chunk)
-        return [v for reply in pipe.execute() for v in reply]
-
-    def _mset(self, keys: List[bytes], values: List[bytes]) -> None:
-        # execute() raises if any command failed, so returning means every chunk was acked.
-        if self._cluster:
-            for start in range(0, len(keys), CHUNK):
-                end = start + CHUNK
-                self._client.mset_nonatomic(dict(zip(keys[start:end], values[start:end])))
-            return
-        pipe = self._client.pipeline(transaction=False)
-        for start in range(0, len(keys), CHUNK):
-            end = start + CHUNK
-            pipe.mset(dict(zip(keys[start:end], values[start:end])))
-        pipe.execute()
-
-    # Single server: the chunks' MGET / MSET commands are packed into one RESP buffer with numpy
-    # (every key, and every row, of a call has the same length) and sent on one pooled
-    # connection, as a pipeline would send them. redis-py's per-argument packing in Python cost
-    # more than the round trip itself (~2.5 ms of a 3,400-row put + get on the 2-core CPU).
-
-    def _mget_packed(self, keys: np.ndarray) -> list:
-        chunks = [keys[a:a + CHUNK] for a in range(0, len(keys), CHUNK)]
-        command = b"".join(_resp_command(b"MGET", [chunk]) for chunk in chunks)
-        return [v for reply in self._send_packed(command, len(chunks)) for v in reply]
-
-    def _mset_packed(self, keys: np.ndarray, values: np.ndarray) -> None:
-        chunks = range(0, len(keys), CHUNK)
-        command = b"".join(_resp_command(b"MSET", [keys[a:a + CHUNK], values[a:a + CHUNK]]) for a in chunks)
-        self._send_packed(command, len(chunks))  # an error reply raises: returning means acked
-
-    def _send_packed(self, command: bytes, replies: int) -> list:
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command([command])
-            out = []
-            for _ in range(replies):
-                reply = conn.read_response()
-                if isinstance(reply, ResponseError):
-                    raise reply
-                out.append(reply)
-            return out
-        except BaseException:
-            conn.disconnect()  # replies may be left unread on it
-            raise
-        finally:
-            pool.release(conn)
 
     def _del(self, keys: List[bytes]) -> None:
         if self._cluster:
@@ -340,14 +290,44 @@ def open_redis_store(url: str) -> RedisStore:
         ) from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad store URL {redacted!r}: {_scrub(str(exc), secrets)}") from None
+    native = _native_client(client, cluster, parts, redacted, retry_timeout, secrets)
     return RedisStore(
         client,
         cluster=cluster,
         prefix=prefix,
         retry_timeout=retry_timeout,
         redacted_url=redacted,
+        native=native,
         secrets=secrets,
     )
+
+
+def _native_client(client, cluster: bool, parts, redacted: str, retry_timeout: float, secrets) -> NativeClient:
+    """The C client with redis-py's view of the URL: the same servers, credentials, db, timeouts
+    and TLS options."""
+    if cluster:
+        userinfo = parts.netloc.rpartition("@")[0]
+        username, _, password = userinfo.partition(":")
+        nodes = _cluster_nodes(parts, redacted)
+        kw = client.nodes_manager.connection_kwargs
+        return NativeClient(redacted_url=redacted, nodes=nodes, cluster=True, username=unquote(username),
+                            password=unquote(password), connect_timeout=kw["socket_connect_timeout"],
+                            socket_timeout=kw["socket_timeout"], retry_timeout=retry_timeout, secrets=secrets)
+    pool = client.connection_pool
+    kw = pool.connection_kwargs
+    tls = None
+    if issubclass(pool.connection_class, redis.SSLConnection):
+        reqs = kw.get("ssl_cert_reqs", "required")
+        verify = reqs not in ("none", ssl.CERT_NONE, None)
+        tls = dict(verify=verify, check_hostname=bool(kw.get("ssl_check_hostname", verify)),
+                   ca_certs=kw.get("ssl_ca_certs"), certfile=kw.get("ssl_certfile"), keyfile=kw.get("ssl_keyfile"))
+    path = kw.get("path") or ""
+    nodes = [("", 0)] if path else [(kw.get("host", "localhost"), int(kw.get("port", 6379)))]
+    return NativeClient(redacted_url=redacted, nodes=nodes, cluster=False, unix_path=path,
+                        username=kw.get("username") or "", password=kw.get("password") or "", db=int(kw.get("db") or 0),
+                        connect_timeout=float(kw.get("socket_connect_timeout") or DEFAULT_CONNECT_TIMEOUT),
+                        socket_timeout=float(kw.get("socket_timeout") or DEFAULT_SOCKET_TIMEOUT),
+                        retry_timeout=retry_timeout, tls=tls, secrets=secrets)
 
 
 def _common_options() -> dict:
@@ -374,14 +354,9 @@ _CLUSTER_FLOAT_ARGS = ("socket_timeout", "socket_connect_timeout")
 def _cluster_client(parts, rest_query, redacted: str):
     from redis.cluster import ClusterNode, RedisCluster
 
-    userinfo, _, hosts = parts.netloc.rpartition("@")
+    userinfo = parts.netloc.rpartition("@")[0]
     username, _, password = userinfo.partition(":")
-    nodes = []
-    for hostport in hosts.split(","):
-        host, sep, port = hostport.strip().rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"cluster nodes must be host:port[,host:port...] in {redacted!r}")
-        nodes.append(ClusterNode(host.strip("[]"), int(port)))
+    nodes = [ClusterNode(host, port) for host, port in _cluster_nodes(parts, redacted)]
     options = _common_options()
     for key, value in rest_query:
         if key not in _CLUSTER_FLOAT_ARGS:
@@ -399,6 +374,17 @@ def _cluster_client(parts, rest_query, redacted: str):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _cluster_nodes(parts, redacted: str) -> List[Tuple[str, int]]:
+    """The seeds of a redis+cluster:// URL: host:port[,host:port...]."""
+    nodes = []
+    for hostport in parts.netloc.rpartition("@")[2].split(","):
+        host, sep, port = hostport.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"cluster nodes must be host:port[,host:port...] in {redacted!r}")
+        nodes.append((host.strip("[]"), int(port)))
+    return nodes
 
 
 def _password_of(parts) -> Optional[str]:
@@ -424,6 +410,10 @@ def _escape_glob(raw: bytes) -> bytes:
     return bytes(out)
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
 def _key_array(head: bytes, ids: torch.Tensor) -> np.ndarray:
     """Keys of ``ids`` as a ``[n, len(head) + 8]`` uint8 array (see the module docstring)."""
     packed = ids.numpy().astype("<i8", copy=False)
@@ -431,21 +421,6 @@ def _key_array(head: bytes, ids: torch.Tensor) -> np.ndarray:
     keys[:, :len(head)] = np.frombuffer(head, dtype=np.uint8)
     keys[:, len(head):] = packed.view(np.uint8).reshape(-1, 8)
     return keys
-
-
-def _resp_command(name: bytes, columns: Sequence[np.ndarray]) -> bytes:
-    """The RESP encoding of ``name`` followed, item by item, by one argument from each column
-    (``[n, width]`` uint8 arrays: every argument of a column has its width): MGET k1 k2 ... or
-    MSET k1 v1 k2 v2 ...; built as one array instead of per argument."""
-    n = len(columns[0])
-    parts = []
-    for col in columns:
-        header = b"$%d\r\n" % col.shape[1]
-        parts += [np.broadcast_to(np.frombuffer(header, dtype=np.uint8), (n, len(header))), col,
-                  np.broadcast_to(np.frombuffer(b"\r\n", dtype=np.uint8), (n, 2))]
-    body = np.concatenate(parts, axis=1) if n else np.empty((0, 0), dtype=np.uint8)
-    head = b"*%d\r\n$%d\r\n%s\r\n" % (1 + n * len(columns), len(name), name)
-    return head + body.tobytes()
 
 
 def _chunks(items: list) -> List[list]:
