@@ -622,6 +622,18 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
                 else:
                     buffers[f"optimizer_{name}"] = view
 
+    def reset_optimizer_rows(self, table: str, rows: torch.Tensor) -> None:
+        """Puts the fused optimizer's state of ``rows`` of ``table`` back to its initial value
+        (e.g. slots a managed-collision module gave to new ids); nothing without a fused optimizer."""
+        if self._fused_spec is None:
+            return
+        bag = self.embedding_bags[table]
+        rows = rows.to(device=bag.weight.device, dtype=torch.int64)
+        with torch.no_grad():
+            for name, _ in self._fused_spec.state_names():
+                initial = self._fused_spec.initial_accumulator_value if name == "sum" else 0.0
+                bag._buffers[f"optimizer_{name}"][rows] = initial
+
     def _optimizer_states(self, group: _Group) -> List[torch.Tensor]:
         return [getattr(self, f"_optimizer_{name}_{group.index}") for name, _ in self._fused_spec.state_names()]
 
