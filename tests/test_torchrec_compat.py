@@ -377,3 +377,17 @@ def test_swap_modules_reaches_inside_the_wrappers():
     with torch.no_grad():
         torch.testing.assert_close(model["mc"](mc_kjt)[0].values(), before_mc)
         torch.testing.assert_close(model["fp"](_fp_kjt()).values(), before_fp)
+
+
+def test_reset_optimizer_rows_puts_the_fused_state_back():
+    """What the sharded managed-collision module's eviction calls (through the lookup) for the
+    slots it gives to new ids."""
+    ebc = recom_rec.EmbeddingBagCollection(_tables(), device=DEVICE)
+    ebc.enable_fused_optimizer("adagrad", lr=0.1, initial_accumulator_value=0.25)
+    ebc(_kjt()).values().sum().backward()
+    state = ebc.embedding_bags["t1"].optimizer_sum
+    touched = (state != 0.25).any(dim=1).nonzero().flatten()
+    assert touched.numel() >= 2
+    ebc.reset_optimizer_rows("t1", touched[:1])
+    assert bool((state[touched[0]] == 0.25).all())
+    assert bool((state[touched[1]] != 0.25).any())

@@ -54,6 +54,8 @@ def _fx_tracing() -> bool:
 
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+# One group of tables per dtype; the scripted forward reads the groups' buffers by name (three).
+assert len(_DTYPES) == 3
 
 
 def _table_dtype(config: EmbeddingBagConfig) -> torch.dtype:
@@ -235,11 +237,6 @@ def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], wei
 
 
 class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
-    # TorchScript compiles properties; these are Python-side only (the scripted module runs
-    # inference with the settings it was scripted with, and has no fused optimizer).
-    __jit_unused_properties__ = ["fused_optimizer", "backend", "validate_inputs"]
-    _plan: LookupPlan
-
     """A drop-in replacement for ``torchrec.EmbeddingBagCollection`` that runs all its tables
     through one fused kernel.
 
@@ -269,7 +266,15 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
     ``torch.optim`` optimizer works on the dense gradients. Modify weights in place (``copy_``,
     optimizers, ``load_state_dict``); replacing a Parameter object is also handled, but assigning
     ``weight.data = ...`` detaches it from the fused buffer and is not supported.
+
+    TorchScript (``torch.jit.script`` of the module or of its ``torchrec.fx.symbolic_trace``)
+    runs inference: no fused optimizer, no parameter-server tables (docs/torchrec-compat.md).
     """
+
+    # TorchScript compiles properties; these are Python-side only (the scripted module runs
+    # inference with the settings it was scripted with, and has no fused optimizer).
+    __jit_unused_properties__ = ["fused_optimizer", "backend", "validate_inputs"]
+    _plan: LookupPlan
 
     def __init__(
         self,
