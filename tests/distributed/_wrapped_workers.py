@@ -32,6 +32,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 import recom_rec
 from recom_rec.distributed import EmbeddingBagCollectionSharder
+from recom_rec.distributed import lookup as lookup_module
 from tests.distributed import _workers
 from tests.distributed._workers import gather_full, in_process_group
 
@@ -41,7 +42,11 @@ BATCH = 3  # per rank
 SLOTS = 16  # rows of each table = managed-collision slots
 RAW_IDS = 1000  # raw ids of the managed-collision model (remapped into the slots)
 MAX_LENGTH = 3  # position weights per feature
-FUSED = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+FUSED = {
+    "sgd": {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR},
+    # state per row: the managed-collision eviction resets it for the slots given to new ids
+    "rowwise_adagrad": {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR, "eps": 1e-8},
+}
 
 
 def tables() -> List[EmbeddingBagConfig]:
@@ -94,8 +99,9 @@ def fp_model(ours: bool, device: torch.device, meta: bool = False) -> Top:
     return Top(FeatureProcessedEmbeddingBagCollection(_ebc(ours, True, device, meta), processors))
 
 
-def _sharder(kind: str, ours: bool):
-    ebc_sharder = EmbeddingBagCollectionSharder(fused_params=FUSED) if ours else TorchrecSharder(fused_params=FUSED)
+def _sharder(kind: str, ours: bool, opt: str):
+    fused = FUSED[opt]
+    ebc_sharder = EmbeddingBagCollectionSharder(fused_params=fused) if ours else TorchrecSharder(fused_params=fused)
     if kind == "mc":
         return ManagedCollisionEmbeddingBagCollectionSharder(ebc_sharder=ebc_sharder,
                                                              mc_sharder=ManagedCollisionCollectionSharder())
@@ -117,8 +123,8 @@ def batch(step: int, world: int, rank: int, max_id: int) -> KeyedJaggedTensor:
                                                lengths=torch.tensor(lengths, dtype=torch.int64)).to(_workers.DEV)
 
 
-def _shard(model: Top, kind: str, ours: bool, case: str, world: int) -> DistributedModelParallel:
-    sharder = _sharder(kind, ours)
+def _shard(model: Top, kind: str, ours: bool, case: str, world: int, opt: str) -> DistributedModelParallel:
+    sharder = _sharder(kind, ours, opt)
     plan = ShardingPlan({"wrapped": construct_module_sharding_plan(
         model.wrapped, PLANS[case](world), sharder=sharder, local_size=world, world_size=world,
         device_type=_workers.DEV.type)})
@@ -146,19 +152,19 @@ def _tables_of(dmp: DistributedModelParallel, prefix: str) -> Dict[str, torch.Te
             for c in tables()}
 
 
-def check_wrapped(rank: int, world: int, kind: str, case: str, build: str) -> None:
+def check_wrapped(rank: int, world: int, kind: str, case: str, build: str, opt: str = "sgd") -> None:
     """``kind`` "mc" or "fp"; ``build`` "device" (built on the worker's device) or "meta" (ours
     built under ``with torch.device("meta")``, materialised by DistributedModelParallel and
-    loaded from the twin's checkpoint)."""
+    loaded from the twin's checkpoint); ``opt`` the fused optimizer (a FUSED key)."""
     make: Callable[..., Top] = mc_model if kind == "mc" else fp_model
     torch.manual_seed(0)
-    theirs = _shard(make(False, _workers.DEV), kind, False, case, world)
+    theirs = _shard(make(False, _workers.DEV), kind, False, case, world, opt)
     torch.manual_seed(0)
     model = make(True, _workers.DEV, build == "meta")
     if build == "meta":
         ebc = model.wrapped._embedding_module if kind == "mc" else model.wrapped._embedding_bag_collection
         assert ebc.device.type == "meta" and ebc.embedding_bags["t1"].weight.is_meta
-    ours = _shard(model, kind, True, case, world)
+    ours = _shard(model, kind, True, case, world, opt)
     # torchrec's sharded module draws its own initial weights (init_fn per shard): start ours
     # from them (through torchrec's ShardedTensor checkpoint format).
     ours.load_state_dict(theirs.state_dict())
@@ -166,6 +172,16 @@ def check_wrapped(rank: int, world: int, kind: str, case: str, build: str) -> No
     for name, w in _tables_of(theirs, prefix).items():
         torch.testing.assert_close(_tables_of(ours, prefix)[name], w, msg=f"{kind} {case}: initial {name}")
     max_id = RAW_IDS if kind == "mc" else SLOTS
+    # Count the slots torchrec's sharded managed-collision module hands to new ids through our
+    # lookup (a spy around the real method): the batches are sized so that it happens.
+    evicted = []
+    reset = lookup_module._EvictionView.reset_embedding_weight_momentum
+
+    def counting_reset(view, *args, **kwargs):
+        evicted.append((args[0] if args else kwargs["pruned_indices"]).numel())
+        return reset(view, *args, **kwargs)
+
+    lookup_module._EvictionView.reset_embedding_weight_momentum = counting_reset
     for step in range(STEPS):
         kjt = batch(step, world, rank, max_id)
         # Slots given to new ids are re-initialised with the table's init_fn (random): same seed.
@@ -201,10 +217,15 @@ def check_wrapped(rank: int, world: int, kind: str, case: str, build: str) -> No
             for dmp in (ours, theirs):
                 for p in dmp.parameters():
                     p.grad = None
+    lookup_module._EvictionView.reset_embedding_weight_momentum = reset
+    if kind == "mc":
+        total = torch.tensor([sum(evicted)], device=_workers.DEV)
+        dist.all_reduce(total)
+        assert int(total) > 0, "no slot was reassigned: the eviction path went untested"
     final_theirs = _tables_of(theirs, prefix)
     final_ours = _tables_of(ours, prefix)
     for name, w in final_theirs.items():
-        torch.testing.assert_close(final_ours[name], w, msg=f"{kind} {case}: {name} after {STEPS} fused-SGD steps")
+        torch.testing.assert_close(final_ours[name], w, msg=f"{kind} {case}: {name} after {STEPS} fused {opt} steps")
 
 
 def run_wrapped(rank: int, world: int, port: int, cases: List[tuple], backend: str = "gloo") -> None:
@@ -213,7 +234,7 @@ def run_wrapped(rank: int, world: int, port: int, cases: List[tuple], backend: s
         torch.cuda.set_device(_workers.DEV)
 
     def work() -> None:
-        for kind, case, build in cases:
-            check_wrapped(rank, world, kind, case, build)
+        for case in cases:
+            check_wrapped(rank, world, *case)
 
     in_process_group(rank, world, port, backend, work)
