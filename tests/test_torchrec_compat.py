@@ -391,3 +391,16 @@ def test_reset_optimizer_rows_puts_the_fused_state_back():
     ebc.reset_optimizer_rows("t1", touched[:1])
     assert bool((state[touched[0]] == 0.25).all())
     assert bool((state[touched[1]] != 0.25).any())
+
+
+def test_parameter_server_tables_refuse_torchscript_and_fx_with_a_clear_error():
+    import uuid
+
+    from recom_rec.ps import PSConfig
+
+    ebc = recom_rec.EmbeddingBagCollection(
+        _tables(), device=DEVICE, ps={"t2": PSConfig(f"memory://compat-{uuid.uuid4().hex}", cache_rows=12)})
+    with pytest.raises(ValueError, match="parameter-server tables .* does not support TorchScript"):
+        torch.jit.script(ebc)
+    with pytest.raises(ValueError, match="parameter-server tables .* does not support fx tracing"):
+        torchrec.fx.symbolic_trace(ebc)

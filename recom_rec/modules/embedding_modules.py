@@ -236,6 +236,10 @@ def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], wei
     return _concat_groups(outs, output_columns)
 
 
+_NO_PS_GRAPHS = ("recom_rec.EmbeddingBagCollection with parameter-server tables (ps=...) does not support {what}: "
+                 "the tier that maps their ids to cache slots runs in Python")
+
+
 class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
     """A drop-in replacement for ``torchrec.EmbeddingBagCollection`` that runs all its tables
     through one fused kernel.
@@ -512,6 +516,8 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
         if not (torch.compiler.is_compiling() or _fx_tracing()):
             self._sync_optimizer_in_backward()
         if getattr(self, "_ps", None) is not None:
+            if _fx_tracing():
+                raise ValueError(_NO_PS_GRAPHS.format(what="fx tracing"))
             features = self._ps.prepare(features)  # PS tables' ids -> cache slots
         grad = torch.is_grad_enabled()
         spec = self._fused_spec
@@ -536,6 +542,13 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
             self._plan,
             fused,
         )
+
+    def __prepare_scriptable__(self) -> "EmbeddingBagCollection":
+        # torch.jit.script calls this first: the scripted forward has no parameter-server tier
+        # (it would pool cache slots as if they were ids).
+        if getattr(self, "_ps", None) is not None:
+            raise ValueError(_NO_PS_GRAPHS.format(what="TorchScript"))
+        return self
 
     # A module has one group per weight dtype (fp32, fp16, bf16): at most three. TorchScript
     # cannot look buffers up by a computed name; it resolves `hasattr` on a module statically.
