@@ -387,8 +387,6 @@ def pooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, bat
     ``weights`` are what autograd differentiates against (the group's tables, or one anchor
     tensor with a fused optimizer)."""
     args = op_arguments(flat, feature_meta, batch, routing, group, plan, fused, group_index)
-    _, _, _, psw, _, key_index, _, _, _, _, _, _, _, state1, state2, _, hyper, step, _, _ = args
-    if _eager_ok(weights, flat, batch.values, batch.offsets, psw, feature_meta, key_index, state1, state2, hyper,
-                 step):
+    if _eager_ok(weights, *[a for a in args if isinstance(a, Tensor)]):  # flat first
         return _EagerLookup.apply(*args, *weights)
     return pooled_embedding_forward(weights, *args)
