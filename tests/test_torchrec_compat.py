@@ -205,6 +205,20 @@ def test_scripting_leaves_the_eager_module_training():
 
 
 # ------------------------------------------------------------------------------------ meta
+def test_device_from_argument_context_and_default():
+    for make in (lambda: recom_rec.EmbeddingBagCollection(_tables(), device=torch.device("meta")),
+                 lambda: _in_meta_context(lambda: recom_rec.EmbeddingBagCollection(_tables()))):
+        ebc = make()
+        assert ebc.device == ebc.embedding_bags["t1"].weight.device == torch.device("meta")
+    ebc = recom_rec.EmbeddingBagCollection(_tables())  # no device, no context: torchrec's default
+    assert ebc.device == ebc.embedding_bags["t1"].weight.device == torchrec.EmbeddingBagCollection(_tables()).device
+
+
+def _in_meta_context(build):
+    with torch.device("meta"):
+        return build()
+
+
 def test_meta_device_context_then_to_empty():
     with torch.device("meta"):
         ebc = recom_rec.EmbeddingBagCollection(_tables((DataType.FP32, DataType.FP16)), is_weighted=True)
