@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
 from torchrec.distributed.embedding_kernel import get_state_dict
 from torchrec.distributed.embedding_types import (
@@ -115,6 +116,13 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
         if len(weighted) > 1:
             raise ValueError("mixed weighted and unweighted tables in one lookup")
         self._is_weighted = bool(weighted and weighted.pop())
+        # torchrec's all-to-all backward divides the embeddings' gradients by the world size
+        # (gradient division, to match DDP's averaging); the per-id weights' gradient is scaled
+        # back up, as torchrec's lookups do (data-parallel tables have no all-to-all).
+        self._weight_grad_scale = 1
+        if (self._is_weighted and sharding_type != ShardingType.DATA_PARALLEL.value and pg is not None
+                and get_gradient_division()):
+            self._weight_grad_scale = dist.get_world_size(pg)
         sum_pooling = sharding_type in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
 
         # Positional, unique feature names: several column shards of one table on a rank read
@@ -201,6 +209,12 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
             perm[torch.tensor(col_sources, dtype=torch.int64)] = torch.arange(total)
             perm = perm.to(device)
         self.register_buffer("_output_columns", perm, persistent=False)
+        # What torchrec's sharded managed-collision module reads of a lookup's kernels.
+        self._emb_modules: List[_EvictionView] = []
+        first = 0
+        for config in grouped_configs:
+            self._emb_modules.append(_EvictionView(self, config, list(range(first, first + len(config.embedding_tables)))))
+            first += len(config.embedding_tables)
         self.register_buffer("_dummy_embs_tensor", torch.empty([0], dtype=torch.float32, device=device,
                                                                  requires_grad=True), persistent=False)
 
@@ -211,10 +225,13 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
         keys = sparse_features.keys()
         if len(keys) != len(self._local_keys):
             raise ValueError(f"lookup expected {len(self._local_keys)} features, got keys {keys}")
+        weights = sparse_features.weights_or_none() if self._is_weighted else None
+        if weights is not None and self._weight_grad_scale != 1 and weights.requires_grad:
+            weights = _ScaleGradient.apply(weights, self._weight_grad_scale)
         kjt = KeyedJaggedTensor(
             keys=self._local_keys,
             values=sparse_features.values(),
-            weights=sparse_features.weights_or_none() if self._is_weighted else None,
+            weights=weights,
             lengths=sparse_features.lengths_or_none(),
             offsets=sparse_features.offsets_or_none(),
             stride=sparse_features.stride(),
@@ -317,6 +334,41 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
     @property
     def fused_optimizer(self) -> KeyedOptimizer:
         return CombinedOptimizer([("", h.fused_optimizer) for h in self._fused_optimizers])
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, factor: int) -> torch.Tensor:
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+class _EvictionView:
+    """One grouped config of a lookup as torchrec's sharded managed-collision module sees a
+    kernel (torchrec's ``BatchedFusedEmbeddingBag``): ``_config.embedding_tables``, and
+    ``_emb_module.reset_embedding_weight_momentum`` for the rows whose slot the managed-collision
+    module gave to a new id. That call resets our fused optimizer's state of those rows (every
+    optimizer; fbgemm resets row-wise Adagrad only); torchrec then re-initialises their weights."""
+
+    def __init__(self, lookup: "FusedPooledEmbeddingsLookup", config: GroupedEmbeddingConfig,
+                 members: List[int]) -> None:
+        self._config = config
+        self._emb_module = self
+        self._lookup = lookup
+        self._members = members  # the lookup's shard index of each of the config's tables
+
+    def reset_embedding_weight_momentum(self, pruned_indices: torch.Tensor, pruned_indices_offsets: torch.Tensor,
+                                        logical_table_ids: torch.Tensor, buffer_ids: torch.Tensor) -> None:
+        bounds = pruned_indices_offsets.tolist()
+        for k, t in enumerate(logical_table_ids.tolist()):
+            b, name = self._lookup._table_slot[self._members[t]]
+            self._lookup._local_modules[b].reset_optimizer_rows(name, pruned_indices[bounds[k]:bounds[k + 1]])
 
 
 class _FusedOptimizerHolder(nn.Module, FusedOptimizerModule):

@@ -19,12 +19,12 @@ from torchrec.modules.embedding_configs import (
     pooling_type_to_str,
 )
 from torchrec.modules.embedding_modules import (
-    EmbeddingBagCollectionInterface,
+    EmbeddingBagCollection as _TorchrecEmbeddingBagCollection,
     get_embedding_names_by_table,
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ..ops import pooled_lookup
+from ..ops import JaggedBatch, KeyRouting, pooled_lookup
 from ..ops.backends import check_backend
 from ..ops.layout import (
     POOLING_MEAN,
@@ -34,6 +34,7 @@ from ..ops.layout import (
     feature_meta_tensor,
     pack_tables,
 )
+from ..ops.plan import FusedStep, GroupPlan, LookupPlan, group_states
 from ..ops.validation import encode_names
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import FusedOptimizerSpec, spec_from_optimizer
@@ -53,6 +54,8 @@ def _fx_tracing() -> bool:
 
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+# One group of tables per dtype; the scripted forward reads the groups' buffers by name (three).
+assert len(_DTYPES) == 3
 
 
 def _table_dtype(config: EmbeddingBagConfig) -> torch.dtype:
@@ -86,6 +89,12 @@ class _Group:
     def meta_name(self) -> str:
         return f"_feature_meta_{self.index}"
 
+    def plan(self) -> GroupPlan:
+        return GroupPlan(
+            [f.feature for f in self.features], [self.slots[f.table].name for f in self.features],
+            self.total_dim, self.max_dim, sum(s.num_embeddings for s in self.slots),
+        )
+
 
 @lru_cache(maxsize=1024)
 def _key_plan(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str, ...]) -> List[int]:
@@ -98,10 +107,6 @@ def _key_plan(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str,
             f"KeyedJaggedTensor is missing feature(s) {listed}; it has keys {list(keys)}"
         )
     return [position[f] for f in wanted]
-
-
-def _two_states(states: List[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    return (states[0] if len(states) > 0 else None, states[1] if len(states) > 1 else None)
 
 
 @lru_cache(maxsize=256)
@@ -128,38 +133,49 @@ def _fused_lookup(
     flats: List[torch.Tensor],
     weights: List[List[torch.Tensor]],
     metas: List[torch.Tensor],
-    group_features: List[List[str]],
-    group_tables: List[List[str]],
-    group_widths: List[List[int]],
-    is_weighted: bool,
-    backend: str,
-    validate: bool,
     output_columns: Optional[torch.Tensor],
-    optimizer: int,
-    optimizer_states: List[List[torch.Tensor]],
-    state1_is_row: bool,
-    hyper: Optional[torch.Tensor],
-    step: Optional[torch.Tensor],
+    plan: LookupPlan,
+    fused: Optional[FusedStep],
 ) -> torch.Tensor:
     """All groups' lookups, concatenated in the module's output order.
 
     A free function (and ``torch.fx.wrap``-ed) so that fx tracing records one call instead of
-    tracing into KJT internals; torch.compile traces through it."""
+    tracing into KJT internals; torch.compile traces through it, TorchScript compiles its
+    scripted branch (a traced module is scripted for inference, torchrec's path)."""
+    if torch.jit.is_scripting():
+        return _scripted_lookup(features, flats, weights, metas, output_columns, plan, fused)
+    return _python_lookup(features, flats, weights, metas, output_columns, plan, fused)
+
+
+def _check_uniform_batch(features: KeyedJaggedTensor) -> None:
     if features.variable_stride_per_key():
         raise ValueError(
             "recom_rec.EmbeddingBagCollection does not take variable-batch KeyedJaggedTensors "
             "(stride_per_key_per_rank); give every key the same batch size"
         )
+
+
+def _concat_groups(outs: List[torch.Tensor], output_columns: Optional[torch.Tensor]) -> torch.Tensor:
+    if len(outs) == 1:
+        return outs[0]
+    assert output_columns is not None
+    return torch.cat(outs, dim=1).index_select(1, output_columns)
+
+
+def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights: List[List[torch.Tensor]],
+                   metas: List[torch.Tensor], output_columns: Optional[torch.Tensor], plan: LookupPlan,
+                   fused: Optional[FusedStep]) -> torch.Tensor:
+    """Eager and compiled: key plans cached per key order (torch.compile folds them)."""
+    _check_uniform_batch(features)
     keys = tuple(features.keys())
-    batch_size = features.stride()
     values = features.values()
-    offsets = features.offsets()
-    per_sample_weights = features.weights_or_none() if is_weighted else None
-    if is_weighted and per_sample_weights is None:
+    per_sample_weights = features.weights_or_none() if plan.is_weighted else None
+    if plan.is_weighted and per_sample_weights is None:
         raise ValueError("the EmbeddingBagCollection is weighted but the KeyedJaggedTensor has no weights")
+    batch = JaggedBatch(values, features.offsets(), per_sample_weights, features.stride())
     outs: List[torch.Tensor] = []
-    for g in range(len(flats)):
-        wanted, tables = tuple(group_features[g]), tuple(group_tables[g])
+    for g, group in enumerate(plan.groups):
+        wanted, tables = tuple(group.features), tuple(group.tables)
         if torch.compiler.is_compiling():
             key_index_list = _key_plan.__wrapped__(keys, wanted, tables)
             key_index = torch.tensor(key_index_list, dtype=torch.int64, device=flats[g].device)
@@ -167,32 +183,70 @@ def _fused_lookup(
         else:
             key_index = _key_index_on(keys, wanted, tables, flats[g].device)
             reads_each_key_once = _reads_each_key_once(keys, wanted, tables)
-        if not validate:
+        if not plan.validate:
             names = ""
         elif torch.compiler.is_compiling():
             names = encode_names(list(keys), list(wanted), list(tables))
         else:
             names = _names_for(keys, wanted, tables)
-        total_dim, max_dim, num_rows = group_widths[g]
-        outs.append(
-            pooled_lookup(
-                weights[g], flats[g], values, offsets, per_sample_weights, metas[g], key_index,
-                batch_size, total_dim, max_dim, backend, validate, names,
-                optimizer, *_two_states(optimizer_states[g] if optimizer >= 0 else []), state1_is_row, hyper, step,
-                # Every key read by exactly one feature: the lookups are the values (no sync to count them).
-                values.numel() if reads_each_key_once else -1,
-                num_rows,
-            )
-        )
-    if len(outs) == 1:
-        return outs[0]
-    assert output_columns is not None
-    return torch.cat(outs, dim=1).index_select(1, output_columns)
+        # Every key read by exactly one feature: the lookups are the values (no sync to count them).
+        routing = KeyRouting(key_index, names, values.numel() if reads_each_key_once else -1)
+        outs.append(pooled_lookup(weights[g], flats[g], metas[g], batch, routing, group, plan, fused, g))
+    return _concat_groups(outs, output_columns)
 
 
-class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
+def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights: List[List[torch.Tensor]],
+                     metas: List[torch.Tensor], output_columns: Optional[torch.Tensor], plan: LookupPlan,
+                     fused: Optional[FusedStep]) -> torch.Tensor:
+    """TorchScript: the same lookups through the registered op, key plans built per call."""
+    _check_uniform_batch(features)
+    keys = features.keys()
+    position: Dict[str, int] = {}
+    for i in range(len(keys)):
+        position[keys[i]] = i
+    values = features.values()
+    offsets = features.offsets()
+    batch_size = features.stride()
+    per_sample_weights: Optional[torch.Tensor] = None
+    if plan.is_weighted:
+        per_sample_weights = features.weights_or_none()
+        if per_sample_weights is None:
+            raise ValueError("the EmbeddingBagCollection is weighted but the KeyedJaggedTensor has no weights")
+    outs: List[torch.Tensor] = []
+    for g in range(len(plan.groups)):
+        group = plan.groups[g]
+        key_index_list: List[int] = []
+        for f in range(len(group.features)):
+            if group.features[f] not in position:
+                raise ValueError("KeyedJaggedTensor is missing feature " + group.features[f] + " (table "
+                                 + group.tables[f] + ")")
+            key_index_list.append(position[group.features[f]])
+        key_index = torch.tensor(key_index_list, dtype=torch.int64, device=flats[g].device)
+        reads_each_key_once = sorted(key_index_list) == list(range(len(keys)))
+        names = encode_names(keys, group.features, group.tables) if plan.validate else ""
+        states = group_states(fused, g)
+        outs.append(torch.ops.recom_rec.pooled_embedding_forward(
+            weights[g], flats[g], values, offsets, per_sample_weights, metas[g], key_index, batch_size,
+            group.total_dim, group.max_dim, plan.backend, plan.validate, names,
+            fused.kind if fused is not None else -1, states[0], states[1],
+            fused.state1_is_row if fused is not None else False,
+            fused.hyper if fused is not None else None, fused.step if fused is not None else None,
+            values.numel() if reads_each_key_once else -1, group.num_rows,
+        ))
+    return _concat_groups(outs, output_columns)
+
+
+_NO_PS_GRAPHS = ("recom_rec.EmbeddingBagCollection with parameter-server tables (ps=...) does not support {what}: "
+                 "the tier that maps their ids to cache slots runs in Python")
+
+
+class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
     """A drop-in replacement for ``torchrec.EmbeddingBagCollection`` that runs all its tables
     through one fused kernel.
+
+    It subclasses torchrec's module (so every ``isinstance(m, torchrec.EmbeddingBagCollection)``
+    in torchrec accepts it: managed-collision and feature-processed wrappers, planners, utilities)
+    but not its storage: torchrec's ``__init__`` is not run, this one sets the same fields.
 
     Args:
         tables: the ``EmbeddingBagConfig`` list, as for torchrec.
@@ -216,7 +270,15 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
     ``torch.optim`` optimizer works on the dense gradients. Modify weights in place (``copy_``,
     optimizers, ``load_state_dict``); replacing a Parameter object is also handled, but assigning
     ``weight.data = ...`` detaches it from the fused buffer and is not supported.
+
+    TorchScript (``torch.jit.script`` of the module or of its ``torchrec.fx.symbolic_trace``)
+    runs inference: no fused optimizer, no parameter-server tables (docs/torchrec-compat.md).
     """
+
+    # TorchScript compiles properties; these are Python-side only (the scripted module runs
+    # inference with the settings it was scripted with, and has no fused optimizer).
+    __jit_unused_properties__ = ["fused_optimizer", "backend", "validate_inputs"]
+    _plan: LookupPlan
 
     def __init__(
         self,
@@ -228,12 +290,11 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         validate_inputs: bool = True,
         ps: Optional[Dict[str, Any]] = None,
     ) -> None:
-        super().__init__()
+        # torchrec's __init__ would allocate its own nn.EmbeddingBag tables: set its fields here.
+        nn.Module.__init__(self)
         torch._C._log_api_usage_once(f"recom_rec.modules.{self.__class__.__name__}")
         self._is_weighted = is_weighted
         self._embedding_bag_configs = tables
-        self.backend = check_backend(backend)
-        self.validate_inputs = validate_inputs
         self.embedding_bags: nn.ModuleDict = nn.ModuleDict()
         self._lengths_per_embedding: List[int] = []
         self._flat_link = FlatLink()
@@ -248,7 +309,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             if not config.feature_names:
                 config.feature_names = [config.name]
             self._lengths_per_embedding.extend(len(config.feature_names) * [config.embedding_dim])
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        # No device: the default one, which a `with torch.device(...)` block sets (as torchrec's
+        # tables would be created there).
+        device = torch.device(device) if device is not None else torch.empty(0).device
         self._device = device
         self._embedding_names: List[str] = [
             name for names in get_embedding_names_by_table(tables) for name in names
@@ -259,8 +322,13 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if ps:
             from ..ps.tier import cache_configs  # PS tables hold cache_rows rows in the buffer
             layout_tables = cache_configs(tables, ps)
-        self._groups = self._plan_groups(layout_tables)
-        self._build_storage(device)
+        # The index metadata is built on the host whatever the default device is (a meta
+        # default device would leave it without values), then copied to `device`.
+        with torch.device("cpu"):
+            self._groups = self._plan_groups(layout_tables)
+            self._build_storage(device)
+        self._plan = LookupPlan([g.plan() for g in self._groups], is_weighted, check_backend(backend),
+                                validate_inputs)
         self._fused_spec: Optional[FusedOptimizerSpec] = None
         self._fused_optimizer: Optional[FusedEmbeddingOptimizer] = None
         self._seen_in_backward = None
@@ -327,10 +395,6 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             self.register_buffer("_output_columns", order.to(device), persistent=False)
         else:
             self._output_columns = None
-        self._group_features = [[f.feature for f in g.features] for g in self._groups]
-        self._group_tables = [[g.slots[f.table].name for f in g.features] for g in self._groups]
-        # output columns, widest table, rows (the backward's row keys are 32-bit when they fit)
-        self._group_widths = [[g.total_dim, g.max_dim, sum(s.num_embeddings for s in g.slots)] for g in self._groups]
         # torchrec's nn.EmbeddingBag draws normal_ at construction before init_fn runs; draw the
         # same numbers so that, under one seed, our weights equal torchrec's bit for bit.
         if device.type != "meta":
@@ -433,43 +497,97 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pools every configured feature; returns a ``KeyedTensor`` with torchrec's keys, order
         and ``length_per_key`` (features the module does not know are ignored, as in torchrec)."""
+        if torch.jit.is_scripting():
+            # TorchScript (inference): the flat buffers, no fused optimizer, no parameter server.
+            flats = self._scripted_flats()
+            values = _fused_lookup(features, flats, [[f] for f in flats], self._scripted_metas(),
+                                   self._output_columns, self._plan, None)
+        else:
+            values = self._lookup(features)
+        return KeyedTensor(
+            keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding
+        )
+
+    @torch.jit.unused
+    def _lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         features = maybe_td_to_kjt(features, None)
         if self._flat_link.stale:
             self._repack_flat_buffers()
         if not (torch.compiler.is_compiling() or _fx_tracing()):
             self._sync_optimizer_in_backward()
         if getattr(self, "_ps", None) is not None:
+            if _fx_tracing():
+                raise ValueError(_NO_PS_GRAPHS.format(what="fx tracing"))
             features = self._ps.prepare(features)  # PS tables' ids -> cache slots
         grad = torch.is_grad_enabled()
-        fused = self._fused_spec
-        if fused is not None and grad and self.training:
-            # One optimizer step per training forward (as fbgemm counts iterations); the
-            # backward's Adam bias correction reads it.
-            with torch.no_grad():
-                self._fused_step.add_(1)
-        values = _fused_lookup(
+        spec = self._fused_spec
+        fused = None
+        if spec is not None and grad:
+            if self.training:
+                # One optimizer step per training forward (as fbgemm counts iterations); the
+                # backward's Adam bias correction reads it.
+                with torch.no_grad():
+                    self._fused_step.add_(1)
+            fused = FusedStep(spec.kind, [self._optimizer_states(g) for g in self._groups],
+                              any(kind == "row" for _, kind in spec.state_names()),
+                              self._fused_hyper, self._fused_step)
+        return _fused_lookup(
             features,
             [self._flat(g) for g in self._groups],
             # Never an empty list (Inductor's wrapper code generation has trouble with them);
             # without grad the op only needs *a* tensor here, and the flat buffer needs none.
             [self._autograd_inputs(g) if grad else [self._flat(g)] for g in self._groups],
             [getattr(self, g.meta_name) for g in self._groups],
-            self._group_features,
-            self._group_tables,
-            self._group_widths,
-            self._is_weighted,
-            self.backend,
-            self.validate_inputs,
             self._output_columns,
-            fused.kind if fused is not None and grad else -1,
-            [self._optimizer_states(g) for g in self._groups] if fused is not None else [],
-            fused is not None and any(kind == "row" for _, kind in fused.state_names()),
-            self._fused_hyper if fused is not None else None,
-            self._fused_step if fused is not None else None,
+            self._plan,
+            fused,
         )
-        return KeyedTensor(
-            keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding
-        )
+
+    def __prepare_scriptable__(self) -> "EmbeddingBagCollection":
+        # torch.jit.script calls this first: the scripted forward has no parameter-server tier
+        # (it would pool cache slots as if they were ids).
+        if getattr(self, "_ps", None) is not None:
+            raise ValueError(_NO_PS_GRAPHS.format(what="TorchScript"))
+        return self
+
+    # A module has one group per weight dtype (fp32, fp16, bf16): at most three. TorchScript
+    # cannot look buffers up by a computed name; it resolves `hasattr` on a module statically.
+    def _scripted_flats(self) -> List[torch.Tensor]:
+        flats: List[torch.Tensor] = []
+        if hasattr(self, "_flat_weights_0"):
+            flats.append(self._flat_weights_0)
+        if hasattr(self, "_flat_weights_1"):
+            flats.append(self._flat_weights_1)
+        if hasattr(self, "_flat_weights_2"):
+            flats.append(self._flat_weights_2)
+        return flats
+
+    def _scripted_metas(self) -> List[torch.Tensor]:
+        metas: List[torch.Tensor] = []
+        if hasattr(self, "_feature_meta_0"):
+            metas.append(self._feature_meta_0)
+        if hasattr(self, "_feature_meta_1"):
+            metas.append(self._feature_meta_1)
+        if hasattr(self, "_feature_meta_2"):
+            metas.append(self._feature_meta_2)
+        return metas
+
+    # Settings the lookup reads from the plan; changing them re-plans.
+    @property
+    def backend(self) -> str:
+        return self._plan.backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self._plan = self._plan._replace(backend=check_backend(value))
+
+    @property
+    def validate_inputs(self) -> bool:
+        return self._plan.validate
+
+    @validate_inputs.setter
+    def validate_inputs(self, value: bool) -> None:
+        self._plan = self._plan._replace(validate=bool(value))
 
     # ----------------------------------------------------------------------------- fused training
     def enable_fused_optimizer(self, optimizer: Any, **kwargs: Any) -> FusedEmbeddingOptimizer:
@@ -521,6 +639,18 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     existing.data = view  # keep the object the KeyedOptimizer's state refers to
                 else:
                     buffers[f"optimizer_{name}"] = view
+
+    def reset_optimizer_rows(self, table: str, rows: torch.Tensor) -> None:
+        """Puts the fused optimizer's state of ``rows`` of ``table`` back to its initial value
+        (e.g. slots a managed-collision module gave to new ids); nothing without a fused optimizer."""
+        if self._fused_spec is None:
+            return
+        bag = self.embedding_bags[table]
+        rows = rows.to(device=bag.weight.device, dtype=torch.int64)
+        with torch.no_grad():
+            for name, _ in self._fused_spec.state_names():
+                initial = self._fused_spec.initial_accumulator_value if name == "sum" else 0.0
+                bag._buffers[f"optimizer_{name}"][rows] = initial
 
     def _optimizer_states(self, group: _Group) -> List[torch.Tensor]:
         return [getattr(self, f"_optimizer_{name}_{group.index}") for name, _ in self._fused_spec.state_names()]

@@ -5,8 +5,11 @@ from .pooled_embedding import (
     pooled_embedding_backward,
     pooled_embedding_forward,
     pooled_embedding_weights_backward,
+    JaggedBatch,
+    KeyRouting,
     pooled_lookup,
 )
+from .plan import FusedStep, GroupPlan, LookupPlan
 
 __all__ = [
     "fused_embedding_update",
@@ -15,4 +18,9 @@ __all__ = [
     "pooled_embedding_backward",
     "pooled_embedding_weights_backward",
     "pooled_lookup",
+    "FusedStep",
+    "GroupPlan",
+    "JaggedBatch",
+    "KeyRouting",
+    "LookupPlan",
 ]

@@ -8,13 +8,14 @@ gradient of the flat buffer, split into per-table views) and, when the KJT weigh
 """
 import warnings
 from functools import lru_cache
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from . import torch_backend
 from .backends import resolve_backend
+from .plan import FusedStep, GroupPlan, LookupPlan, group_states
 from .validation import validate_inputs
 
 @lru_cache(maxsize=None)
@@ -349,16 +350,43 @@ def _eager_ok(weights: List[Tensor], *tensors: Optional[Tensor]) -> bool:
     return all(_plain(t) for t in tensors) and all(_plain(w) for w in weights)
 
 
-def pooled_lookup(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim,
-                  max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step,
-                  num_lookups, num_rows) -> Tensor:
-    """``pooled_embedding_forward`` with its autograd formula: through the registered op when
-    traced or compiled, else through the same bodies at eager cost (see _EagerLookup)."""
-    if _eager_ok(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, state1, state2, hyper,
-                 step):
-        return _EagerLookup.apply(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
-                                  total_dim, max_dim, backend, validate, names, optimizer, state1, state2,
-                                  state1_is_row, hyper, step, num_lookups, num_rows, *weights)
-    return pooled_embedding_forward(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index,
-                                    batch_size, total_dim, max_dim, backend, validate, names, optimizer, state1,
-                                    state2, state1_is_row, hyper, step, num_lookups, num_rows)
+class JaggedBatch(NamedTuple):
+    """A KJT's tensors as the kernels read them."""
+
+    values: Tensor
+    offsets: Tensor
+    per_sample_weights: Optional[Tensor]
+    batch_size: int
+
+
+class KeyRouting(NamedTuple):
+    """Which KJT key each of a group's features reads, for one key order."""
+
+    key_index: Tensor  # int64, one entry per feature of the group
+    names: str  # validation.encode_names(...), or "" when inputs are not validated
+    num_lookups: int  # values read in all (-1: unknown, the kernels count them)
+
+
+def op_arguments(flat: Tensor, feature_meta: Tensor, batch: JaggedBatch, routing: KeyRouting, group: GroupPlan,
+                 plan: LookupPlan, fused: Optional[FusedStep], group_index: int) -> tuple:
+    """The records spelled out as ``pooled_embedding_forward``'s arguments after ``weights``."""
+    state1, state2 = group_states(fused, group_index)
+    return (flat, batch.values, batch.offsets, batch.per_sample_weights, feature_meta, routing.key_index,
+            batch.batch_size, group.total_dim, group.max_dim, plan.backend, plan.validate, routing.names,
+            fused.kind if fused is not None else -1, state1, state2,
+            fused.state1_is_row if fused is not None else False,
+            fused.hyper if fused is not None else None, fused.step if fused is not None else None,
+            routing.num_lookups, group.num_rows)
+
+
+def pooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, batch: JaggedBatch,
+                  routing: KeyRouting, group: GroupPlan, plan: LookupPlan, fused: Optional[FusedStep] = None,
+                  group_index: int = 0) -> Tensor:
+    """``pooled_embedding_forward`` with its autograd formula for one group: through the registered
+    op when traced or compiled, else through the same bodies at eager cost (see _EagerLookup).
+    ``weights`` are what autograd differentiates against (the group's tables, or one anchor
+    tensor with a fused optimizer)."""
+    args = op_arguments(flat, feature_meta, batch, routing, group, plan, fused, group_index)
+    if _eager_ok(weights, *[a for a in args if isinstance(a, Tensor)]):  # flat first
+        return _EagerLookup.apply(*args, *weights)
+    return pooled_embedding_forward(weights, *args)

@@ -17,8 +17,12 @@ _UNIT, _RECORD = "\x1f", "\x1e"
 
 
 def encode_names(keys: List[str], features: List[str], tables: List[str]) -> str:
-    """Packs the names an error message may need: the KJT's keys, then (feature, table) pairs."""
-    return _RECORD.join([_UNIT.join(keys)] + [f + _UNIT + t for f, t in zip(features, tables)])
+    """Packs the names an error message may need: the KJT's keys, then (feature, table) pairs.
+    (Written for TorchScript too: the scripted lookup calls it; literals, not the constants.)"""
+    records = ["\x1f".join(keys)]
+    for i in range(len(features)):
+        records.append(features[i] + "\x1f" + tables[i])
+    return "\x1e".join(records)
 
 
 def _decode_names(names: str) -> Tuple[List[str], List[Tuple[str, str]]]:
