@@ -6,9 +6,11 @@
  *  ps_stage.c  a batch's staging from the ids on the device to the remapped ids on the device,
  *              in one native call (or on a worker thread of the tier's own), and the CPU row ops;
  *  ps_cuda.c   the row ops on a CUDA GPU, through the driver API (kernels from ps_rows.ptx);
- *  ps_resp.c, ps_tls.c, ps_redis.c (ps_redis.h)  the Redis store's rows, spoken in RESP by the job.
+ *  ps_resp.c, ps_tls.c, ps_redis.c (ps_redis.h)  the Redis store's rows, spoken in RESP by the job;
+ *  ps_build_info.c  the hash of the sources the library was built from (the loader's staleness check).
  *
- * Built into one shared library with the system C compiler (recom_rec/ps/host_lib.py).
+ * Built into one shared library when the package is installed (setup.py; the source list is
+ * recom_rec/native_build.py), or with the system C compiler on first use (recom_rec/ps/host_lib.py).
  */
 #ifndef RECOM_REC_PS_HOST_H
 #define RECOM_REC_PS_HOST_H

@@ -256,7 +256,8 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
         device: where the weights live; ``"meta"`` builds the module without memory.
         backend: ``"auto"`` (on CUDA the faster of the Triton and CUDA C++ kernels per shape,
             see docs/perf-notes.md; vectorised torch on CPU), ``"triton"``, ``"cuda"`` (CUDA C++
-            from csrc, built with nvcc on first use and cached) or ``"torch"``.
+            from csrc, built when the package is installed; compiled on first use only where no current
+            build is installed) or ``"torch"``.
         validate_inputs: check every batch (ids in ``[0, num_embeddings)``, lengths adding up to
             the number of values) and raise a ``ValueError`` naming the feature and table. The
             check costs a device-to-host sync per batch on CUDA; switch it off for speed with
