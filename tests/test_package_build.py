@@ -28,6 +28,11 @@ def test_pip_install_builds_the_ps_library_and_the_package_loads_it(tmp_path):
          "--target", str(site), str(src)], capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stdout[-4000:] + install.stderr[-4000:]
     package = site / "recom_rec"
+    # Every module of the checkout is installed (a folder without __init__.py imports from a
+    # checkout as a namespace package, but setuptools' find_packages leaves it out of an install).
+    source_modules = {p.relative_to(ROOT) for p in (ROOT / "recom_rec").rglob("*.py")}
+    installed_modules = {p.relative_to(site) for p in package.rglob("*.py")}
+    assert source_modules <= installed_modules, sorted(map(str, source_modules - installed_modules))
     built = list((package / "ps").glob("_host*.so"))
     assert len(built) == 1, sorted(p.name for p in (package / "ps").iterdir())
     assert (package / "csrc" / "ps" / "ps_rows.ptx").is_file()
