@@ -46,17 +46,20 @@ if [[ " $STAGES " == *" bench "* ]]; then
     | tee "$OUT/bench.log" | tail -30; cp /tmp/bench.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STAGES " == *" sweep "* ]]; then
-  stage sweep
-  timeout ${SWEEP_TIMEOUT:-300} python3 -m recom_rec.bench --workloads sweep --out "$OUT/sweep" ${SWEEP_ARGS:---iters 20} 2>&1 \
-    | grep -v "is_fx_tracing\|Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|WARNING" > "$OUT/sweep.log"; tail -30 "$OUT/sweep.log"
+  for run in $(seq 1 ${SWEEP_RUNS:-1}); do  # a second run shows whether the measured choices are stable
+    name=sweep$([ $run = 1 ] || echo $run)
+    stage $name
+    timeout ${SWEEP_TIMEOUT:-300} python3 -m recom_rec.bench --workloads sweep --out "$OUT/$name" ${SWEEP_ARGS:---iters 20} 2>&1 \
+      | grep -v "is_fx_tracing\|Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|WARNING\|run_backward" > "$OUT/$name.log"
+    tail -6 "$OUT/$name.log"; [ $run = 1 ] || rm -f "$OUT/$name.png"
+  done
 fi
 if [[ " $STAGES " == *" ps "* ]]; then
   stage ps
-  redis-server --port 6399 --save '' --appendonly no --daemonize yes --logfile /tmp/redis.log >/dev/null
+  # redis://local and redis+cluster://local: the bench starts a server and a 3-shard cluster itself
   timeout ${PS_TIMEOUT:-240} python3 -m recom_rec.bench --workloads ps --ps-urls memory://bench \
-    redis://127.0.0.1:6399/0 --out /tmp/ps 2>&1 | grep -v "Warning\|warn\|^ *$\|is_fx_tracing\|WARNING\|33m\|0m\|compat" \
+    redis://local redis+cluster://local --out /tmp/ps 2>&1 | grep -v "Warning\|warn\|^ *$\|is_fx_tracing\|WARNING\|33m\|0m\|compat" \
     | tee "$OUT/ps.log" | tail -14; cp /tmp/ps.json "$OUT/" 2>/dev/null
-  redis-cli -p 6399 shutdown nosave >/dev/null 2>&1
 fi
 if [[ " $STAGES " == *" psprof "* ]]; then
   stage psprof
