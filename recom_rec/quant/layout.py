@@ -2,10 +2,12 @@
 metadata the quantized kernels read.
 
 All tables of a module, whatever their row type, share one ``uint8`` buffer: table after table,
-each starting on a 128-byte line (as fbgemm places them), each ``[num_embeddings, row_bytes]``.
+each ``[num_embeddings, row_bytes]``, each starting on a 128-byte line (as fbgemm places them)
+that is also a whole number of its rows.
 ``feature_meta`` has one int64 row per output feature with these columns (``num_embeddings`` is
 in the float layout's column, so the shared input validation reads it):
 """
+import math
 from dataclasses import dataclass
 from typing import List, Sequence
 
@@ -41,19 +43,21 @@ class QuantTableSlot:
 
 def pack_quant_tables(names: Sequence[str], rows: Sequence[int], dims: Sequence[int], kinds: Sequence[RowType],
                       row_alignment: int) -> List[QuantTableSlot]:
-    slots, base = [], 0
+    slots, end = [], 0
     for name, n, d, kind in zip(names, rows, dims, kinds):
         rb = row_bytes(kind, int(d), row_alignment)
+        # A table starts on a cache line and on a whole number of its rows, so the CPU path can
+        # read all tables of one row size as one [*, row_bytes] array.
+        align = TABLE_ALIGNMENT * rb // math.gcd(TABLE_ALIGNMENT, rb)
+        base = -(-end // align) * align
         slots.append(QuantTableSlot(name, int(n), int(d), kind, rb, base))
-        base += -(-int(n) * rb // TABLE_ALIGNMENT) * TABLE_ALIGNMENT
+        end = base + int(n) * rb
     return slots
 
 
 def buffer_bytes(slots: Sequence[QuantTableSlot]) -> int:
-    if not slots:
-        return 0
-    last = slots[-1]
-    return last.byte_base + -(-last.nbytes // TABLE_ALIGNMENT) * TABLE_ALIGNMENT
+    end = max((s.byte_base + s.nbytes for s in slots), default=0)
+    return -(-end // TABLE_ALIGNMENT) * TABLE_ALIGNMENT
 
 
 def quant_feature_meta(slots: Sequence[QuantTableSlot], tables: Sequence[int], out_cols: Sequence[int],

@@ -144,6 +144,8 @@ def unpack_elements(row_data: torch.Tensor, kind: RowType, dim: int) -> torch.Te
         return data.view(torch.float16).reshape(n, dim).float()
     if kind == RowType.FP8:
         return fp8_to_float(data)
+    if kind == RowType.INT8:
+        return data.float()
     bits = kind.bits
     per_byte = 8 // bits
     shifts = torch.arange(per_byte, device=data.device, dtype=torch.int32) * bits
