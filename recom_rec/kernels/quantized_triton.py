@@ -144,15 +144,18 @@ def block_shape(max_dim: int):
 
 def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per_sample_weights, feature_meta: torch.Tensor,
             key_index: torch.Tensor, batch_size: int, total_dim: int, max_dim: int, output_dtype: torch.dtype,
-            out: torch.Tensor = None) -> torch.Tensor:
-    if out is None:
-        out = torch.empty(batch_size, total_dim, dtype=output_dtype, device=flat.device)
+            wrap=None) -> torch.Tensor:
+    """Launches the kernel; ``wrap`` is ``torch.library.wrap_triton`` when the launch is to be
+    traced (the custom op under torch.compile / AOTInductor: Inductor then compiles the kernel
+    into its own code)."""
+    out = torch.empty(batch_size, total_dim, dtype=output_dtype, device=flat.device)
     num_features = feature_meta.shape[0]
     if num_features == 0 or batch_size == 0:
         return out.zero_()
     block_b, block_d, num_warps = block_shape(max_dim)
     weights = per_sample_weights if per_sample_weights is not None else out
-    _quantized_forward_kernel[(num_features, triton.cdiv(batch_size, block_b))](
+    kernel = _quantized_forward_kernel if wrap is None else wrap(_quantized_forward_kernel)
+    kernel[(num_features, triton.cdiv(batch_size, block_b))](
         flat, flat.view(torch.float16), flat.view(torch.float32), values, offsets, weights, feature_meta, key_index,
         out, batch_size, total_dim,
         META_W=QMETA_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d,

@@ -20,7 +20,7 @@ from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 from ..modules.embedding_modules import _key_index_on, _key_plan, _names_for
 from ..ops.backends import check_backend
 from ..ops.layout import POOLING_MEAN, POOLING_SUM
-from ..ops.quantized_lookup import OUTPUT_DTYPES, quantized_pooled_lookup
+from ..ops.quantized_lookup import OUTPUT_DTYPES, quantized_lookup
 from ..ops.validation import encode_names
 from .layout import QuantTableSlot, buffer_bytes, pack_quant_tables, quant_feature_meta
 from .rows import DEFAULT_ROW_ALIGNMENT, SCALE_BIAS_BYTES, RowType, check_dim, data_bytes, pack_rows, row_type
@@ -51,7 +51,7 @@ def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, w
         key_index = _key_index_on(keys, wanted_t, tables_t, flat.device)
         names = _names_for(keys, wanted_t, tables_t) if validate else ""
     total_dim, max_dim = widths
-    return quantized_pooled_lookup(flat, features.values(), features.offsets(), per_sample_weights, meta, key_index,
+    return quantized_lookup(flat, features.values(), features.offsets(), per_sample_weights, meta, key_index,
                                    features.stride(), total_dim, max_dim, output_dtype, backend, validate, names)
 
 
