@@ -25,6 +25,7 @@ class QuantCase:
     batch_size: int
     total_dim: int
     max_dim: int
+    row_alignment: int
 
 
 def random_case(seed: int, weighted: bool, kinds=ALL_KINDS, num_tables: int = 5, batch_size: int = 6,
@@ -40,7 +41,7 @@ def random_case(seed: int, weighted: bool, kinds=ALL_KINDS, num_tables: int = 5,
         w = torch.randn(s.num_embeddings, s.embedding_dim, generator=g) * 3
         floats.append(w)
         elements, scale_bias = quantize_rows(w, s.kind)
-        pack_rows(elements, scale_bias, flat[s.byte_base:s.byte_base + s.nbytes].view(s.num_embeddings, s.row_bytes))
+        pack_rows(elements, scale_bias, s.rows_of(flat))
     # Features: one per table, plus one feature that reads two tables and a table read by two features.
     tables = list(range(num_tables)) + [0]
     keys = [f"f{i}" for i in range(num_tables)]
@@ -65,4 +66,4 @@ def random_case(seed: int, weighted: bool, kinds=ALL_KINDS, num_tables: int = 5,
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
     return QuantCase(flat, floats, slots, meta, torch.tensor(feature_keys), values, offsets, weights, batch_size,
-                     sum(dims_out), max(dims))
+                     sum(dims_out), max(dims), row_alignment)

@@ -161,3 +161,18 @@ def test_triton_backend_matches_torchrec():
     ours = QuantEBC.from_float(float_ebc, backend="triton")
     kjt = _kjt(True)
     torch.testing.assert_close(ours(kjt).values(), theirs(kjt).values(), rtol=1e-5, atol=1e-5)
+
+
+def test_other_row_alignment_keeps_torchrec_s_rows():
+    """torchrec's row-alignment attribute (here 4, rows not a multiple of 16 bytes): the same
+    state_dict rows and outputs as torchrec's (our row stride stays a multiple of 16 inside)."""
+    float_ebc = _float_ebc(True)
+    float_ebc.qconfig = _qconfig(torch.float32)
+    setattr(float_ebc, "__register_row_alignment_in_named_modules", 4)
+    theirs, ours = TorchrecQuantEBC.from_float(float_ebc), QuantEBC.from_float(float_ebc)
+    assert ours.row_alignment == 4
+    for key, t in theirs.state_dict().items():
+        o = ours.state_dict()[key]
+        assert t.shape == o.shape and torch.equal(t.view(torch.uint8), o.view(torch.uint8)), key
+    kjt = _kjt(True)
+    assert torch.equal(ours(kjt).values(), theirs(kjt).values())

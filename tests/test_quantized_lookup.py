@@ -60,8 +60,9 @@ def test_triton_kernel_matches_reference(seed, weighted, output_dtype):
 
 @pytest.mark.skipif(not triton_interpreting(), reason="the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("kind", list(RowType))
-def test_triton_kernel_each_row_type(kind):
-    case = random_case(7, True, kinds=[kind], num_tables=2)
+@pytest.mark.parametrize("row_alignment", [16, 4])
+def test_triton_kernel_each_row_type(kind, row_alignment):
+    case = random_case(7, True, kinds=[kind], num_tables=2, row_alignment=row_alignment)
     torch.testing.assert_close(_run(case, torch.float32, "triton"), _reference(case, torch.float32),
                                rtol=1e-5, atol=1e-5)
 
@@ -102,11 +103,11 @@ def _fbgemm_tbe_output(case, output_dtype, pooling):
     tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
         [(s.name, s.num_embeddings, s.embedding_dim, sparse[s.kind], EmbeddingLocation.HOST) for s in case.slots],
         feature_table_map=tables, pooling_mode=PoolingMode.MEAN if pooling else PoolingMode.SUM,
-        device="cpu", output_dtype=out_sparse, row_alignment=16,
+        device="cpu", output_dtype=out_sparse, row_alignment=case.row_alignment,
     )
     tbe.initialize_weights()
     for s, (rows, _) in zip(case.slots, tbe.split_embedding_weights(split_scale_shifts=False)):
-        rows.copy_(case.flat[s.byte_base:s.byte_base + s.nbytes].view(s.num_embeddings, s.row_bytes))
+        rows.copy_(s.rows_of(case.flat))
     B = case.batch_size
     per_feature = [(case.offsets[k * B:(k + 1) * B + 1]) for k in case.key_index.tolist()]
     indices = torch.cat([case.values[o[0]:o[-1]] for o in per_feature])
@@ -130,8 +131,11 @@ def _fbgemm_tbe_output(case, output_dtype, pooling):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("pooling", [0, 1])
 @pytest.mark.parametrize("output_dtype", [torch.float32, torch.float16])
-def test_equals_fbgemm_cpu_intn_tbe_bit_for_bit(seed, weighted, pooling, output_dtype):
-    case = random_case(300 + seed, weighted, pooling=pooling, batch_size=9, max_len=9)
+@pytest.mark.parametrize("row_alignment", [16, 1])
+def test_equals_fbgemm_cpu_intn_tbe_bit_for_bit(seed, weighted, pooling, output_dtype, row_alignment):
+    """Rows padded as fbgemm pads them (row_alignment 1: fbgemm's CPU default; our row stride is
+    then longer than the row)."""
+    case = random_case(300 + seed, weighted, pooling=pooling, batch_size=9, max_len=9, row_alignment=row_alignment)
     expected = _fbgemm_tbe_output(case, output_dtype, pooling)
     assert torch.equal(_bits(_run(case, output_dtype, "torch")), _bits(expected))
     assert torch.equal(_bits(_reference(case, output_dtype)), _bits(expected))

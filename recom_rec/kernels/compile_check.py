@@ -63,7 +63,7 @@ def _quantized_variants(ptr):
                                                       (16, 64, 256)):
         block_b, block_d, num_warps = q.block_shape(max_dim)
         yield q._quantized_forward_kernel, {
-            "flat_u8": "*u8", "flat_f16": "*fp16", "flat_f32": "*fp32", "values_ptr": ptr[idx], "offsets_ptr": ptr[idx],
+            "flat_i32": "*i32", "flat_f32": "*fp32", "values_ptr": ptr[idx], "offsets_ptr": ptr[idx],
             "weights_ptr": "*fp32" if has_w else ptr[out], "meta_ptr": "*i64", "key_index_ptr": "*i64",
             "out_ptr": ptr[out], "batch_size": "i32", "total_dim": "i32",
         }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d}, {"num_warps": num_warps}

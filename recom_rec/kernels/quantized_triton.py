@@ -9,10 +9,9 @@ fbgemm's arithmetic (quant/reference.py): ``fma(scale * w, q, acc + bias * w)`` 
 is taken once per program, outside the loop over ids. The output row is written once, in the
 output dtype.
 
-The buffer is passed as bytes and as fp16 and fp32 views of the same memory: FP16 and FP32 rows
-are read as elements (their rows start on element boundaries: tables start on 128-byte lines and
-row strides are multiples of the element size), INT rows' scale and bias as bytes (a row stride
-of an INT row need not be even).
+Rows are read as 32-bit words (the buffer as int32 and, for FP32 rows, fp32): tables start on
+128-byte lines and row strides are multiples of 16 bytes (quant/layout.py), so every row starts
+on a 16-byte boundary, an INT row's data one word after its scale-and-bias word.
 """
 import torch
 import triton
@@ -22,33 +21,38 @@ from ..quant.layout import QMETA_WIDTH
 
 
 @triton.jit
-def _scale_bias(row, live):
-    """fp32 scale and bias of rows starting at byte pointers ``row`` ([BLOCK_B])."""
-    s = tl.load(row, mask=live, other=0).to(tl.int32) | (tl.load(row + 1, mask=live, other=0).to(tl.int32) << 8)
-    b = tl.load(row + 2, mask=live, other=0).to(tl.int32) | (tl.load(row + 3, mask=live, other=0).to(tl.int32) << 8)
-    scale = s.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    bias = b.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return scale, bias
+def _fp16_to_float(bits16):
+    return bits16.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _fp8_to_float(code):
     """fbgemm's hfp8 (4 exponent bits, bias 7, subnormals, no inf/NaN) to fp32, exactly."""
-    c = code.to(tl.int32)
-    e = (c >> 3) & 15
-    m = c & 7
+    e = (code >> 3) & 15
+    m = code & 7
     significand = tl.where(e > 0, m + 8, m).to(tl.float32)
     # 2**(max(e, 1) - 10) built from its exponent bits (exact, no exp2 approximation).
     power = ((tl.maximum(e, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)
     v = significand * power
-    return tl.where((c & 128) != 0, -v, v)
+    return tl.where((code & 128) != 0, -v, v)
 
 
 @triton.jit
-def _pool(flat_u8, flat_f16, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_bytes, d, d_mask,
+def _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
           KIND: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
     """Sum of the bags' dequantized rows (weighted), [BLOCK_B, BLOCK_D] fp32, rows of type KIND
-    (the RowType codes: 0 FP32, 1 FP16, 2 FP8, 3 INT8, 4 INT4, 5 INT2)."""
+    (the RowType codes: 0 FP32, 1 FP16, 2 FP8, 3 INT8, 4 INT4, 5 INT2).
+
+    Rows are read as 32-bit words (row strides are multiples of 16 bytes): column d takes its
+    element from word d // PER_WORD, the lanes of one word loading the same address (one
+    transaction). An INT row's fp16 scale and bias are its first word."""
+    BITS: tl.constexpr = 32 if KIND == 0 else (16 if KIND == 1 else (8 if KIND <= 3 else (4 if KIND == 4 else 2)))
+    PER_WORD: tl.constexpr = 32 // BITS
+    HEADER: tl.constexpr = 1 if KIND >= 3 else 0
+    d = tl.arange(0, BLOCK_D)
+    word = d // PER_WORD
+    shift = (d % PER_WORD) * BITS
+    d_mask = d < dim
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     i = 0
     # A while loop: the interpreter cannot take a reduced value as a range bound.
@@ -56,39 +60,33 @@ def _pool(flat_u8, flat_f16, flat_f32, values_ptr, weights_ptr, start, length, m
         live = i < length
         idx = tl.load(values_ptr + start + i, mask=live, other=0).to(tl.int64)
         if HAS_WEIGHTS:
-            w = tl.load(weights_ptr + start + i, mask=live, other=0.0).to(tl.float32)
+            wt = tl.load(weights_ptr + start + i, mask=live, other=0.0).to(tl.float32)
         else:
-            w = tl.full([BLOCK_B], 1.0, tl.float32)
-        row = base + idx * row_bytes  # first byte of each bag's i-th row
+            wt = tl.full([BLOCK_B], 1.0, tl.float32)
+        row = tl.multiple_of((base + idx * row_stride) // 4, 4)  # first word of each bag's i-th row
         m = live[:, None] & d_mask[None, :]
         if KIND == 0:
-            x = tl.load(flat_f32 + (row // 4)[:, None] + d[None, :], mask=m, other=0.0)
-            acc = tl.fma(w[:, None], x, acc)
-        elif KIND == 1:
-            x = tl.load(flat_f16 + (row // 2)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
-            acc = tl.fma(w[:, None], x, acc)
-        elif KIND == 2:
-            x = _fp8_to_float(tl.load(flat_u8 + row[:, None] + d[None, :], mask=m, other=0))
-            acc = tl.fma(w[:, None], x, acc)
+            x = tl.load(flat_f32 + row[:, None] + d[None, :], mask=m, other=0.0)
+            acc = tl.fma(wt[:, None], x, acc)
         else:
-            scale, bias = _scale_bias(flat_u8 + row, live)
-            data = flat_u8 + row + 4
-            if KIND == 3:
-                q = tl.load(data[:, None] + d[None, :], mask=m, other=0).to(tl.float32)
-            elif KIND == 4:
-                byte = tl.load(data[:, None] + (d // 2)[None, :], mask=m, other=0).to(tl.int32)
-                q = ((byte >> ((d % 2) * 4)[None, :]) & 15).to(tl.float32)
+            data = tl.load(flat_i32 + row[:, None] + HEADER + word[None, :], mask=m, other=0)
+            codes = (data >> shift[None, :]) & ((1 << BITS) - 1)
+            if KIND == 1:
+                acc = tl.fma(wt[:, None], _fp16_to_float(codes), acc)
+            elif KIND == 2:
+                acc = tl.fma(wt[:, None], _fp8_to_float(codes), acc)
             else:
-                byte = tl.load(data[:, None] + (d // 4)[None, :], mask=m, other=0).to(tl.int32)
-                q = ((byte >> ((d % 4) * 2)[None, :]) & 3).to(tl.float32)
-            acc = tl.fma((scale * w)[:, None], q, acc + (bias * w)[:, None])
+                header = tl.load(flat_i32 + row, mask=live, other=0)
+                scale = _fp16_to_float(header & 0xFFFF)
+                bias = _fp16_to_float((header >> 16) & 0xFFFF)
+                acc = tl.fma((scale * wt)[:, None], codes.to(tl.float32), acc + (bias * wt)[:, None])
         i += 1
     return acc
 
 
 @triton.jit
 def _quantized_forward_kernel(
-    flat_u8, flat_f16, flat_f32, values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, out_ptr,
+    flat_i32, flat_f32, values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, out_ptr,
     batch_size, total_dim,
     META_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -98,7 +96,7 @@ def _quantized_forward_kernel(
     base = tl.load(meta_ptr + f * META_W + 1)
     col = tl.load(meta_ptr + f * META_W + 2)
     pooling = tl.load(meta_ptr + f * META_W + 3)
-    row_bytes = tl.load(meta_ptr + f * META_W + 5)
+    row_stride = tl.load(meta_ptr + f * META_W + 5)
     kind = tl.load(meta_ptr + f * META_W + 6)
     key = tl.load(key_index_ptr + f).to(tl.int64)
     b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -107,31 +105,30 @@ def _quantized_forward_kernel(
     start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
     length = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64) - start
     max_length = tl.max(length, axis=0)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < dim
     if kind == 3:
-        acc = _pool(flat_u8, flat_f16, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_bytes,
-                    d, d_mask, 3, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+                    3, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     elif kind == 4:
-        acc = _pool(flat_u8, flat_f16, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_bytes,
-                    d, d_mask, 4, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+                    4, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     elif kind == 1:
-        acc = _pool(flat_u8, flat_f16, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_bytes,
-                    d, d_mask, 1, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+                    1, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     elif kind == 5:
-        acc = _pool(flat_u8, flat_f16, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_bytes,
-                    d, d_mask, 5, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+                    5, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     elif kind == 2:
-        acc = _pool(flat_u8, flat_f16, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_bytes,
-                    d, d_mask, 2, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+                    2, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     else:
-        acc = _pool(flat_u8, flat_f16, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_bytes,
-                    d, d_mask, 0, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+                    0, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     # fbgemm multiplies by 1/L (not a division by L); an empty bag stays 0.
     inv_len = 1.0 / tl.maximum(length, 1).to(tl.float32)
     acc = tl.where(pooling == 1, acc * inv_len[:, None], acc)
+    d = tl.arange(0, BLOCK_D)
     tl.store(out_ptr + b[:, None] * total_dim + col + d[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=b_mask[:, None] & d_mask[None, :])
+             mask=b_mask[:, None] & (d[None, :] < dim))
 
 
 def block_shape(max_dim: int):
@@ -156,7 +153,7 @@ def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per
     weights = per_sample_weights if per_sample_weights is not None else out
     kernel = _quantized_forward_kernel if wrap is None else wrap(_quantized_forward_kernel)
     kernel[(num_features, triton.cdiv(batch_size, block_b))](
-        flat, flat.view(torch.float16), flat.view(torch.float32), values, offsets, weights, feature_meta, key_index,
+        flat.view(torch.int32), flat.view(torch.float32), values, offsets, weights, feature_meta, key_index,
         out, batch_size, total_dim,
         META_W=QMETA_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d,
         num_warps=num_warps,

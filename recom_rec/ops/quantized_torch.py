@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..quant.layout import (QMETA_BYTE_BASE, QMETA_DIM, QMETA_OUT_COL, QMETA_POOLING, QMETA_ROW_BYTES,
+from ..quant.layout import (QMETA_BYTE_BASE, QMETA_DIM, QMETA_OUT_COL, QMETA_POOLING, QMETA_ROW_STRIDE,
                             QMETA_ROW_TYPE)
 from ..quant.reference import fma
 from ..quant.rows import SCALE_BIAS_BYTES, RowType, scale_bias_of, unpack_elements
@@ -63,7 +63,7 @@ def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per
     scale = weight.clone() if weight is not None else torch.ones(n, dtype=torch.float32, device=device)
     bias = torch.zeros(n, dtype=torch.float32, device=device)
     any_int = False
-    formats = feature_meta[:, [QMETA_ROW_TYPE, QMETA_DIM, QMETA_ROW_BYTES]]
+    formats = feature_meta[:, [QMETA_ROW_TYPE, QMETA_DIM, QMETA_ROW_STRIDE]]
     unique_formats, format_of_feature = torch.unique(formats, dim=0, return_inverse=True)
     format_of_lookup = format_of_feature[feature]
     for g, (kind, dim, rbytes) in enumerate(unique_formats.tolist()):

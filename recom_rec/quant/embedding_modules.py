@@ -148,7 +148,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     # ----------------------------------------------------------------------------- storage
     def _table_rows(self, slot: QuantTableSlot) -> Tensor:
-        return self._flat_rows[slot.byte_base:slot.byte_base + slot.nbytes].view(slot.num_embeddings, slot.row_bytes)
+        return slot.rows_of(self._flat_rows)
 
     def _bind_table_views(self) -> None:
         """(Re-)registers each table's state_dict buffers as views of the flat buffer, as

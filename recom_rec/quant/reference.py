@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .layout import (QMETA_BYTE_BASE, QMETA_DIM, QMETA_OUT_COL, QMETA_POOLING, QMETA_ROW_BYTES,
+from .layout import (QMETA_BYTE_BASE, QMETA_DIM, QMETA_OUT_COL, QMETA_POOLING, QMETA_ROW_STRIDE,
                      QMETA_ROW_TYPE)
 from .rows import SCALE_BIAS_BYTES, RowType, data_bytes, scale_bias_of, unpack_elements
 
