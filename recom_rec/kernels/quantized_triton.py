@@ -58,28 +58,32 @@ def _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length
     # A while loop: the interpreter cannot take a reduced value as a range bound.
     while i < max_length:
         live = i < length
-        idx = tl.load(values_ptr + start + i, mask=live, other=0).to(tl.int64)
-        if HAS_WEIGHTS:
-            wt = tl.load(weights_ptr + start + i, mask=live, other=0.0).to(tl.float32)
-        else:
-            wt = tl.full([BLOCK_B], 1.0, tl.float32)
-        row = tl.multiple_of((base + idx * row_stride) // 4, 4)  # first word of each bag's i-th row
         m = live[:, None] & d_mask[None, :]
-        if KIND == 0:
-            x = tl.load(flat_f32 + row[:, None] + d[None, :], mask=m, other=0.0)
-            acc = tl.fma(wt[:, None], x, acc)
+        # Ids and weights loaded as [BLOCK_B, BLOCK_D] tiles, every lane of a bag the same address
+        # (one transaction): [BLOCK_B] loads feeding word addresses trip Triton 3.6's layout pass
+        # with 64-bit ids ("mask type matches ptr type").
+        at = start[:, None] + i + 0 * d[None, :]
+        idx = tl.load(values_ptr + at, mask=m, other=0).to(tl.int64)
+        if HAS_WEIGHTS:
+            wt = tl.load(weights_ptr + at, mask=m, other=0.0).to(tl.float32)
         else:
-            data = tl.load(flat_i32 + row[:, None] + HEADER + word[None, :], mask=m, other=0)
+            wt = tl.full([BLOCK_B, BLOCK_D], 1.0, tl.float32)
+        row = (base + idx * row_stride) // 4  # first word of each bag's i-th row
+        if KIND == 0:
+            x = tl.load(flat_f32 + row + d[None, :], mask=m, other=0.0)
+            acc = tl.fma(wt, x, acc)
+        else:
+            data = tl.load(flat_i32 + row + HEADER + word[None, :], mask=m, other=0)
             codes = (data >> shift[None, :]) & ((1 << BITS) - 1)
             if KIND == 1:
-                acc = tl.fma(wt[:, None], _fp16_to_float(codes), acc)
+                acc = tl.fma(wt, _fp16_to_float(codes), acc)
             elif KIND == 2:
-                acc = tl.fma(wt[:, None], _fp8_to_float(codes), acc)
+                acc = tl.fma(wt, _fp8_to_float(codes), acc)
             else:
-                header = tl.load(flat_i32 + row, mask=live, other=0)
-                scale = _fp16_to_float(header & 0xFFFF)
-                bias = _fp16_to_float((header >> 16) & 0xFFFF)
-                acc = tl.fma((scale * wt)[:, None], codes.to(tl.float32), acc + (bias * wt)[:, None])
+                header = tl.load(flat_i32 + row, mask=m, other=0)  # scale and bias, every lane
+                scale = _fp16_to_float(header & 0xFFFF) * wt
+                bias = _fp16_to_float((header >> 16) & 0xFFFF) * wt
+                acc = tl.fma(scale, codes.to(tl.float32), acc + bias)
         i += 1
     return acc
 
