@@ -42,7 +42,9 @@ def quantized_module_args(module: nn.Module) -> Dict[str, Any]:
         quant_state_dict_split_scale_bias=getattr(module, trec_quant.MODULE_ATTR_QUANT_STATE_DICT_SPLIT_SCALE_BIAS,
                                                   False),
         row_alignment=getattr(module, trec_quant.MODULE_ATTR_ROW_ALIGNMENT_INT, trec_quant.DEFAULT_ROW_ALIGNMENT),
-        cache_features_order=getattr(module, trec_quant.MODULE_ATTR_CACHE_FEATURES_ORDER, False),
+        # (the attribute is newer than torchrec 1.6; its name is the same)
+        cache_features_order=getattr(module, getattr(trec_quant, "MODULE_ATTR_CACHE_FEATURES_ORDER",
+                                                     "__cache_features_order"), False),
     )
 
 
