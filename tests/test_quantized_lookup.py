@@ -59,6 +59,15 @@ def test_triton_kernel_matches_reference(seed, weighted, output_dtype):
 
 
 @pytest.mark.skipif(not triton_interpreting(), reason="the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("batch_size", [1, 3, 70])
+def test_triton_kernel_online_and_odd_batches(batch_size):
+    """Tiles sized by the batch (one bag a program at batch 1) and a batch across two tiles."""
+    case = random_case(11, True, batch_size=batch_size, max_len=3)
+    torch.testing.assert_close(_run(case, torch.float32, "triton"), _reference(case, torch.float32),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not triton_interpreting(), reason="the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("kind", list(RowType))
 @pytest.mark.parametrize("row_alignment", [16, 4])
 def test_triton_kernel_each_row_type(kind, row_alignment):

@@ -59,9 +59,10 @@ def _variants():
 def _quantized_variants(ptr):
     from . import quantized_triton as q
 
-    for out, idx, has_w, max_dim in itertools.product(("fp32", "fp16", "bf16"), ("i32", "i64"), (False, True),
-                                                      (16, 64, 256)):
-        block_b, block_d, num_warps = q.block_shape(max_dim)
+    shapes = [(16, 2048), (64, 2048), (256, 2048), (32, 1), (32, 16), (128, 64)]  # (max_dim, batch)
+    for out, idx, has_w, (max_dim, batch) in itertools.product(("fp32", "fp16", "bf16"), ("i32", "i64"), (False, True),
+                                                               shapes):
+        block_b, block_d, num_warps = q.block_shape(max_dim, batch)
         yield q._quantized_forward_kernel, {
             "flat_i32": "*i32", "flat_f32": "*fp32", "values_ptr": ptr[idx], "offsets_ptr": ptr[idx],
             "weights_ptr": "*fp32" if has_w else ptr[out], "meta_ptr": "*i64", "key_index_ptr": "*i64",

@@ -135,12 +135,15 @@ def _quantized_forward_kernel(
              mask=b_mask[:, None] & (d[None, :] < dim))
 
 
-def block_shape(max_dim: int):
-    """(BLOCK_B, BLOCK_D, num_warps): ~4K-element tiles (the float forward's H100 sweep,
-    docs/perf-notes.md, halved: a quantized row adds its decode to the registers it needs)."""
+def block_shape(max_dim: int, batch_size: int):
+    """(BLOCK_B, BLOCK_D, num_warps): tiles of up to ~4K elements (the float forward's H100 sweep,
+    docs/perf-notes.md, halved: decoding a quantized row takes registers of its own), no more bags
+    than the batch has (online batches of 1-64 would leave most lanes of a 64-bag tile idle), and
+    warps for ~256 elements each (a batch-1 program is one warp)."""
     block_d = max(16, triton.next_power_of_2(int(max_dim)))
-    block_b = max(4, min(64, 4096 // block_d))
-    return block_b, block_d, (2 if block_d >= 128 else 4)
+    block_b = max(1, min(64, 4096 // block_d, triton.next_power_of_2(max(1, int(batch_size)))))
+    num_warps = max(1, min(2 if block_d >= 128 else 4, block_b * block_d // 256))
+    return block_b, block_d, num_warps
 
 
 def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per_sample_weights, feature_meta: torch.Tensor,
@@ -153,7 +156,7 @@ def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per
     num_features = feature_meta.shape[0]
     if num_features == 0 or batch_size == 0:
         return out.zero_()
-    block_b, block_d, num_warps = block_shape(max_dim)
+    block_b, block_d, num_warps = block_shape(max_dim, batch_size)
     weights = per_sample_weights if per_sample_weights is not None else out
     kernel = _quantized_forward_kernel if wrap is None else wrap(_quantized_forward_kernel)
     kernel[(num_features, triton.cdiv(batch_size, block_b))](
