@@ -176,3 +176,13 @@ def test_other_row_alignment_keeps_torchrec_s_rows():
         assert t.shape == o.shape and torch.equal(t.view(torch.uint8), o.view(torch.uint8)), key
     kjt = _kjt(True)
     assert torch.equal(ours(kjt).values(), theirs(kjt).values())
+
+
+def test_from_float_refuses_parameter_server_tables():
+    from recom_rec.ps import PSConfig
+
+    tables = _tables()
+    fused = recom_rec.EmbeddingBagCollection(tables, ps={"t4": PSConfig(url="memory://", cache_rows=8)})
+    fused.qconfig = _qconfig(torch.float32)
+    with pytest.raises(ValueError, match="parameter-server"):
+        QuantEBC.from_float(fused)

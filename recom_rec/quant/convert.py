@@ -20,6 +20,9 @@ def quantized_module_args(module: nn.Module) -> Dict[str, Any]:
     pruning, and module attributes, and the rows quantized by fbgemm's quantizers."""
     if not hasattr(module, "qconfig"):
         raise ValueError("EmbeddingBagCollection input float module must have qconfig defined")
+    if getattr(module, "_ps", None) is not None:
+        raise ValueError("an EmbeddingBagCollection with parameter-server tables holds only a cache of their rows; "
+                         "it cannot be quantized (load the full tables into a module without ps=... first)")
     pruning: Dict[str, int] = getattr(module, trec_quant.MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT, {})
     configs = copy.deepcopy(module.embedding_bag_configs())
     trec_quant._update_embedding_configs(configs, module.qconfig, pruning)
