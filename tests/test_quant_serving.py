@@ -124,8 +124,8 @@ _RUN_PACKAGE = textwrap.dedent("""
     import sys, torch
     import recom_rec  # registers recom_rec::quantized_pooled_lookup, which the package calls
     runner = torch._inductor.aoti_load_package(sys.argv[1])
-    inputs = torch.load(sys.argv[2])
-    torch.save([runner(*args) for args in inputs], sys.argv[3])
+    inputs = [[t.to(sys.argv[4]) for t in args] for args in torch.load(sys.argv[2])]
+    torch.save([runner(*args).cpu() for args in inputs], sys.argv[3])
 """)
 
 
@@ -139,7 +139,7 @@ def test_aot_inductor_package_runs_in_a_fresh_process(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_RUN_PACKAGE)
     result = subprocess.run([sys.executable, str(script), package, str(tmp_path / "inputs.pt"),
-                             str(tmp_path / "outputs.pt")], capture_output=True, text=True, timeout=240)
+                             str(tmp_path / "outputs.pt"), str(DEVICE)], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     outputs = torch.load(tmp_path / "outputs.pt")
     with torch.no_grad():

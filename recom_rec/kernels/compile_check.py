@@ -65,7 +65,7 @@ def _quantized_variants(ptr):
         block_b, block_d, num_warps = q.block_shape(max_dim, batch)
         yield q._quantized_forward_kernel, {
             "flat_i32": "*i32", "flat_f32": "*fp32", "values_ptr": ptr[idx], "offsets_ptr": ptr[idx],
-            "weights_ptr": "*fp32" if has_w else ptr[out], "meta_ptr": "*i64", "key_index_ptr": "*i64",
+            "weights_ptr": "*fp32", "meta_ptr": "*i64", "key_index_ptr": "*i64",
             "out_ptr": ptr[out], "batch_size": "i32", "total_dim": "i32",
         }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d}, {"num_warps": num_warps}
 

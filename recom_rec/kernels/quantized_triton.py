@@ -141,7 +141,9 @@ def block_shape(max_dim: int, batch_size: int):
     than the batch has (online batches of 1-64 would leave most lanes of a 64-bag tile idle), and
     warps for ~256 elements each (a batch-1 program is one warp)."""
     block_d = max(16, triton.next_power_of_2(int(max_dim)))
-    block_b = max(1, min(64, 4096 // block_d, triton.next_power_of_2(max(1, int(batch_size)))))
+    block_b = max(1, min(64, 4096 // block_d))
+    if isinstance(batch_size, int):  # a symbolic batch (export, dynamic shapes) keeps the full tile
+        block_b = min(block_b, triton.next_power_of_2(max(1, batch_size)))
     num_warps = max(1, min(2 if block_d >= 128 else 4, block_b * block_d // 256))
     return block_b, block_d, num_warps
 
@@ -152,15 +154,16 @@ def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per
     """Launches the kernel; ``wrap`` is ``torch.library.wrap_triton`` when the launch is to be
     traced (the custom op under torch.compile / AOTInductor: Inductor then compiles the kernel
     into its own code)."""
-    out = torch.empty(batch_size, total_dim, dtype=output_dtype, device=flat.device)
     num_features = feature_meta.shape[0]
     if num_features == 0 or batch_size == 0:
-        return out.zero_()
+        return torch.zeros(batch_size, total_dim, dtype=output_dtype, device=flat.device)
+    out = torch.empty(batch_size, total_dim, dtype=output_dtype, device=flat.device)
     block_b, block_d, num_warps = block_shape(max_dim, batch_size)
-    weights = per_sample_weights if per_sample_weights is not None else out
+    words, floats = flat.view(torch.int32), flat.view(torch.float32)
+    weights = per_sample_weights if per_sample_weights is not None else floats  # (not read)
     kernel = _quantized_forward_kernel if wrap is None else wrap(_quantized_forward_kernel)
     kernel[(num_features, triton.cdiv(batch_size, block_b))](
-        flat.view(torch.int32), flat.view(torch.float32), values, offsets, weights, feature_meta, key_index,
+        words, floats, values, offsets, weights, feature_meta, key_index,
         out, batch_size, total_dim,
         META_W=QMETA_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d,
         num_warps=num_warps,
