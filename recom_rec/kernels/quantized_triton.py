@@ -82,7 +82,10 @@ def _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length
             else:
                 header = tl.load(flat_i32 + row, mask=m, other=0)  # scale and bias, every lane
                 scale = _fp16_to_float(header & 0xFFFF) * wt
-                bias = _fp16_to_float((header >> 16) & 0xFFFF) * wt
+                # bias * w as an fma with +0: a plain product would be contracted with the add
+                # below into one fma (Triton compiles with fp-contract=fast), which rounds once
+                # where fbgemm rounds twice. (It differs from bias * w only in the sign of a zero.)
+                bias = tl.fma(_fp16_to_float((header >> 16) & 0xFFFF), wt, 0.0)
                 acc = tl.fma(scale, codes.to(tl.float32), acc + bias)
         i += 1
     return acc
@@ -127,8 +130,9 @@ def _quantized_forward_kernel(
     else:
         acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
                     0, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
-    # fbgemm multiplies by 1/L (not a division by L); an empty bag stays 0.
-    inv_len = 1.0 / tl.maximum(length, 1).to(tl.float32)
+    # fbgemm multiplies by 1/L (not a division by L), 1/L rounded correctly (Triton's "/" on fp32
+    # is the approximate division); an empty bag stays 0.
+    inv_len = tl.math.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.maximum(length, 1).to(tl.float32))
     acc = tl.where(pooling == 1, acc * inv_len[:, None], acc)
     d = tl.arange(0, BLOCK_D)
     tl.store(out_ptr + b[:, None] * total_dim + col + d[None, :], acc.to(out_ptr.dtype.element_ty),
