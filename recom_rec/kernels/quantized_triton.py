@@ -40,53 +40,54 @@ def _fp8_to_float(code):
 @triton.jit
 def _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
           KIND: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Sum of the bags' dequantized rows (weighted), [BLOCK_B, BLOCK_D] fp32, rows of type KIND
-    (the RowType codes: 0 FP32, 1 FP16, 2 FP8, 3 INT8, 4 INT4, 5 INT2).
+    """Sum of the bags' dequantized rows (weighted), [BLOCK_B, BLOCK_D] fp32 (columns past
+    ``dim`` hold values the caller does not store), rows of type KIND (the RowType codes: 0 FP32,
+    1 FP16, 2 FP8, 3 INT8, 4 INT4, 5 INT2).
 
-    Rows are read as 32-bit words (row strides are multiples of 16 bytes): column d takes its
-    element from word d // PER_WORD, the lanes of one word loading the same address (one
-    transaction). An INT row's fp16 scale and bias are its first word."""
+    Rows are read as 32-bit words, each word once (row strides are multiples of 16 bytes), and
+    unpacked in registers into PER_WORD columns; an INT row's fp16 scale and bias are its first
+    word."""
     BITS: tl.constexpr = 32 if KIND == 0 else (16 if KIND == 1 else (8 if KIND <= 3 else (4 if KIND == 4 else 2)))
     PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK_W: tl.constexpr = BLOCK_D // PER_WORD
     HEADER: tl.constexpr = 1 if KIND >= 3 else 0
-    d = tl.arange(0, BLOCK_D)
-    word = d // PER_WORD
-    shift = (d % PER_WORD) * BITS
-    d_mask = d < dim
+    w = tl.arange(0, BLOCK_W)
+    shift = tl.arange(0, PER_WORD) * BITS
+    w_mask = w < (dim * BITS + 31) // 32
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     i = 0
     # A while loop: the interpreter cannot take a reduced value as a range bound.
     while i < max_length:
         live = i < length
-        m = live[:, None] & d_mask[None, :]
-        # Ids and weights loaded as [BLOCK_B, BLOCK_D] tiles, every lane of a bag the same address
-        # (one transaction): [BLOCK_B] loads feeding word addresses trip Triton 3.6's layout pass
-        # with 64-bit ids ("mask type matches ptr type").
-        at = start[:, None] + i + 0 * d[None, :]
-        idx = tl.load(values_ptr + at, mask=m, other=0).to(tl.int64)
+        # Ids as 32-bit (as fbgemm's GPU kernels take them): a 64-bit id chain feeding the word
+        # addresses trips Triton 3.6's layout pass ("mask type matches ptr type").
+        idx = tl.load(values_ptr + start + i, mask=live, other=0).to(tl.int32).to(tl.int64)
         if HAS_WEIGHTS:
-            wt = tl.load(weights_ptr + at, mask=m, other=0.0).to(tl.float32)
+            wt = tl.load(weights_ptr + start + i, mask=live, other=0.0).to(tl.float32)
         else:
-            wt = tl.full([BLOCK_B, BLOCK_D], 1.0, tl.float32)
-        row = (base + idx * row_stride) // 4  # first word of each bag's i-th row
+            wt = tl.full([BLOCK_B], 1.0, tl.float32)
+        row = tl.multiple_of((base + idx * row_stride) // 4, 4)  # first word of each bag's i-th row
+        m = live[:, None] & w_mask[None, :]
         if KIND == 0:
-            x = tl.load(flat_f32 + row + d[None, :], mask=m, other=0.0)
-            acc = tl.fma(wt, x, acc)
+            x = tl.load(flat_f32 + row[:, None] + w[None, :], mask=m, other=0.0)
+            acc = tl.fma(wt[:, None], x, acc)
         else:
-            data = tl.load(flat_i32 + row + HEADER + word[None, :], mask=m, other=0)
-            codes = (data >> shift[None, :]) & ((1 << BITS) - 1)
+            data = tl.load(flat_i32 + row[:, None] + HEADER + w[None, :], mask=m, other=0)
+            # Each word's PER_WORD elements, in column order (element k of word j is column
+            # j * PER_WORD + k, little end first).
+            codes = tl.reshape((data[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1), [BLOCK_B, BLOCK_D])
             if KIND == 1:
-                acc = tl.fma(wt, _fp16_to_float(codes), acc)
+                acc = tl.fma(wt[:, None], _fp16_to_float(codes), acc)
             elif KIND == 2:
-                acc = tl.fma(wt, _fp8_to_float(codes), acc)
+                acc = tl.fma(wt[:, None], _fp8_to_float(codes), acc)
             else:
-                header = tl.load(flat_i32 + row, mask=m, other=0)  # scale and bias, every lane
+                header = tl.load(flat_i32 + row, mask=live, other=0)  # fp16 scale, fp16 bias
                 scale = _fp16_to_float(header & 0xFFFF) * wt
                 # bias * w as an fma with +0: a plain product would be contracted with the add
                 # below into one fma (Triton compiles with fp-contract=fast), which rounds once
                 # where fbgemm rounds twice. (It differs from bias * w only in the sign of a zero.)
                 bias = tl.fma(_fp16_to_float((header >> 16) & 0xFFFF), wt, 0.0)
-                acc = tl.fma(scale, codes.to(tl.float32), acc + bias)
+                acc = tl.fma(scale[:, None], codes.to(tl.float32), acc + bias[:, None])
         i += 1
     return acc
 
