@@ -17,6 +17,11 @@ and from the restored model gives the same loss again.
     python examples/dlrm_criteo.py --data day_0.gz --max-rows 1000000 --device cuda --steps 5000
     python examples/dlrm_criteo.py --ps memory://criteo       # large tables in the parameter-server tier
     python examples/dlrm_criteo.py --ps redis://127.0.0.1:6379/0?prefix=dlrm --max-rows 10000000
+    python examples/dlrm_criteo.py --quantize int8 int4          # + held-out AUC of quantized copies
+
+With --quantize, the trained model is converted by recom_rec.quantize (INT8 / INT4 / INT2 / FP16
+rows, recom_rec.quant.EmbeddingBagCollection) and its held-out loss and AUC are reported beside the
+fp32 model's.
 
 With --ps URL, tables of at least --ps-min-rows rows live in the store at URL with --ps-cache-rows
 of their rows cached in the module; the checkpoint flushes them to the store, and the restored
@@ -67,6 +72,19 @@ def predict(model, batch):
 
 
 loss_fn = torch.nn.functional.binary_cross_entropy_with_logits
+QUANTIZED_DTYPES = {"int8": torch.qint8, "int4": torch.quint4x2, "int2": torch.quint2x4, "fp16": torch.half}
+
+
+def evaluate_quantized(model, held_out, kinds, fp32):
+    """Held-out loss and AUC of quantized copies of ``model`` beside the fp32 model's."""
+    results = {}
+    for kind in kinds:
+        quantized = recom_rec.quantize(model, QUANTIZED_DTYPES[kind])
+        m = evaluate(quantized, held_out, predict, loss_fn)
+        results[kind] = {**m, "auc_minus_fp32": m["auc"] - fp32["auc"]}
+        print(f"quantized {kind:>5}: held-out loss {m['loss']:.4f}  AUC {m['auc']:.4f}  "
+              f"(fp32 AUC {fp32['auc']:.4f}, difference {m['auc'] - fp32['auc']:+.4f})")
+    return results
 
 
 def train_step(model, opt, batch):
@@ -99,7 +117,11 @@ def main(argv=None):
                    help="parameter-server store for the large tables, e.g. memory://criteo or redis://host:6379/0")
     p.add_argument("--ps-min-rows", type=int, default=10_000, help="tables with at least this many rows go to --ps")
     p.add_argument("--ps-cache-rows", type=int, default=4096, help="rows of each PS-backed table cached in the module")
+    p.add_argument("--quantize", nargs="+", default=[], choices=list(QUANTIZED_DTYPES),
+                   help="also evaluate copies of the trained model with quantized tables")
     args = p.parse_args(argv)
+    if args.quantize and args.ps:
+        raise SystemExit("--quantize needs every row in the module: it cannot be combined with --ps")
     device = pick_device(args.device)
     torch.manual_seed(args.seed)
 
@@ -158,6 +180,7 @@ def main(argv=None):
           f"{eval_curve[0][1]['loss']:.4f}  AUC {eval_curve[0][1]['auc']:.4f})")
     print(f"embedding optimizer: {type(ebc.fused_optimizer).__name__} with state "
           f"{sorted({k for s in ebc.fused_optimizer.state.values() for k in s})}")
+    quantized = evaluate_quantized(model, held_out, args.quantize, final)
 
     # Checkpoint: the module's state_dict holds weights and the fused optimizer's state.
     args.out.mkdir(parents=True, exist_ok=True)
@@ -193,7 +216,7 @@ def main(argv=None):
                "eval_curve": eval_curve, "restore": {"eval_loss": [loss_orig, loss_restored],
                                                      "after_one_step": [after_orig, after_restored],
                                                      "train_loss_one_step": [step_orig, step_restored]},
-               "plot": str(plot), "checkpoint": str(ckpt_path)}
+               "plot": str(plot), "checkpoint": str(ckpt_path), "quantized": quantized}
     write_json(args.out / "metrics.json", metrics)
     print(f"plot: {plot}")
     return metrics

@@ -73,3 +73,24 @@ def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
     assert set(data["summary"]) >= {"forward", "sgd", "rowwise_adagrad"}
     assert data["summary"]["forward"]["points"] == len(compared)
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_inference_phase_on_the_cpu(tmp_path):
+    """``--phases inference``: quantized rows, ours vs fbgemm's IntN TBE vs torchrec's quantized
+    EBC, at the workload's batch and at batches 1/16/64 (eager on the CPU); identical outputs."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "recom_rec.bench", "--phases", "inference", "--workloads", "many-4000",
+         "--row-types", "int8", "int4", "--small", "--iters", "1", "--warmup", "0", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = result.stdout
+    assert "many-4000" in text and "x torchrec" in text and "x fbgemm" in text, text
+    assert "many-4000 int8: bits" in text and "many-4000 int4: bits" in text, text
+    data = json.loads(out.with_suffix(".json").read_text())
+    timed = {(r["peer"], r["phase"]) for r in data["results"] if "ms" in r}
+    for peer in ("recom_rec", "fbgemm", "torchrec"):
+        for phase in ("int8 B=64", "int4 B=1 eager", "int4 B=16 eager", "int8 B=64 eager"):
+            assert (peer, phase) in timed, (peer, phase, timed)
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from .peers import PEERS, PINNED_BACKENDS, fbgemm_available, make_peer
 from .report import format_table, plot_results
 from .timing import copy_bandwidth_gbs, time_ms
-from .workloads import WORKLOADS, get_workload
+from .workloads import DEFAULT_WORKLOADS, WORKLOADS, get_workload
 
 # forward: inference under no_grad. backward: forward + backward to dense gradients (fbgemm has
 # no such mode and applies its fused SGD). sgd / rowwise_adagrad: a whole training step of the
@@ -22,19 +22,25 @@ from .workloads import WORKLOADS, get_workload
 # (torchrec's RowWiseAdagrad) for torchrec's module.
 # forward-graph: the forward captured once in a CUDA graph and replayed (small-batch inference
 # latency without launch overhead; needs a forward with no host syncs: validation off).
-PHASES = ("forward", "forward-graph", "backward", "sgd", "rowwise_adagrad")
+# inference: quantized tables (recom_rec/bench/inference.py), INT8 / INT4 / FP16 rows (--row-types),
+# ours vs fbgemm's IntN TBE vs torchrec's quantized EBC, at the workload's batch and at batches
+# 1, 16, 64 replayed from CUDA graphs; its own default workloads (dlrm-kaggle, many-500, many-4000).
+PHASES = ("forward", "forward-graph", "backward", "sgd", "rowwise_adagrad", "inference")
 FORWARD_PHASES = ("forward", "forward-graph", "backward")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m recom_rec.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS),
+    p.add_argument("--workloads", nargs="+", default=None,
                    choices=list(WORKLOADS) + ["ps", "sharded-dlrm", "sweep"],
                    help="not in the default set: 'sweep', ours against fbgemm over a grid of table layouts "
                    "(recom_rec/bench/sweep.py; --warmup/--iters/--out apply); 'ps', a 1e8-row table in the parameter-server tier (see "
                    "--ps-urls); 'sharded-dlrm', a DLRM training step under DistributedModelParallel, ours vs "
-                   "torchrec's sharder (see --worlds)")
+                   "torchrec's sharder (see --worlds). Default: " + " ".join(DEFAULT_WORKLOADS) +
+                   "; with --phases inference alone: dlrm-kaggle many-500 many-4000")
+    p.add_argument("--row-types", nargs="+", default=["int8", "int4", "fp16"],
+                   choices=["int8", "int4", "int2", "fp16"], help="row types of --phases inference")
     p.add_argument("--worlds", nargs="+", type=int, default=None,
                    help="process counts for 'sharded-dlrm' (one per GPU; default 1 and every GPU)")
     p.add_argument("--ps-urls", nargs="+", default=["memory://bench"],
@@ -44,10 +50,11 @@ def parse_args(argv=None):
                    choices=list(PEERS) + list(PINNED_BACKENDS),
                    help="recom_rec:triton / recom_rec:cuda: ours with that backend pinned, beside 'recom_rec' (--backend)")
     p.add_argument("--batch-size", type=int, default=None, help="override every workload's batch size")
-    p.add_argument("--phases", nargs="+", default=[p for p in PHASES if p != "forward-graph"], choices=PHASES,
+    p.add_argument("--phases", nargs="+", default=[p for p in PHASES if p not in ("forward-graph", "inference")],
+                   choices=PHASES,
                    help="forward: inference under no_grad; backward: forward+backward to dense gradients "
                    "(fbgemm applies its fused SGD); sgd, rowwise_adagrad: forward+backward+optimizer "
-                   "(fused for recom_rec and fbgemm)")
+                   "(fused for recom_rec and fbgemm); inference: quantized tables (see --row-types)")
     p.add_argument("--backend", default="auto", help="recom_rec backend: auto, triton, cuda or torch")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="scaled-down workloads (default on the CPU)")
@@ -179,8 +186,36 @@ def run(args):
     return meta, results
 
 
+def _run_inference(args):
+    from .inference import INFERENCE_WORKLOADS, run_inference
+
+    device = torch.device(args.device)
+    small = args.small or device.type == "cpu"
+    ceiling = copy_bandwidth_gbs(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "copy_gbs": ceiling, "small": small, "backend": "quantized",
+            "workloads": {n: get_workload(n, small).description for n in INFERENCE_WORKLOADS}}
+    return meta, run_inference(args, device, ceiling, small)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if "inference" in args.phases:
+        args.phases = [p for p in args.phases if p != "inference"]
+        meta, results = _run_inference(args)
+        print(format_table(meta, results, [p for p in args.peers if p in ("recom_rec", "fbgemm", "torchrec")]))
+        agree = sorted({f"{r['workload']} {r['phase'].split()[0]}: {r['agree']}" for r in results if "agree" in r})
+        print("ours vs torchrec's quantized EBC, largest difference (bits = identical): " + ", ".join(agree))
+        stem = args.out + ("-inference" if args.phases else "")
+        os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
+        with open(stem + ".json", "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+        plot_results(results, stem + ".png", meta)
+        print(f"wrote {stem}.json and {stem}.png")
+        if not args.phases:
+            return
+    if args.workloads is None:
+        args.workloads = list(DEFAULT_WORKLOADS)
     if "sweep" in args.workloads:
         from .sweep import main_sweep
 

@@ -98,7 +98,11 @@ WORKLOADS: Dict[str, Callable[[bool], Workload]] = {
     "many-1000": lambda small: _many("many-1000", 1000, 50_000, 16, 512, 4, small),
     "mixed": _mixed,
     "zipf": lambda small: _many("zipf", 500, 100_000, 32, 2048, 10, small, zipf=1.05),
+    # RECom's thousands of columns at online batch sizes (the inference benchmark's)
+    "many-4000": lambda small: _many("many-4000", 4000, 10_000, 32, 128, 3, small),
 }
+# What a run without --workloads measures: the training-era set (many-4000 is an inference shape).
+DEFAULT_WORKLOADS = [name for name in WORKLOADS if name != "many-4000"]
 
 
 def get_workload(name: str, small: bool) -> Workload:

@@ -53,6 +53,21 @@ def _variants():
             "counts_ptr": "*i32", "n": "i32", "partial_ptr": "*fp32", **common,
         }, {"META_W": 8, "PIECE": k.PIECE, "BLOCK_R": 1, "BLOCK_K": k.split_block_k(block_d),
             "BLOCK_D": block_d, "OPT": opt}, {"num_warps": 4}
+    yield from _quantized_variants(ptr)
+
+
+def _quantized_variants(ptr):
+    from . import quantized_triton as q
+
+    shapes = [(16, 2048), (64, 2048), (256, 2048), (32, 1), (32, 16), (128, 64)]  # (max_dim, batch)
+    for out, idx, has_w, (max_dim, batch) in itertools.product(("fp32", "fp16", "bf16"), ("i32", "i64"), (False, True),
+                                                               shapes):
+        block_b, block_d, num_warps = q.block_shape(max_dim, batch)
+        yield q._quantized_forward_kernel, {
+            "flat_i32": "*i32", "flat_f32": "*fp32", "values_ptr": ptr[idx], "offsets_ptr": ptr[idx],
+            "weights_ptr": "*fp32", "meta_ptr": "*i64", "key_index_ptr": "*i64",
+            "out_ptr": ptr[out], "batch_size": "i32", "total_dim": "i32",
+        }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d}, {"num_warps": num_warps}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,176 @@
+"""Triton kernel of the quantized lookup: every table of a group, whatever its row type, in one
+launch.
+
+One program per (feature, block of bags), as the float forward (pooled_triton.py): it reads the
+feature's row of ``feature_meta`` (dim, table's first byte, row stride, row type, output column,
+pooling), walks its bags' ids in lock-step and dequantizes and accumulates their rows in fp32 with
+fbgemm's arithmetic (quant/reference.py): ``fma(scale * w, q, acc + bias * w)`` for INT rows,
+``fma(w, x, acc)`` for float rows. The row type is uniform within a program, so the branch on it
+is taken once per program, outside the loop over ids. The output row is written once, in the
+output dtype.
+
+Rows are read as 32-bit words (the buffer as int32 and, for FP32 rows, fp32): tables start on
+128-byte lines and row strides are multiples of 16 bytes (quant/layout.py), so every row starts
+on a 16-byte boundary, an INT row's data one word after its scale-and-bias word.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ..quant.layout import QMETA_WIDTH
+
+
+@triton.jit
+def _fp16_to_float(bits16):
+    return bits16.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fp8_to_float(code):
+    """fbgemm's hfp8 (4 exponent bits, bias 7, subnormals, no inf/NaN) to fp32, exactly."""
+    e = (code >> 3) & 15
+    m = code & 7
+    significand = tl.where(e > 0, m + 8, m).to(tl.float32)
+    # 2**(max(e, 1) - 10) built from its exponent bits (exact, no exp2 approximation).
+    power = ((tl.maximum(e, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)
+    v = significand * power
+    return tl.where((code & 128) != 0, -v, v)
+
+
+@triton.jit
+def _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+          KIND: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Sum of the bags' dequantized rows (weighted), [BLOCK_B, BLOCK_D] fp32 (columns past
+    ``dim`` hold values the caller does not store), rows of type KIND (the RowType codes: 0 FP32,
+    1 FP16, 2 FP8, 3 INT8, 4 INT4, 5 INT2).
+
+    Rows are read as 32-bit words, each word once (row strides are multiples of 16 bytes), and
+    unpacked in registers into PER_WORD columns; an INT row's fp16 scale and bias are its first
+    word."""
+    BITS: tl.constexpr = 32 if KIND == 0 else (16 if KIND == 1 else (8 if KIND <= 3 else (4 if KIND == 4 else 2)))
+    PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK_W: tl.constexpr = BLOCK_D // PER_WORD
+    HEADER: tl.constexpr = 1 if KIND >= 3 else 0
+    w = tl.arange(0, BLOCK_W)
+    shift = tl.arange(0, PER_WORD) * BITS
+    w_mask = w < (dim * BITS + 31) // 32
+    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    i = 0
+    # A while loop: the interpreter cannot take a reduced value as a range bound.
+    while i < max_length:
+        live = i < length
+        # Ids as 32-bit (as fbgemm's GPU kernels take them): a 64-bit id chain feeding the word
+        # addresses trips Triton 3.6's layout pass ("mask type matches ptr type").
+        idx = tl.load(values_ptr + start + i, mask=live, other=0).to(tl.int32).to(tl.int64)
+        if HAS_WEIGHTS:
+            wt = tl.load(weights_ptr + start + i, mask=live, other=0.0).to(tl.float32)
+        else:
+            wt = tl.full([BLOCK_B], 1.0, tl.float32)
+        row = tl.multiple_of((base + idx * row_stride) // 4, 4)  # first word of each bag's i-th row
+        m = live[:, None] & w_mask[None, :]
+        if KIND == 0:
+            x = tl.load(flat_f32 + row[:, None] + w[None, :], mask=m, other=0.0)
+            acc = tl.fma(wt[:, None], x, acc)
+        else:
+            data = tl.load(flat_i32 + row[:, None] + HEADER + w[None, :], mask=m, other=0)
+            # Each word's PER_WORD elements, in column order (element k of word j is column
+            # j * PER_WORD + k, little end first).
+            codes = tl.reshape((data[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1), [BLOCK_B, BLOCK_D])
+            if KIND == 1:
+                acc = tl.fma(wt[:, None], _fp16_to_float(codes), acc)
+            elif KIND == 2:
+                acc = tl.fma(wt[:, None], _fp8_to_float(codes), acc)
+            else:
+                header = tl.load(flat_i32 + row, mask=live, other=0)  # fp16 scale, fp16 bias
+                scale = _fp16_to_float(header & 0xFFFF) * wt
+                # bias * w as an fma with +0: a plain product would be contracted with the add
+                # below into one fma (Triton compiles with fp-contract=fast), which rounds once
+                # where fbgemm rounds twice. (It differs from bias * w only in the sign of a zero.)
+                bias = tl.fma(_fp16_to_float((header >> 16) & 0xFFFF), wt, 0.0)
+                acc = tl.fma(scale[:, None], codes.to(tl.float32), acc + bias[:, None])
+        i += 1
+    return acc
+
+
+@triton.jit
+def _quantized_forward_kernel(
+    flat_i32, flat_f32, values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, out_ptr,
+    batch_size, total_dim,
+    META_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    f = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    dim = tl.load(meta_ptr + f * META_W + 0)
+    base = tl.load(meta_ptr + f * META_W + 1)
+    col = tl.load(meta_ptr + f * META_W + 2)
+    pooling = tl.load(meta_ptr + f * META_W + 3)
+    row_stride = tl.load(meta_ptr + f * META_W + 5)
+    kind = tl.load(meta_ptr + f * META_W + 6)
+    key = tl.load(key_index_ptr + f).to(tl.int64)
+    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_mask = b < batch_size
+    bag = key * batch_size + b
+    start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
+    length = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64) - start
+    max_length = tl.max(length, axis=0)
+    if kind == 3:
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+                    3, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+    elif kind == 4:
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+                    4, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+    elif kind == 1:
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+                    1, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+    elif kind == 5:
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+                    5, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+    elif kind == 2:
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+                    2, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+    else:
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+                    0, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+    # fbgemm multiplies by 1/L (not a division by L), 1/L rounded correctly (Triton's "/" on fp32
+    # is the approximate division); an empty bag stays 0.
+    inv_len = tl.math.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.maximum(length, 1).to(tl.float32))
+    acc = tl.where(pooling == 1, acc * inv_len[:, None], acc)
+    d = tl.arange(0, BLOCK_D)
+    tl.store(out_ptr + b[:, None] * total_dim + col + d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=b_mask[:, None] & (d[None, :] < dim))
+
+
+def block_shape(max_dim: int, batch_size: int):
+    """(BLOCK_B, BLOCK_D, num_warps): tiles of up to ~4K elements (the float forward's H100 sweep,
+    docs/perf-notes.md, halved: decoding a quantized row takes registers of its own), no more bags
+    than the batch has (online batches of 1-64 would leave most lanes of a 64-bag tile idle), and
+    warps for ~256 elements each (a batch-1 program is one warp)."""
+    block_d = max(16, triton.next_power_of_2(int(max_dim)))
+    block_b = max(1, min(64, 4096 // block_d))
+    if isinstance(batch_size, int):  # a symbolic batch (export, dynamic shapes) keeps the full tile
+        block_b = min(block_b, triton.next_power_of_2(max(1, batch_size)))
+    num_warps = max(1, min(2 if block_d >= 128 else 4, block_b * block_d // 256))
+    return block_b, block_d, num_warps
+
+
+def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per_sample_weights, feature_meta: torch.Tensor,
+            key_index: torch.Tensor, batch_size: int, total_dim: int, max_dim: int, output_dtype: torch.dtype,
+            wrap=None) -> torch.Tensor:
+    """Launches the kernel; ``wrap`` is ``torch.library.wrap_triton`` when the launch is to be
+    traced (the custom op under torch.compile / AOTInductor: Inductor then compiles the kernel
+    into its own code)."""
+    num_features = feature_meta.shape[0]
+    if num_features == 0 or batch_size == 0:
+        return torch.zeros(batch_size, total_dim, dtype=output_dtype, device=flat.device)
+    out = torch.empty(batch_size, total_dim, dtype=output_dtype, device=flat.device)
+    block_b, block_d, num_warps = block_shape(max_dim, batch_size)
+    words, floats = flat.view(torch.int32), flat.view(torch.float32)
+    weights = per_sample_weights if per_sample_weights is not None else floats  # (not read)
+    kernel = _quantized_forward_kernel if wrap is None else wrap(_quantized_forward_kernel)
+    kernel[(num_features, triton.cdiv(batch_size, block_b))](
+        words, floats, values, offsets, weights, feature_meta, key_index,
+        out, batch_size, total_dim,
+        META_W=QMETA_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,231 @@
+"""``recom_rec.quant.EmbeddingBagCollection``: torchrec's quantized EmbeddingBagCollection, fused.
+
+Same constructor, ``from_float``, input, output and ``state_dict`` as
+``torchrec.quant.embedding_modules.EmbeddingBagCollection``; inside, every table (INT8 / INT4 /
+INT2 / FP8 / FP16 / FP32 rows, any pooling) lives in one flat byte buffer laid out as fbgemm's
+IntN TBE lays out its tables, and one kernel launch pools every feature.
+"""
+import copy
+import itertools
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType, pooling_type_to_str
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
+
+from ..modules.embedding_modules import _key_index_on, _key_plan, _names_for
+from ..ops.backends import check_backend
+from ..ops.layout import POOLING_MEAN, POOLING_SUM
+from ..ops.quantized_lookup import OUTPUT_DTYPES, quantized_lookup
+from ..ops.validation import encode_names
+from .layout import QuantTableSlot, buffer_bytes, pack_quant_tables, quant_feature_meta
+from .rows import DEFAULT_ROW_ALIGNMENT, SCALE_BIAS_BYTES, RowType, check_dim, data_bytes, pack_rows, row_type
+
+
+def _rows_of(config: EmbeddingBagConfig) -> int:
+    pruned = getattr(config, "num_embeddings_post_pruning", None)
+    return pruned if pruned is not None else config.num_embeddings
+
+
+@torch.fx.wrap
+def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, wanted: List[str], tables: List[str],
+                      widths: List[int], is_weighted: bool, output_dtype: torch.dtype, backend: str,
+                      validate: bool) -> Tensor:
+    """The whole module's lookup (a free, fx-wrapped function: fx records one call)."""
+    if features.variable_stride_per_key():
+        raise ValueError("recom_rec.quant.EmbeddingBagCollection does not take variable-batch KeyedJaggedTensors "
+                         "(stride_per_key_per_rank); give every key the same batch size")
+    keys = tuple(features.keys())
+    per_sample_weights = features.weights_or_none() if is_weighted else None
+    if is_weighted and per_sample_weights is None:
+        raise ValueError("the EmbeddingBagCollection is weighted but the KeyedJaggedTensor has no weights")
+    wanted_t, tables_t = tuple(wanted), tuple(tables)
+    if torch.compiler.is_compiling():
+        key_index = torch.tensor(_key_plan.__wrapped__(keys, wanted_t, tables_t), dtype=torch.int64, device=flat.device)
+        names = encode_names(list(keys), wanted, tables) if validate else ""
+    else:
+        key_index = _key_index_on(keys, wanted_t, tables_t, flat.device)
+        names = _names_for(keys, wanted_t, tables_t) if validate else ""
+    total_dim, max_dim = widths
+    return quantized_lookup(flat, features.values(), features.offsets(), per_sample_weights, meta, key_index,
+                                   features.stride(), total_dim, max_dim, output_dtype, backend, validate, names)
+
+
+class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
+    """A drop-in replacement for ``torchrec.quant.embedding_modules.EmbeddingBagCollection``.
+
+    Args (torchrec's): ``tables`` (``EmbeddingBagConfig`` with ``data_type`` INT8 / UINT8 / INT4 /
+        INT2 / FP16 / FP32, or NFP8 for fbgemm's FP8 rows), ``is_weighted``, ``device``,
+        ``output_dtype`` (fp32, fp16 or bf16), ``table_name_to_quantized_weights``
+        (``{name: (elements uint8 [rows, bytes], scale_bias uint8 [rows, 4] or None)}``, as
+        torchrec's ``quantize_state_dict`` makes them), ``register_tbes`` (accepted; there are no
+        fbgemm TBE submodules to register, see docs/quantized.md),
+        ``quant_state_dict_split_scale_bias``, ``row_alignment``, ``cache_features_order`` (the key
+        order of the input is always cached).
+    Args (ours): ``backend`` (``"auto"``: the Triton kernel on CUDA, vectorised torch on the CPU;
+        ``"triton"``, ``"torch"``), ``validate_inputs`` (check ids and lengths every batch and
+        raise a ``ValueError`` naming feature and table; a device-to-host sync on CUDA).
+
+    ``embedding_bags[name].weight`` are the tables' rows in fbgemm's layout (uint8
+    ``[rows, row_bytes]``: fp16 scale and bias, elements, padding; INT4 / INT2 wrapped in torchrec's
+    ``UInt4Tensor`` / ``UInt2Tensor``), views of the flat buffer: ``load_state_dict`` and in-place
+    writes reach the kernel; checkpoints load both ways with torchrec's module.
+    """
+
+    def __init__(
+        self,
+        tables: List[EmbeddingBagConfig],
+        is_weighted: bool,
+        device: torch.device,
+        output_dtype: torch.dtype = torch.float,
+        table_name_to_quantized_weights: Optional[Dict[str, Tuple[Tensor, Optional[Tensor]]]] = None,
+        register_tbes: bool = False,
+        quant_state_dict_split_scale_bias: bool = False,
+        row_alignment: int = DEFAULT_ROW_ALIGNMENT,
+        cache_features_order: bool = False,
+        *,
+        backend: str = "auto",
+        validate_inputs: bool = True,
+    ) -> None:
+        super().__init__()
+        if output_dtype not in OUTPUT_DTYPES:
+            raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {output_dtype}")
+        if row_alignment <= 0 or row_alignment & (row_alignment - 1):
+            raise ValueError(f"row_alignment must be a power of two, got {row_alignment}")
+        self._is_weighted = is_weighted
+        self._embedding_bag_configs = tables
+        self._output_dtype = output_dtype
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self.row_alignment = row_alignment
+        self.register_tbes = register_tbes
+        self._split_scale_bias = quant_state_dict_split_scale_bias
+        self.backend = check_backend(backend)
+        self.validate_inputs = validate_inputs
+
+        # torchrec orders tables by pooling type (one TBE per pooling), then by config order; the
+        # output, its keys and the state_dict follow that order.
+        by_pooling: "OrderedDict[PoolingType, List[EmbeddingBagConfig]]" = OrderedDict()
+        seen = set()
+        for config in tables:
+            if config.name in seen:
+                raise ValueError(f"Duplicate table name {config.name}")
+            seen.add(config.name)
+            pooling_type_to_str(config.pooling)
+            check_dim(row_type(config.data_type, config.name), config.embedding_dim, config.name)
+            by_pooling.setdefault(config.pooling, []).append(config)
+        ordered = list(itertools.chain(*by_pooling.values()))
+        self._ordered_configs = ordered
+        self._embedding_names: List[str] = list(itertools.chain(*get_embedding_names_by_table(ordered)))
+        self._length_per_key: List[int] = [c.embedding_dim for c in ordered for _ in c.feature_names]
+        self._slots = pack_quant_tables([c.name for c in ordered], [_rows_of(c) for c in ordered],
+                                        [c.embedding_dim for c in ordered],
+                                        [row_type(c.data_type, c.name) for c in ordered], row_alignment)
+        feature_tables, poolings = [], []
+        for t, c in enumerate(ordered):
+            for _ in c.feature_names:
+                feature_tables.append(t)
+                poolings.append(POOLING_MEAN if c.pooling.value == PoolingType.MEAN.value else POOLING_SUM)
+        out_cols = list(itertools.accumulate([0] + self._length_per_key))[:-1]
+        self._host_meta = quant_feature_meta(self._slots, feature_tables, out_cols, poolings)
+        self._feature_names = [f for c in ordered for f in c.feature_names]
+        self._feature_tables = [c.name for c in ordered for _ in c.feature_names]
+        self._widths = [sum(self._length_per_key), max((c.embedding_dim for c in ordered), default=1)]
+
+        flat = torch.zeros(buffer_bytes(self._slots), dtype=torch.uint8, device=self._device)
+        self.register_buffer("_flat_rows", flat, persistent=False)
+        self.register_buffer("_feature_meta", self._host_meta.to(self._device), persistent=False)
+        self.embedding_bags: nn.ModuleDict = nn.ModuleDict({c.name: nn.Module() for c in ordered})
+        self._bind_table_views()
+        if table_name_to_quantized_weights and self._device.type != "meta":
+            for s in self._slots:
+                elements, scale_bias = table_name_to_quantized_weights[s.name]
+                pack_rows(elements.view(torch.uint8) if isinstance(elements, (UInt4Tensor, UInt2Tensor)) else elements,
+                          scale_bias, self._table_rows(s))
+
+    # ----------------------------------------------------------------------------- storage
+    def _table_rows(self, slot: QuantTableSlot) -> Tensor:
+        return slot.rows_of(self._flat_rows)
+
+    def _bind_table_views(self) -> None:
+        """(Re-)registers each table's state_dict buffers as views of the flat buffer, as
+        torchrec registers views of its TBEs' buffers."""
+        for s in self._slots:
+            rows = self._table_rows(s)
+            bag = self.embedding_bags[s.name]
+            weight = rows
+            if self._split_scale_bias:
+                start = SCALE_BIAS_BYTES if s.kind.has_scale_bias else 0
+                weight = rows[:, start:start + data_bytes(s.kind, s.embedding_dim)]
+            if s.kind == RowType.INT4:
+                weight = UInt4Tensor(weight)
+            elif s.kind == RowType.INT2:
+                weight = UInt2Tensor(weight)
+            bag.register_buffer("weight", weight)
+            if self._split_scale_bias and s.kind.has_scale_bias:
+                bag.register_buffer("weight_qscale", rows[:, 0:2].view(torch.float16))
+                bag.register_buffer("weight_qbias", rows[:, 2:4].view(torch.float16))
+
+    def _apply(self, fn, recurse=True):
+        # Convert the flat buffer once and re-point the tables' views at it (converting each view
+        # on its own would cut them off the buffer the kernel reads). Metadata is rebuilt from its
+        # host copy: fn must not touch it (to_empty would fill it with garbage).
+        self._buffers["_flat_rows"] = fn(self._flat_rows)
+        self._device = self._flat_rows.device
+        self._buffers["_feature_meta"] = self._host_meta.to(self._device)
+        self._bind_table_views()
+        return self
+
+    def __deepcopy__(self, memo):
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key in ("_buffers", "_modules"):
+                continue
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        new._buffers = OrderedDict((k, v.clone()) for k, v in self._buffers.items())
+        new._modules = OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._modules.items())
+        new._bind_table_views()
+        return new
+
+    # ----------------------------------------------------------------------------- torchrec API
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        values = _quantized_lookup(features, self._flat_rows, self._feature_meta, self._feature_names,
+                                   self._feature_tables, self._widths, self._is_weighted, self._output_dtype,
+                                   self.backend, self.validate_inputs)
+        return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._length_per_key)
+
+    def _get_name(self) -> str:
+        return "QuantizedEmbeddingBagCollection"
+
+    @classmethod
+    def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False,
+                   **kwargs) -> "EmbeddingBagCollection":
+        """Quantizes a float ``torchrec.EmbeddingBagCollection`` or ``recom_rec.EmbeddingBagCollection``
+        carrying a ``qconfig`` (torchrec's ``QuantConfig``: weight dtype, per-table weight dtypes,
+        activation dtype = output dtype), row by row with fbgemm's quantizers; ``kwargs`` go to the
+        constructor (``backend``, ``validate_inputs``)."""
+        from .convert import quantized_module_args
+
+        return cls(**quantized_module_args(module), **kwargs)
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def output_dtype(self) -> torch.dtype:
+        return self._output_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(f"{s.name}: {s.kind.name} {s.num_embeddings}x{s.embedding_dim}" for s in self._slots[:8])
+        more = f", ... ({len(self._slots)} tables)" if len(self._slots) > 8 else ""
+        return f"output_dtype={self._output_dtype}, backend={self.backend!r}, tables=[{kinds}{more}]"

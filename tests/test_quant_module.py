@@ -1,0 +1,188 @@
+"""recom_rec.quant.EmbeddingBagCollection against torchrec's quantized EmbeddingBagCollection
+(fbgemm's CPU IntN TBE): outputs bit for bit, state_dict layout, checkpoints both ways."""
+import copy
+
+import pytest
+import torch
+import torchrec
+from torch import quantization as tq
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType, QuantConfig
+from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchrecQuantEBC
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import recom_rec
+import recom_rec.ops.backends
+from recom_rec.quant import EmbeddingBagCollection as QuantEBC
+
+WEIGHT_DTYPES = {"t0": torch.qint8, "t1": torch.quint4x2, "t2": torch.quint2x4, "t3": torch.half,
+                 "t4": torch.float, "t5": torch.qint8}
+
+
+def _tables():
+    dims = [8, 16, 32, 24, 8, 40]
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=11 + 3 * i, feature_names=[f"f{i}"],
+                                 pooling=PoolingType.MEAN if i % 2 else PoolingType.SUM) for i, d in enumerate(dims)]
+    tables[5].feature_names = ["f5", "f0"]  # a feature read by two tables, a table with two features
+    return tables
+
+
+def _float_ebc(weighted, seed=0):
+    torch.manual_seed(seed)
+    return torchrec.EmbeddingBagCollection(tables=_tables(), is_weighted=weighted)
+
+
+def _qconfig(output_dtype, per_table=WEIGHT_DTYPES):
+    return QuantConfig(activation=tq.PlaceholderObserver.with_args(dtype=output_dtype),
+                       weight=tq.PlaceholderObserver.with_args(dtype=torch.qint8), per_table_weight_dtype=per_table)
+
+
+def _kjt(weighted, batch_size=7, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    keys = ["f3", "extra", "f1", "f0", "f2", "f5", "f4"]  # not the module's order, plus a key it ignores
+    lengths = torch.randint(0, 5, (len(keys) * batch_size,), generator=g)
+    lengths[::4] = 0
+    values = torch.randint(0, 11, (int(lengths.sum()),), generator=g)
+    weights = torch.rand(values.numel(), generator=g) * 2 if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths, weights=weights)
+
+
+def _pair(weighted, output_dtype, split=False):
+    float_ebc = _float_ebc(weighted)
+    float_ebc.qconfig = _qconfig(output_dtype)
+    if split:
+        setattr(float_ebc, "__quant_state_dict_split_scale_bias", True)
+    return TorchrecQuantEBC.from_float(float_ebc), QuantEBC.from_float(float_ebc)
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("output_dtype", [torch.float32, torch.float16])
+def test_outputs_equal_torchrec_bit_for_bit(weighted, output_dtype):
+    theirs, ours = _pair(weighted, output_dtype)
+    kjt = _kjt(weighted)
+    a, b = theirs(kjt), ours(kjt)
+    assert a.keys() == b.keys() and a.length_per_key() == b.length_per_key()
+    assert b.values().dtype == output_dtype
+    assert torch.equal(_bits(a.values()), _bits(b.values()))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_state_dict_layout_is_torchrec_s(split):
+    theirs, ours = _pair(True, torch.float16, split)
+    sd_theirs, sd_ours = theirs.state_dict(), ours.state_dict()
+    assert list(sd_theirs) == list(sd_ours)
+    for k in sd_theirs:
+        t, o = sd_theirs[k], sd_ours[k]
+        assert type(t) is type(o) and t.shape == o.shape and t.dtype == o.dtype, k
+        assert torch.equal(t.view(torch.uint8) if t.dtype != torch.float16 else t,
+                           o.view(torch.uint8) if o.dtype != torch.float16 else o), k
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_checkpoints_load_both_ways(split):
+    theirs, ours = _pair(False, torch.float32, split)
+    other = _float_ebc(False, seed=5)
+    other.qconfig = _qconfig(torch.float32)
+    if split:
+        setattr(other, "__quant_state_dict_split_scale_bias", True)
+    kjt = _kjt(False)
+    # torchrec -> ours
+    fresh_ours = QuantEBC.from_float(other)
+    assert not torch.equal(fresh_ours(kjt).values(), ours(kjt).values())
+    fresh_ours.load_state_dict(theirs.state_dict())
+    assert torch.equal(fresh_ours(kjt).values(), theirs(kjt).values())
+    # ours -> torchrec
+    fresh_theirs = TorchrecQuantEBC.from_float(other)
+    fresh_theirs.load_state_dict(ours.state_dict())
+    assert torch.equal(fresh_theirs(kjt).values(), ours(kjt).values())
+
+
+def test_from_float_of_our_float_module_equals_from_torchrec_s():
+    float_ebc = _float_ebc(True)
+    fused = recom_rec.swap_modules(copy.deepcopy(float_ebc))
+    float_ebc.qconfig = fused.qconfig = _qconfig(torch.float16)
+    kjt = _kjt(True)
+    assert torch.equal(QuantEBC.from_float(fused)(kjt).values(), TorchrecQuantEBC.from_float(float_ebc)(kjt).values())
+
+
+def test_constructor_with_quantized_weights_like_torchrec():
+    theirs, _ = _pair(False, torch.float32)
+    configs = theirs.embedding_bag_configs()
+    weights = {name: (tbe_rows[0], tbe_rows[1]) for tbe in theirs._emb_modules
+               for name, tbe_rows in zip([s[0] for s in tbe.embedding_specs], tbe.split_embedding_weights())}
+    ours = QuantEBC(configs, is_weighted=False, device=torch.device("cpu"), table_name_to_quantized_weights=weights)
+    kjt = _kjt(False)
+    assert torch.equal(ours(kjt).values(), theirs(kjt).values())
+
+
+def test_deepcopy_and_to_keep_tables_on_the_kernel_s_buffer():
+    _, ours = _pair(False, torch.float32)
+    kjt = _kjt(False)
+    before = ours(kjt).values()
+    dup = copy.deepcopy(ours).to("cpu")
+    dup.embedding_bags["t0"].weight.zero_()  # reaches the copy's buffer, not the original's
+    assert torch.equal(ours(kjt).values(), before)
+    assert not torch.equal(dup(kjt).values(), before)
+    assert torch.equal(dup(kjt)["f0@t0"], torch.zeros(7, 8))  # f0 also feeds t5
+
+
+def test_fp8_rows_from_float8_e4m3fn():
+    if not hasattr(DataType, "NFP8"):
+        pytest.skip("torchrec < 1.7 has no 8-bit float data type to ask for FP8 rows with")
+    float_ebc = _float_ebc(False)
+    float_ebc.qconfig = _qconfig(torch.float32, {name: torch.float8_e4m3fn for name in WEIGHT_DTYPES})
+    ours = QuantEBC.from_float(float_ebc)
+    kjt = _kjt(False)
+    # (the quantized module orders its output by pooling type, as torchrec's does)
+    expected = float_ebc(kjt).to_dict()
+    for key, pooled in ours(kjt).to_dict().items():
+        torch.testing.assert_close(pooled, expected[key], rtol=0.07, atol=0.07)
+
+
+def test_bad_id_names_feature_and_table():
+    _, ours = _pair(False, torch.float32)
+    kjt = _kjt(False)
+    values = kjt.values().clone()
+    values[-1] = 1000
+    bad = KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths())
+    with pytest.raises(ValueError, match=r"feature 'f4' \(table 't4'\): id 1000"):
+        ours(bad)
+
+
+@pytest.mark.skipif(not recom_rec.ops.backends.triton_interpreting(),
+                    reason="the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
+def test_triton_backend_matches_torchrec():
+    float_ebc = _float_ebc(True)
+    float_ebc.qconfig = _qconfig(torch.float32)
+    theirs = TorchrecQuantEBC.from_float(float_ebc)
+    ours = QuantEBC.from_float(float_ebc, backend="triton")
+    kjt = _kjt(True)
+    torch.testing.assert_close(ours(kjt).values(), theirs(kjt).values(), rtol=1e-5, atol=1e-5)
+
+
+def test_other_row_alignment_keeps_torchrec_s_rows():
+    """torchrec's row-alignment attribute (here 4, rows not a multiple of 16 bytes): the same
+    state_dict rows and outputs as torchrec's (our row stride stays a multiple of 16 inside)."""
+    float_ebc = _float_ebc(True)
+    float_ebc.qconfig = _qconfig(torch.float32)
+    setattr(float_ebc, "__register_row_alignment_in_named_modules", 4)
+    theirs, ours = TorchrecQuantEBC.from_float(float_ebc), QuantEBC.from_float(float_ebc)
+    assert ours.row_alignment == 4
+    for key, t in theirs.state_dict().items():
+        o = ours.state_dict()[key]
+        assert t.shape == o.shape and torch.equal(t.view(torch.uint8), o.view(torch.uint8)), key
+    kjt = _kjt(True)
+    assert torch.equal(ours(kjt).values(), theirs(kjt).values())
+
+
+def test_from_float_refuses_parameter_server_tables():
+    from recom_rec.ps import PSConfig
+
+    tables = _tables()
+    fused = recom_rec.EmbeddingBagCollection(tables, ps={"t4": PSConfig(url="memory://", cache_rows=8)})
+    fused.qconfig = _qconfig(torch.float32)
+    with pytest.raises(ValueError, match="parameter-server"):
+        QuantEBC.from_float(fused)
