@@ -6,7 +6,7 @@
 # back as $OUT/_lookup_cuda.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that
 # folder, so the next machine loads it instead of building while the source is unchanged.
 #   STAGES="tests nccl dlrm bench sweep ps profile" BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
-# (ps: the parameter-server workload on memory:// and on a redis-server this script starts)
+# (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
 set -o pipefail
 source .gpu/setup.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -44,7 +44,6 @@ def probe(label, url, rows, width, reps):
             store.put("t", ids, torch.randn(ids.numel(), width, generator=g))
         batches = [(torch.randperm(PREFILL, generator=g)[:2 * rows]) for _ in range(reps + 3)]
         values = torch.randn(rows, width, generator=g)
-        out = {}
         ways = [("put, then get", lambda ids: (store.put("t", ids[:rows], values, unique_ids=True),
                                                store.get("t", ids[rows:], width, torch.float32)))]
         if hasattr(store, "native_table"):
@@ -75,7 +74,6 @@ def probe(label, url, rows, width, reps):
                          f"{(after['commands'] - before['commands']) / reps:>9.0f}")
             print(line, flush=True)
         store.clear("t")
-    return out
 
 
 def main():

@@ -16,9 +16,17 @@
 #define RECOM_REC_PS_HOST_H
 
 #include <stdint.h>
+#include <time.h>
 
 typedef int64_t i64;
 typedef uint64_t u64;
+
+/* Seconds on the monotonic clock: deadlines and phase timers. */
+static inline double ps_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 
 #define FREE_SLOT (-1)
 #define STAGE_OK 0

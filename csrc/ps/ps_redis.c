@@ -103,19 +103,47 @@ typedef struct {
     char why[512];
 } Batch;
 
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 /* ------------------------------------------------------------------ slots (as Redis: CRC16-XMODEM) */
+/* CRC16 of each byte value (polynomial 0x1021): a byte a step, as Redis computes it; every key
+ * of a cluster batch is hashed. */
+static const uint16_t CRC16_TABLE[256] = {
+    0x0000, 0x1021, 0x2042, 0x3063, 0x4084, 0x50a5, 0x60c6, 0x70e7,
+    0x8108, 0x9129, 0xa14a, 0xb16b, 0xc18c, 0xd1ad, 0xe1ce, 0xf1ef,
+    0x1231, 0x0210, 0x3273, 0x2252, 0x52b5, 0x4294, 0x72f7, 0x62d6,
+    0x9339, 0x8318, 0xb37b, 0xa35a, 0xd3bd, 0xc39c, 0xf3ff, 0xe3de,
+    0x2462, 0x3443, 0x0420, 0x1401, 0x64e6, 0x74c7, 0x44a4, 0x5485,
+    0xa56a, 0xb54b, 0x8528, 0x9509, 0xe5ee, 0xf5cf, 0xc5ac, 0xd58d,
+    0x3653, 0x2672, 0x1611, 0x0630, 0x76d7, 0x66f6, 0x5695, 0x46b4,
+    0xb75b, 0xa77a, 0x9719, 0x8738, 0xf7df, 0xe7fe, 0xd79d, 0xc7bc,
+    0x48c4, 0x58e5, 0x6886, 0x78a7, 0x0840, 0x1861, 0x2802, 0x3823,
+    0xc9cc, 0xd9ed, 0xe98e, 0xf9af, 0x8948, 0x9969, 0xa90a, 0xb92b,
+    0x5af5, 0x4ad4, 0x7ab7, 0x6a96, 0x1a71, 0x0a50, 0x3a33, 0x2a12,
+    0xdbfd, 0xcbdc, 0xfbbf, 0xeb9e, 0x9b79, 0x8b58, 0xbb3b, 0xab1a,
+    0x6ca6, 0x7c87, 0x4ce4, 0x5cc5, 0x2c22, 0x3c03, 0x0c60, 0x1c41,
+    0xedae, 0xfd8f, 0xcdec, 0xddcd, 0xad2a, 0xbd0b, 0x8d68, 0x9d49,
+    0x7e97, 0x6eb6, 0x5ed5, 0x4ef4, 0x3e13, 0x2e32, 0x1e51, 0x0e70,
+    0xff9f, 0xefbe, 0xdfdd, 0xcffc, 0xbf1b, 0xaf3a, 0x9f59, 0x8f78,
+    0x9188, 0x81a9, 0xb1ca, 0xa1eb, 0xd10c, 0xc12d, 0xf14e, 0xe16f,
+    0x1080, 0x00a1, 0x30c2, 0x20e3, 0x5004, 0x4025, 0x7046, 0x6067,
+    0x83b9, 0x9398, 0xa3fb, 0xb3da, 0xc33d, 0xd31c, 0xe37f, 0xf35e,
+    0x02b1, 0x1290, 0x22f3, 0x32d2, 0x4235, 0x5214, 0x6277, 0x7256,
+    0xb5ea, 0xa5cb, 0x95a8, 0x8589, 0xf56e, 0xe54f, 0xd52c, 0xc50d,
+    0x34e2, 0x24c3, 0x14a0, 0x0481, 0x7466, 0x6447, 0x5424, 0x4405,
+    0xa7db, 0xb7fa, 0x8799, 0x97b8, 0xe75f, 0xf77e, 0xc71d, 0xd73c,
+    0x26d3, 0x36f2, 0x0691, 0x16b0, 0x6657, 0x7676, 0x4615, 0x5634,
+    0xd94c, 0xc96d, 0xf90e, 0xe92f, 0x99c8, 0x89e9, 0xb98a, 0xa9ab,
+    0x5844, 0x4865, 0x7806, 0x6827, 0x18c0, 0x08e1, 0x3882, 0x28a3,
+    0xcb7d, 0xdb5c, 0xeb3f, 0xfb1e, 0x8bf9, 0x9bd8, 0xabbb, 0xbb9a,
+    0x4a75, 0x5a54, 0x6a37, 0x7a16, 0x0af1, 0x1ad0, 0x2ab3, 0x3a92,
+    0xfd2e, 0xed0f, 0xdd6c, 0xcd4d, 0xbdaa, 0xad8b, 0x9de8, 0x8dc9,
+    0x7c26, 0x6c07, 0x5c64, 0x4c45, 0x3ca2, 0x2c83, 0x1ce0, 0x0cc1,
+    0xef1f, 0xff3e, 0xcf5d, 0xdf7c, 0xaf9b, 0xbfba, 0x8fd9, 0x9ff8,
+    0x6e17, 0x7e36, 0x4e55, 0x5e74, 0x2e93, 0x3eb2, 0x0ed1, 0x1ef0,
+};
+
 static uint16_t crc16(const unsigned char *p, i64 n) {
     uint16_t crc = 0;
-    for (i64 i = 0; i < n; i++) {
-        crc ^= (uint16_t)p[i] << 8;
-        for (int k = 0; k < 8; k++) crc = (crc & 0x8000) ? (uint16_t)((crc << 1) ^ 0x1021) : (uint16_t)(crc << 1);
-    }
+    for (i64 i = 0; i < n; i++) crc = (uint16_t)((crc << 8) ^ CRC16_TABLE[((crc >> 8) ^ p[i]) & 0xff]);
     return crc;
 }
 
@@ -358,7 +386,7 @@ static int handle(RedisClient *c, Batch *b, Node *nd, const Req *r, const char *
 
 /* Sends every active node's pipeline and reads its replies, all nodes at once. */
 static int exchange(RedisClient *c, Batch *b) {
-    const double start = now_s();
+    const double start = ps_now();
     struct pollfd fds[MAX_NODES];
     int which[MAX_NODES];
     c->stats[S_EXCHANGES] += 1;
@@ -374,7 +402,7 @@ static int exchange(RedisClient *c, Batch *b) {
             which[n++] = k;
         }
         if (n == 0) break;
-        const int ms = (int)((last + c->io_timeout - now_s()) * 1000.0);
+        const int ms = (int)((last + c->io_timeout - ps_now()) * 1000.0);
         const int r = ms > 0 ? poll(fds, (nfds_t)n, ms) : 0;
         if (r == 0) {
             snprintf(b->why, sizeof(b->why), "no reply from %s:%d within %gs", c->nodes[which[0]]->host,
@@ -393,7 +421,7 @@ static int exchange(RedisClient *c, Batch *b) {
                 snprintf(b->why, sizeof(b->why), "%s:%d: %s", nd->host, nd->port, err);
                 return TRANSIENT;
             }
-            if (wrote > 0 || read > 0) last = now_s(); /* the timeout counts from the last progress */
+            if (wrote > 0 || read > 0) last = ps_now(); /* the timeout counts from the last progress */
             while (nd->next < nd->n_reqs) {
                 const char *p = cn->in.data + cn->in.off;
                 const i64 l = resp_reply_len(p, (i64)(cn->in.len - cn->in.off));
@@ -409,7 +437,7 @@ static int exchange(RedisClient *c, Batch *b) {
             }
         }
     }
-    c->stats[S_SECONDS] += now_s() - start;
+    c->stats[S_SECONDS] += ps_now() - start;
     return OK;
 }
 
@@ -618,7 +646,7 @@ static int run_op(RedisTable *t, const i64 *put_ids, i64 n_put, const char *put_
         return -1;
     }
     Batch b = {t, n_put, put_ids, get_ids, put_rows, rows, found, scratch, 0, scratch + n, 0, ask_node, ""};
-    const double deadline = now_s() + c->retry_timeout;
+    const double deadline = ps_now() + c->retry_timeout;
     double delay = BACKOFF_START;
     int attempts = 0, s;
     for (;;) {
@@ -628,7 +656,7 @@ static int run_op(RedisTable *t, const i64 *put_ids, i64 n_put, const char *put_
         close_all(c); /* replies may be left unread */
         if (c->cluster) c->slots_known = 0;
         if (s != TRANSIENT) break;
-        const double remaining = deadline - now_s();
+        const double remaining = deadline - ps_now();
         if (remaining <= 0) break;
         c->stats[S_RETRIES] += 1;
         const double pause = delay < remaining ? delay : remaining;

@@ -51,6 +51,8 @@ typedef struct {
 int conn_open(Conn *c, const char *host, int port, const char *path, const TlsConfig *tls, double timeout,
               char *err, size_t errlen);
 void conn_close(Conn *c);
+/* Whether `fd` is ready for `events` (POLLIN / POLLOUT) before `deadline` (ps_now() seconds). */
+int conn_wait_fd(int fd, short events, double deadline);
 long conn_flush(Conn *c, char *err, size_t errlen);
 long conn_fill(Conn *c, char *err, size_t errlen);
 short conn_events(const Conn *c);

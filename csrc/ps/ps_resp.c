@@ -120,12 +120,6 @@ i64 resp_header(const char *p, i64 len, i64 *head) {
 }
 
 /* ------------------------------------------------------------------ connections */
-static double conn_now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 void conn_close(Conn *c) {
     if (c->tls) ps_tls_close(c->tls);
     c->tls = NULL;
@@ -135,9 +129,9 @@ void conn_close(Conn *c) {
     c->in.len = c->in.off = 0;
 }
 
-static int wait_fd(int fd, short events, double deadline) {
+int conn_wait_fd(int fd, short events, double deadline) {
     for (;;) {
-        int ms = (int)((deadline - conn_now()) * 1000.0);
+        int ms = (int)((deadline - ps_now()) * 1000.0);
         if (ms < 0) return 0;
         struct pollfd p = {fd, events, 0};
         int r = poll(&p, 1, ms);
@@ -150,7 +144,7 @@ static int wait_fd(int fd, short events, double deadline) {
 /* A non-blocking socket connected to `host`:`port` (or the unix socket `path`) within `timeout`
  * seconds; -1 with `err` set. */
 static int dial(const char *host, int port, const char *path, double timeout, char *err, size_t errlen) {
-    const double deadline = conn_now() + timeout;
+    const double deadline = ps_now() + timeout;
     if (path && path[0]) {
         struct sockaddr_un a;
         memset(&a, 0, sizeof(a));
@@ -187,7 +181,7 @@ static int dial(const char *host, int port, const char *path, double timeout, ch
         if (fd < 0) continue;
         int r = connect(fd, a->ai_addr, a->ai_addrlen);
         if (r != 0 && errno == EINPROGRESS) {
-            if (wait_fd(fd, POLLOUT, deadline)) {
+            if (conn_wait_fd(fd, POLLOUT, deadline)) {
                 int soerr = 0;
                 socklen_t sl = sizeof(soerr);
                 getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);

@@ -31,15 +31,9 @@
 /* Seconds spent in each phase, summed over a stager's jobs (tools/profile_ps.py prints them). */
 enum { T_FETCH, T_STAGE, T_WAIT, T_READ, T_PUT, T_GET, T_WRITE, T_INIT, T_COMMIT, T_PUT_IDS, T_JOB, T_PUT_GET, N_TIMES };
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 /* Adds the time since *t to times[k] and restarts *t. */
 static inline void lap(double *times, int k, double *t) {
-    double x = now();
+    double x = ps_now();
     times[k] += x - *t;
     *t = x;
 }
@@ -93,7 +87,7 @@ static i64 stage_table(const RowOps *ops, Scratch *s, Job *job, TableJob *tj, pt
         at += b - a;
     }
     i64 counts[3], status;
-    double t = now();
+    double t = ps_now();
     for (;;) {
         i64 seen = ps_cache_releases(tj->cache);
         status = ps_cache_stage(tj->cache, s->ids, n, s->pos_slot, tj->slots, s->take, s->new_ids, s->evicted,
@@ -179,7 +173,7 @@ static i64 stage_table(const RowOps *ops, Scratch *s, Job *job, TableJob *tj, pt
 }
 
 static void run_job(const RowOps *ops, Scratch *s, Job *job, pthread_mutex_t *run, double *times) {
-    const double start = now();
+    const double start = ps_now();
     double t = start;
     job->done = 0;
     job->error_at = -1;
@@ -206,7 +200,7 @@ static void run_job(const RowOps *ops, Scratch *s, Job *job, pthread_mutex_t *ru
         }
         job->done = k + 1;
     }
-    t = now();
+    t = ps_now();
     job->status = ops->put_ids(ops->ctx, s->remap, job->n, job->out, (int)job->id_bytes) ? STAGE_DEVICE_ERROR
                                                                                         : STAGE_OK;
     lap(times, T_PUT_IDS, &t);

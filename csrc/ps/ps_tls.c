@@ -131,9 +131,7 @@ Tls *ps_tls_connect(const TlsConfig *cfg, int fd, const char *host, double timeo
         goto fail;
     }
     /* the handshake on the non-blocking socket, within the connect timeout */
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    const double deadline = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec + timeout;
+    const double deadline = ps_now() + timeout;
     for (;;) {
         int r = S.SSL_connect(t->ssl);
         if (r == 1) break;
@@ -142,10 +140,7 @@ Tls *ps_tls_connect(const TlsConfig *cfg, int fd, const char *host, double timeo
             ssl_error("handshake", err, errlen);
             goto fail;
         }
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        int ms = (int)((deadline - ((double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec)) * 1000.0);
-        struct pollfd p = {fd, (short)(e == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT), 0};
-        if (ms <= 0 || poll(&p, 1, ms) <= 0) {
+        if (!conn_wait_fd(fd, (short)(e == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT), deadline)) {
             snprintf(err, errlen, "TLS handshake: timed out");
             goto fail;
         }

@@ -7,7 +7,6 @@ if ``redis-server`` is missing, :class:`RedisServerMissing` is raised with insta
 """
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
@@ -196,7 +195,7 @@ class RedisClusterProcesses:
              "--cluster-replicas", "0", "--cluster-yes"],
             check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60,
         )
-        self._wait_until_ok()
+        self.wait_until_ok()
         return self
 
     def stop(self) -> None:
@@ -237,10 +236,7 @@ class RedisClusterProcesses:
                 c.close()
 
     def wait_until_ok(self) -> None:
-        """Until every node reports cluster_state:ok (after a node's restart, say)."""
-        self._wait_until_ok()
-
-    def _wait_until_ok(self) -> None:
+        """Until every node reports cluster_state:ok (at start, after a node's restart, ...)."""
         deadline = time.monotonic() + 20
         while True:
             states = []

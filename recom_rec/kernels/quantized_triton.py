@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..quant.layout import QMETA_WIDTH
+from .pooled_triton import _bag_block
 
 
 @triton.jit
@@ -107,11 +108,8 @@ def _quantized_forward_kernel(
     row_stride = tl.load(meta_ptr + f * META_W + 5)
     kind = tl.load(meta_ptr + f * META_W + 6)
     key = tl.load(key_index_ptr + f).to(tl.int64)
-    b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    b_mask = b < batch_size
-    bag = key * batch_size + b
-    start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
-    length = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64) - start
+    b, b_mask, start, end = _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B)
+    length = end - start
     max_length = tl.max(length, axis=0)
     if kind == 3:
         acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,

@@ -147,10 +147,10 @@ def _fused_lookup(
     return _python_lookup(features, flats, weights, metas, output_columns, plan, fused)
 
 
-def _check_uniform_batch(features: KeyedJaggedTensor) -> None:
+def check_uniform_batch(features: KeyedJaggedTensor, module: str = "recom_rec.EmbeddingBagCollection") -> None:
     if features.variable_stride_per_key():
         raise ValueError(
-            "recom_rec.EmbeddingBagCollection does not take variable-batch KeyedJaggedTensors "
+            module + " does not take variable-batch KeyedJaggedTensors "
             "(stride_per_key_per_rank); give every key the same batch size"
         )
 
@@ -162,11 +162,28 @@ def _concat_groups(outs: List[torch.Tensor], output_columns: Optional[torch.Tens
     return torch.cat(outs, dim=1).index_select(1, output_columns)
 
 
+def key_routing(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str, ...], device: torch.device,
+                validate: bool) -> Tuple[torch.Tensor, bool, str]:
+    """For one KJT key order: the key index of each wanted feature (on ``device``), whether the
+    features read every key exactly once, and the names an input error may need ("" when inputs
+    are not validated). Cached per key order in eager mode; torch.compile folds them instead."""
+    if torch.compiler.is_compiling():
+        key_index_list = _key_plan.__wrapped__(keys, wanted, tables)
+        key_index = torch.tensor(key_index_list, dtype=torch.int64, device=device)
+        reads_each_key_once = sorted(key_index_list) == list(range(len(keys)))
+        names = encode_names(list(keys), list(wanted), list(tables)) if validate else ""
+    else:
+        key_index = _key_index_on(keys, wanted, tables, device)
+        reads_each_key_once = _reads_each_key_once(keys, wanted, tables)
+        names = _names_for(keys, wanted, tables) if validate else ""
+    return key_index, reads_each_key_once, names
+
+
 def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights: List[List[torch.Tensor]],
                    metas: List[torch.Tensor], output_columns: Optional[torch.Tensor], plan: LookupPlan,
                    fused: Optional[FusedStep]) -> torch.Tensor:
     """Eager and compiled: key plans cached per key order (torch.compile folds them)."""
-    _check_uniform_batch(features)
+    check_uniform_batch(features)
     keys = tuple(features.keys())
     values = features.values()
     per_sample_weights = features.weights_or_none() if plan.is_weighted else None
@@ -175,20 +192,8 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
     batch = JaggedBatch(values, features.offsets(), per_sample_weights, features.stride())
     outs: List[torch.Tensor] = []
     for g, group in enumerate(plan.groups):
-        wanted, tables = tuple(group.features), tuple(group.tables)
-        if torch.compiler.is_compiling():
-            key_index_list = _key_plan.__wrapped__(keys, wanted, tables)
-            key_index = torch.tensor(key_index_list, dtype=torch.int64, device=flats[g].device)
-            reads_each_key_once = sorted(key_index_list) == list(range(len(keys)))
-        else:
-            key_index = _key_index_on(keys, wanted, tables, flats[g].device)
-            reads_each_key_once = _reads_each_key_once(keys, wanted, tables)
-        if not plan.validate:
-            names = ""
-        elif torch.compiler.is_compiling():
-            names = encode_names(list(keys), list(wanted), list(tables))
-        else:
-            names = _names_for(keys, wanted, tables)
+        key_index, reads_each_key_once, names = key_routing(keys, tuple(group.features), tuple(group.tables),
+                                                            flats[g].device, plan.validate)
         # Every key read by exactly one feature: the lookups are the values (no sync to count them).
         routing = KeyRouting(key_index, names, values.numel() if reads_each_key_once else -1)
         outs.append(pooled_lookup(weights[g], flats[g], metas[g], batch, routing, group, plan, fused, g))
@@ -199,7 +204,7 @@ def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], wei
                      metas: List[torch.Tensor], output_columns: Optional[torch.Tensor], plan: LookupPlan,
                      fused: Optional[FusedStep]) -> torch.Tensor:
     """TorchScript: the same lookups through the registered op, key plans built per call."""
-    _check_uniform_batch(features)
+    check_uniform_batch(features)
     keys = features.keys()
     position: Dict[str, int] = {}
     for i in range(len(keys)):
@@ -610,8 +615,7 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
         for group in self._groups:
             for name, kind in spec.state_names():
                 size = sum(s.num_embeddings for s in group.slots) if kind == "row" else group.total_numel
-                flat_state = torch.full((size,), spec.initial_accumulator_value if name == "sum" else 0.0,
-                                        dtype=torch.float32, device=device)
+                flat_state = torch.full((size,), spec.initial_value(name), dtype=torch.float32, device=device)
                 self.register_buffer(f"_optimizer_{name}_{group.index}", flat_state, persistent=False)
             self._bind_optimizer_state_views(group)
             for slot in group.slots:
@@ -650,8 +654,7 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
         rows = rows.to(device=bag.weight.device, dtype=torch.int64)
         with torch.no_grad():
             for name, _ in self._fused_spec.state_names():
-                initial = self._fused_spec.initial_accumulator_value if name == "sum" else 0.0
-                bag._buffers[f"optimizer_{name}"][rows] = initial
+                bag._buffers[f"optimizer_{name}"][rows] = self._fused_spec.initial_value(name)
 
     def _optimizer_states(self, group: _Group) -> List[torch.Tensor]:
         return [getattr(self, f"_optimizer_{name}_{group.index}") for name, _ in self._fused_spec.state_names()]

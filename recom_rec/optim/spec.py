@@ -51,6 +51,11 @@ class FusedOptimizerSpec:
             OPT_ADAM: [("exp_avg", "element"), ("exp_avg_sq", "element")],
         }[self.kind]
 
+    def initial_value(self, state: str) -> float:
+        """What a row's state ``state`` (one of state_names) starts at: Adagrad's initial
+        accumulator for "sum", zero for Adam's moments."""
+        return self.initial_accumulator_value if state == "sum" else 0.0
+
     def hyper_tensor(self, device) -> torch.Tensor:
         h = torch.zeros(HYPER_SIZE, dtype=torch.float32)
         h[HYPER_LR], h[HYPER_EPS] = self.lr, self.eps

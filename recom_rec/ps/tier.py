@@ -225,7 +225,7 @@ class PSTier:
         col = t.config.embedding_dim
         for name, kind in self._states():
             n = 1 if kind == "row" else t.config.embedding_dim
-            yield name, kind, col, n, spec.initial_accumulator_value if name == "sum" else 0.0
+            yield name, kind, col, n, spec.initial_value(name)
             col += n
 
     def _fill_initial_state(self, t: _Table, rows: torch.Tensor, at=slice(None)) -> None:

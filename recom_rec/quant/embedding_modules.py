@@ -17,11 +17,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
-from ..modules.embedding_modules import _key_index_on, _key_plan, _names_for
+from ..modules.embedding_modules import check_uniform_batch, key_routing
 from ..ops.backends import check_backend
 from ..ops.layout import POOLING_MEAN, POOLING_SUM
 from ..ops.quantized_lookup import OUTPUT_DTYPES, quantized_lookup
-from ..ops.validation import encode_names
 from .layout import QuantTableSlot, buffer_bytes, pack_quant_tables, quant_feature_meta
 from .rows import DEFAULT_ROW_ALIGNMENT, SCALE_BIAS_BYTES, RowType, check_dim, data_bytes, pack_rows, row_type
 
@@ -32,27 +31,19 @@ def _rows_of(config: EmbeddingBagConfig) -> int:
 
 
 @torch.fx.wrap
-def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, wanted: List[str], tables: List[str],
-                      widths: List[int], is_weighted: bool, output_dtype: torch.dtype, backend: str,
-                      validate: bool) -> Tensor:
+def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, wanted: Tuple[str, ...],
+                      tables: Tuple[str, ...], widths: List[int], is_weighted: bool, output_dtype: torch.dtype,
+                      backend: str, validate: bool) -> Tensor:
     """The whole module's lookup (a free, fx-wrapped function: fx records one call)."""
-    if features.variable_stride_per_key():
-        raise ValueError("recom_rec.quant.EmbeddingBagCollection does not take variable-batch KeyedJaggedTensors "
-                         "(stride_per_key_per_rank); give every key the same batch size")
+    check_uniform_batch(features, "recom_rec.quant.EmbeddingBagCollection")
     keys = tuple(features.keys())
     per_sample_weights = features.weights_or_none() if is_weighted else None
     if is_weighted and per_sample_weights is None:
         raise ValueError("the EmbeddingBagCollection is weighted but the KeyedJaggedTensor has no weights")
-    wanted_t, tables_t = tuple(wanted), tuple(tables)
-    if torch.compiler.is_compiling():
-        key_index = torch.tensor(_key_plan.__wrapped__(keys, wanted_t, tables_t), dtype=torch.int64, device=flat.device)
-        names = encode_names(list(keys), wanted, tables) if validate else ""
-    else:
-        key_index = _key_index_on(keys, wanted_t, tables_t, flat.device)
-        names = _names_for(keys, wanted_t, tables_t) if validate else ""
+    key_index, _, names = key_routing(keys, wanted, tables, flat.device, validate)
     total_dim, max_dim = widths
     return quantized_lookup(flat, features.values(), features.offsets(), per_sample_weights, meta, key_index,
-                                   features.stride(), total_dim, max_dim, output_dtype, backend, validate, names)
+                            features.stride(), total_dim, max_dim, output_dtype, backend, validate, names)
 
 
 class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
@@ -118,7 +109,6 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             check_dim(row_type(config.data_type, config.name), config.embedding_dim, config.name)
             by_pooling.setdefault(config.pooling, []).append(config)
         ordered = list(itertools.chain(*by_pooling.values()))
-        self._ordered_configs = ordered
         self._embedding_names: List[str] = list(itertools.chain(*get_embedding_names_by_table(ordered)))
         self._length_per_key: List[int] = [c.embedding_dim for c in ordered for _ in c.feature_names]
         self._slots = pack_quant_tables([c.name for c in ordered], [_rows_of(c) for c in ordered],
@@ -131,8 +121,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 poolings.append(POOLING_MEAN if c.pooling.value == PoolingType.MEAN.value else POOLING_SUM)
         out_cols = list(itertools.accumulate([0] + self._length_per_key))[:-1]
         self._host_meta = quant_feature_meta(self._slots, feature_tables, out_cols, poolings)
-        self._feature_names = [f for c in ordered for f in c.feature_names]
-        self._feature_tables = [c.name for c in ordered for _ in c.feature_names]
+        # Tuples: the per-key-order caches take them as they are (no copies per batch).
+        self._feature_names = tuple(f for c in ordered for f in c.feature_names)
+        self._feature_tables = tuple(c.name for c in ordered for _ in c.feature_names)
         self._widths = [sum(self._length_per_key), max((c.embedding_dim for c in ordered), default=1)]
 
         flat = torch.zeros(buffer_bytes(self._slots), dtype=torch.uint8, device=self._device)

@@ -168,6 +168,14 @@ class RowStore(abc.ABC):
 # ---------------------------------------------------------------------- argument helpers
 
 
+def scrub_secrets(text: str, secrets) -> str:
+    """Remove secrets (passwords) from error text we did not write (client messages, parse errors)."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
 def check_table(table: str) -> None:
     """Table names are non-empty strings without ':' (backends use ':' as a key separator)."""
     if not isinstance(table, str) or not table:

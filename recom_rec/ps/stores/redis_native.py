@@ -11,7 +11,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from .. import host_lib
-from .base import StoreError, StoreUnavailable
+from .base import StoreError, StoreUnavailable, scrub_secrets
 
 #: ps_redis.c's counters, in its order (ps_redis_stats).
 STATS = ("commands", "bytes_out", "bytes_in", "rows_got", "rows_put", "exchanges", "seconds", "moved", "ask",
@@ -25,7 +25,6 @@ class NativeTable:
     def __init__(self, client: "NativeClient", table: str, head: bytes, row_bytes: int) -> None:
         self.client = client  # kept alive while the table is
         self.table = table
-        self.row_bytes = row_bytes
         self._lib = client._lib
         self._t = self._lib.ps_redis_table_new(client._c, head, len(head), table.encode(), row_bytes)
         if not self._t:
@@ -107,9 +106,7 @@ class NativeClient:
         self._lib.ps_redis_client_disconnect(self._c)
 
     def scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        return scrub_secrets(text, self._secrets)
 
     def close(self) -> None:
         """Closes the connections; the client is freed with the last table that refers to it (a

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ssl
 import time
-from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, List, Sequence, Tuple, TypeVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import numpy as np
@@ -48,7 +48,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from .base import RowStore, StoreError, StoreUnavailable
+from .base import RowStore, StoreError, StoreUnavailable, scrub_secrets
 from .redis_native import NativeClient, NativeTable
 from .registry import join_url, redact_url
 
@@ -241,7 +241,7 @@ class RedisStore(RowStore):
                 raise StoreError(f"{op} on {self.url} failed: {self._scrub(exc)}") from None
 
     def _scrub(self, exc: BaseException) -> str:
-        return _scrub(f"{type(exc).__name__}: {exc}", self._secrets)
+        return scrub_secrets(f"{type(exc).__name__}: {exc}", self._secrets)
 
 
 # ---------------------------------------------------------------------- opening
@@ -255,7 +255,7 @@ def open_redis_store(url: str) -> RedisStore:
     """
     redacted = redact_url(url)
     parts = urlsplit(url)
-    secrets = [unquote(parts.password)] if _password_of(parts) else []
+    secrets = [unquote(parts.password)] if parts.password else []
     query = parse_qsl(parts.query, keep_blank_values=True)
     secrets += [v for k, v in query if k == "password"]
     ours = {k: v for k, v in query if k in ("prefix", "retry_timeout")}
@@ -281,15 +281,15 @@ def open_redis_store(url: str) -> RedisStore:
     except _AUTH as exc:
         raise StoreError(
             f"cannot open {redacted}: authentication failed: "
-            f"{_scrub(f'{type(exc).__name__}: {exc}', secrets)}"
+            f"{scrub_secrets(f'{type(exc).__name__}: {exc}', secrets)}"
         ) from None
     except (*_TRANSIENT, ResponseError) as exc:
         raise StoreUnavailable(
             f"cannot open {redacted}: store unreachable: "
-            f"{_scrub(f'{type(exc).__name__}: {exc}', secrets)}"
+            f"{scrub_secrets(f'{type(exc).__name__}: {exc}', secrets)}"
         ) from None
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"bad store URL {redacted!r}: {_scrub(str(exc), secrets)}") from None
+        raise ValueError(f"bad store URL {redacted!r}: {scrub_secrets(str(exc), secrets)}") from None
     native = _native_client(client, cluster, parts, redacted, retry_timeout, secrets)
     return RedisStore(
         client,
@@ -306,12 +306,10 @@ def _native_client(client, cluster: bool, parts, redacted: str, retry_timeout: f
     """The C client with redis-py's view of the URL: the same servers, credentials, db, timeouts
     and TLS options."""
     if cluster:
-        userinfo = parts.netloc.rpartition("@")[0]
-        username, _, password = userinfo.partition(":")
         nodes = _cluster_nodes(parts, redacted)
         kw = client.nodes_manager.connection_kwargs
-        return NativeClient(redacted_url=redacted, nodes=nodes, cluster=True, username=unquote(username),
-                            password=unquote(password), connect_timeout=kw["socket_connect_timeout"],
+        return NativeClient(redacted_url=redacted, nodes=nodes, cluster=True, username=unquote(parts.username or ""),
+                            password=unquote(parts.password or ""), connect_timeout=kw["socket_connect_timeout"],
                             socket_timeout=kw["socket_timeout"], retry_timeout=retry_timeout, secrets=secrets)
     pool = client.connection_pool
     kw = pool.connection_kwargs
@@ -354,8 +352,6 @@ _CLUSTER_FLOAT_ARGS = ("socket_timeout", "socket_connect_timeout")
 def _cluster_client(parts, rest_query, redacted: str):
     from redis.cluster import ClusterNode, RedisCluster
 
-    userinfo = parts.netloc.rpartition("@")[0]
-    username, _, password = userinfo.partition(":")
     nodes = [ClusterNode(host, port) for host, port in _cluster_nodes(parts, redacted)]
     options = _common_options()
     for key, value in rest_query:
@@ -367,8 +363,8 @@ def _cluster_client(parts, rest_query, redacted: str):
         options[key] = float(value)
     return RedisCluster(
         startup_nodes=nodes,
-        username=unquote(username) or None,
-        password=unquote(password) or None,
+        username=unquote(parts.username or "") or None,
+        password=unquote(parts.password or "") or None,
         **options,
     )
 
@@ -387,17 +383,7 @@ def _cluster_nodes(parts, redacted: str) -> List[Tuple[str, int]]:
     return nodes
 
 
-def _password_of(parts) -> Optional[str]:
-    userinfo, at, _ = parts.netloc.rpartition("@")
-    return userinfo.partition(":")[2] if at else None
 
-
-def _scrub(text: str, secrets: Sequence[str]) -> str:
-    """Remove secrets from error text we did not write (redis-py messages, parse errors)."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "***")
-    return text
 
 
 def _escape_glob(raw: bytes) -> bytes:
