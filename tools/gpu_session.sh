@@ -5,7 +5,7 @@
 # GPU), then the benchmarks. Each stage has its own time limit; logs under $OUT. A fresh build comes
 # back as $OUT/_lookup_cuda.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that
 # folder, so the next machine loads it instead of building while the source is unchanged.
-#   STAGES="tests nccl dlrm bench sweep ps profile" BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests nccl dlrm bench sweep ps quant profile" BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
 set -o pipefail
 source .gpu/setup.sh
@@ -60,6 +60,19 @@ if [[ " $STAGES " == *" ps "* ]]; then
   timeout ${PS_TIMEOUT:-240} python3 -m recom_rec.bench --workloads ps --ps-urls memory://bench \
     redis://local redis+cluster://local --out /tmp/ps 2>&1 | grep -v "Warning\|warn\|^ *$\|is_fx_tracing\|WARNING\|33m\|0m\|compat" \
     | tee "$OUT/ps.log" | tail -14; cp /tmp/ps.json "$OUT/" 2>/dev/null
+fi
+if [[ " $STAGES " == *" quant "* ]]; then
+  stage quant-tests  # quantized inference (issue 21): kernel and module against torchrec/fbgemm, serving
+  RECOM_TEST_DEVICE=cuda timeout ${QTEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
+    tests/test_quantized_lookup.py tests/test_quant_module.py tests/test_quant_serving.py > "$OUT/quant-tests.log" 2>&1
+  tail -3 "$OUT/quant-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/quant-tests.log" | head
+  stage inference
+  timeout ${INFER_TIMEOUT:-300} python3 -m recom_rec.bench --phases inference --out /tmp/inference ${INFER_ARGS:-} 2>&1 \
+    | grep -v "Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|is_fx_tracing\|WARNING\|it/s\]" | tee "$OUT/inference.log" | tail -40
+  cp /tmp/inference*.json "$OUT/" 2>/dev/null
+  stage quant-auc
+  timeout ${AUC_TIMEOUT:-200} python3 examples/dlrm_criteo.py --device cuda --quantize int8 int4 --out /tmp/dlrm-q 2>&1 \
+    | grep -v "Warning\|warn\|it/s\]" | tail -12 | tee "$OUT/quant-auc.log"
 fi
 if [[ " $STAGES " == *" psprof "* ]]; then
   stage psprof

@@ -70,6 +70,12 @@ def _quantized_variants(ptr):
         }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d}, {"num_warps": num_warps}
 
 
+def _aligned_pointers(kernel, signature):
+    """The attributes a launch with 16-byte-aligned tensors passes (Triton's ``tt.divisibility``)."""
+    return {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+            for name, kind in signature.items() if kind.startswith("*")}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
@@ -86,13 +92,17 @@ def main(argv=None) -> int:
     count = 0
     for kernel, signature, constexprs, options in _variants():
         signature = {**signature, **{name: "constexpr" for name in constexprs}}
-        count += 1
-        try:
-            triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
-                           options=options)
-        except Exception as e:  # noqa: BLE001 - report every failing variant
-            failures += 1
-            print(f"FAILED {kernel.__name__} {constexprs}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
+        # Both specialisations a launch makes: pointers of unknown alignment, and (the usual case,
+        # which takes other paths through the layout passes) every pointer 16-byte aligned.
+        for attrs in ({}, _aligned_pointers(kernel, signature)):
+            count += 1
+            try:
+                triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                               target=target, options=options)
+            except Exception as e:  # noqa: BLE001 - report every failing variant
+                failures += 1
+                print(f"FAILED {kernel.__name__} {constexprs} {'aligned' if attrs else ''}: "
+                      f"{str(e).splitlines()[0][:300]}", file=sys.stderr)
     print(f"compiled {count - failures}/{count} kernel variants for sm_{args.arch}")
     return 1 if failures else 0
 

@@ -39,7 +39,7 @@ def _fp8_to_float(code):
 
 
 @triton.jit
-def _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+def _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
           KIND: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
     """Sum of the bags' dequantized rows (weighted), [BLOCK_B, BLOCK_D] fp32 (columns past
     ``dim`` hold values the caller does not store), rows of type KIND (the RowType codes: 0 FP32,
@@ -60,11 +60,14 @@ def _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length
     # A while loop: the interpreter cannot take a reduced value as a range bound.
     while i < max_length:
         live = i < length
-        # Ids as 32-bit (as fbgemm's GPU kernels take them): a 64-bit id chain feeding the word
-        # addresses trips Triton 3.6's layout pass ("mask type matches ptr type").
-        idx = tl.load(values_ptr + start + i, mask=live, other=0).to(tl.int32).to(tl.int64)
+        # Unmasked id loads: a bag past its end (or past the batch) reads a neighbouring bag's id,
+        # whose row loads below are masked off. (A masked load of the ids
+        # feeding the row addresses fails Triton 3.6's layout pass on sm_90: "mask type matches
+        # ptr type". The loop runs only while some bag has ids, so values[0] exists.)
+        pos = tl.minimum(start + i, tl.maximum(end - 1, 0))
+        idx = tl.load(values_ptr + pos).to(tl.int64)
         if HAS_WEIGHTS:
-            wt = tl.load(weights_ptr + start + i, mask=live, other=0.0).to(tl.float32)
+            wt = tl.where(live, tl.load(weights_ptr + pos).to(tl.float32), 0.0)
         else:
             wt = tl.full([BLOCK_B], 1.0, tl.float32)
         row = tl.multiple_of((base + idx * row_stride) // 4, 4)  # first word of each bag's i-th row
@@ -112,22 +115,22 @@ def _quantized_forward_kernel(
     length = end - start
     max_length = tl.max(length, axis=0)
     if kind == 3:
-        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
                     3, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     elif kind == 4:
-        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
                     4, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     elif kind == 1:
-        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
                     1, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     elif kind == 5:
-        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
                     5, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     elif kind == 2:
-        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
                     2, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     else:
-        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, length, max_length, base, row_stride, dim,
+        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
                     0, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     # fbgemm multiplies by 1/L (not a division by L), 1/L rounded correctly (Triton's "/" on fp32
     # is the approximate division); an empty bag stays 0.
