@@ -90,6 +90,23 @@ def test_settle_on_a_gpu_runs_until_a_run_launches_nothing_on_trial(monkeypatch)
     assert timing.settle(step, CPU, warmup=3) == 3  # no tuners on the CPU
 
 
+def test_settle_goes_on_while_any_rank_has_trials(monkeypatch):
+    from recom_rec.kernels import selection
+
+    runs = []
+    monkeypatch.setattr(selection, "trial_launches", lambda: 0)  # this rank decided at once
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    other_rank_on_trial = iter([True, True, True, False])
+    seen = []
+
+    def any_rank(flag):
+        seen.append(flag)
+        return flag or next(other_rank_on_trial)
+
+    assert timing.settle(lambda: runs.append(1), torch.device("cuda"), warmup=1, any_rank=any_rank) == 5
+    assert len(runs) == 5 and seen == [False] * 4
+
+
 def sweep_rows(ratios, choices=None, old_format=False):
     rows = []
     for i, ratio in enumerate(ratios):

@@ -83,4 +83,6 @@ def compare_files(path_a: str, path_b: str) -> str:
     for path, data in ((path_a, a), (path_b, b)):
         if not data.get("results") or "phase" not in data["results"][0] or "point" not in data["results"][0]:
             raise SystemExit(f"{path}: not a sweep JSON (python -m recom_rec.bench --workloads sweep writes one)")
-    return format_comparison(compare(a["results"], b["results"]), (path_a, path_b))
+    text = format_comparison(compare(a["results"], b["results"]), (path_a, path_b))
+    cut = [p for p, d in ((path_a, a), (path_b, b)) if d.get("meta", {}).get("complete") is False]
+    return text + "".join(f"\n{p}: a run cut off before its end (its points so far)" for p in cut)

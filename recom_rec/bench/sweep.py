@@ -378,18 +378,26 @@ def main_sweep(args, device: torch.device, ceiling: float) -> None:
     small = args.small or device.type == "cpu"
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "copy_gbs": ceiling, "small": small, "backend": args.backend}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    done: List[dict] = []
+    started = time.perf_counter()
+
+    def write(results, summary):
+        with open(args.out + ".json", "w") as f:
+            json.dump({"meta": meta, "summary": summary, "results": results}, f, indent=1)
 
     def progress(rows):
         print(format_results(meta, rows, {}).split("\n", 2)[2], flush=True)
+        # the points so far, so that a run cut off by a time limit still leaves them (to --compare)
+        done.extend(rows)
+        meta["seconds"], meta["complete"] = round(time.perf_counter() - started, 1), False
+        write(done, {})
 
-    started = time.perf_counter()
     results = run_sweep(device, small, args.warmup, args.iters, args.backend, ceiling, progress, args.min_ms)
-    meta["seconds"] = round(time.perf_counter() - started, 1)
+    meta["seconds"], meta["complete"] = round(time.perf_counter() - started, 1), True
     summary = summarize(results)
     print(format_results(meta, results, summary).split("\n")[0])
     print("\n".join(format_results(meta, [], summary).split("\n")[2:]))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "summary": summary, "results": results}, f, indent=1)
+    write(results, summary)
     plot_heatmap(results, args.out + ".png")
     print(f"wrote {args.out}.json and {args.out}.png; the sweep took {meta['seconds']:.0f} s")

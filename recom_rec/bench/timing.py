@@ -2,7 +2,7 @@
 on the GPU, perf_counter on the CPU. Peers compared with each other are timed interleaved."""
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -25,11 +25,15 @@ def _timed_run(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def settle(fn: Callable[[], object], device: torch.device, warmup: int) -> int:
+def settle(fn: Callable[[], object], device: torch.device, warmup: int,
+           any_rank: Optional[Callable[[bool], bool]] = None) -> int:
     """Runs ``fn`` ``warmup`` times, then on a GPU until a run launches nothing on trial: every
     shape it runs has its measured choice (kernels/selection.trial_launches), so no timed run is a
     tuner's trial of a slower candidate. Waits for each run there, so the trials' timing events
-    have finished when the next run's launches look at them. Returns the number of runs."""
+    have finished when the next run's launches look at them. ``any_rank(flag)``: in a distributed
+    step, whether any process's flag is set (an all-reduce), so that every process goes on while
+    one still has trials and all run as many steps (their collectives pair up). Returns the number
+    of runs."""
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
@@ -40,14 +44,16 @@ def settle(fn: Callable[[], object], device: torch.device, warmup: int) -> int:
         before = trial_launches()
         fn()
         torch.cuda.synchronize(device)
-        if trial_launches() == before:
+        on_trial = trial_launches() != before
+        if not (any_rank(on_trial) if any_rank else on_trial):
             break
     return warmup + extra
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 5, iters: int = 50) -> float:
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 5, iters: int = 50,
+            any_rank: Optional[Callable[[bool], bool]] = None) -> float:
     """The median of ``iters`` timed runs after ``settle``."""
-    settle(fn, device, warmup)
+    settle(fn, device, warmup, any_rank)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return statistics.median(_timed_run(fn, device) for _ in range(iters))
