@@ -62,7 +62,7 @@ def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
     out = tmp_path / "sweep"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--workloads", "sweep", "--small", "--iters", "1", "--warmup", "0",
-         "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+         "--min-ms", "5", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "geomean" in result.stdout and "MISMATCH" not in result.stdout, result.stdout
     data = json.loads(out.with_suffix(".json").read_text())

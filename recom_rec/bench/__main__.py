@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=12,
                    help="untimed runs first; on a GPU more follow while the product's tuners still measure a choice")
-    p.add_argument("--min-ms", type=float, default=50.0,
+    p.add_argument("--min-ms", type=float, default=100.0,
                    help="sweep: time each peer at least this long (and --iters runs) per point and phase, ours and "
                    "fbgemm interleaved")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),

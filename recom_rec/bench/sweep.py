@@ -189,7 +189,7 @@ def _agree(p: Point, ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 
 def run_point(p: Point, device: torch.device, warmup: int, iters: int, backend: str = "auto",
-              with_fbgemm: bool = True, min_ms: float = 50.0) -> List[dict]:
+              with_fbgemm: bool = True, min_ms: float = 100.0) -> List[dict]:
     kjt = make_kjt(p, device)
     gen = torch.Generator(device=device).manual_seed(1)
     dtype = _DATA_TYPES[p.dtype][1]
@@ -279,7 +279,7 @@ def _choices() -> Dict[str, str]:
 
 
 def run_sweep(device: torch.device, small: bool, warmup: int, iters: int, backend: str = "auto",
-              ceiling_gbs: Optional[float] = None, progress=None, min_ms: float = 50.0) -> List[dict]:
+              ceiling_gbs: Optional[float] = None, progress=None, min_ms: float = 100.0) -> List[dict]:
     results = []
     for p in points(small):
         rows = run_point(p, device, warmup, iters, backend, min_ms=min_ms)
