@@ -350,3 +350,19 @@ def test_trial_launches_count_launches_of_undecided_shapes_only():
     assert tuner.decisions() and tuner.trial_launches == 5
     launch(tuner, stream, 3)
     assert tuner.trial_launches == 5
+
+
+def test_a_sample_in_flight_across_forget_does_not_join_the_new_trials():
+    """Another thread forgets the tuner (and launches the shape again) while a timed launch runs:
+    that launch's sample belonged to the forgotten trials and is dropped."""
+    stream = FakeStream({F: 1.0, B: 2.0})
+    tuner = stream.tuner(min_trials=1)
+    launch(tuner, stream, 2)  # the untimed launches; the next is timed
+
+    def run_while_another_thread_forgets(bag_major):
+        tuner.forget()
+        tuner.launch(shape(), stream.run, DEVICE)  # the new trials' first (untimed) launch
+        return stream.run(bag_major)
+
+    tuner.launch(shape(), run_while_another_thread_forgets, DEVICE)
+    assert tuner._trials[shape()].samples == {} and tuner._trials[shape()].in_flight == []

@@ -116,6 +116,8 @@ def relative_gain(current: List[float], challenger: List[float]) -> Tuple[float,
     than either set's alone at a few samples); 1.4826 MAD estimates a normal spread's sigma, and
     1.2533 sigma / sqrt(n) the error of a median of n samples."""
     m_cur, m_new = statistics.median(current), statistics.median(challenger)
+    if m_cur <= 0 or m_new <= 0:  # no measurable time (a fake or a broken timer): no evidence of a gain
+        return 0.0, 0.0
     deviations = [abs(x / m_cur - 1.0) for x in current] + [abs(x / m_new - 1.0) for x in challenger]
     sigma = 1.4826 * statistics.median(deviations)
     error = 1.2533 * sigma * math.sqrt(1.0 / len(current) + 1.0 / len(challenger))
@@ -168,7 +170,7 @@ class _ShapeTrials:
     def all_in(self) -> bool:
         """Whether every planned sample has been launched and has finished."""
         return not self.planned and not self.in_flight and all(
-            len(self.samples.get(c, ())) == self.rounds for c in self.candidates)
+            len(self.samples.get(c, ())) >= self.rounds for c in self.candidates)
 
 
 class LaunchOrderTuner:
@@ -225,14 +227,16 @@ class LaunchOrderTuner:
         with self._lock:
             self.trial_launches += 1
             order, timed = self._next_launch(shape, candidates)
+            trials = self._trials.get(shape)
         if not timed:
             return run(order)
         start = self._record_event(device)
         result = run(order)
         end = self._record_event(device)
         with self._lock:
-            trials = self._trials.get(shape)
-            if trials is not None:  # else another thread decided meanwhile: this sample is not needed
+            # else another thread decided meanwhile, or the trials were forgotten and begun anew:
+            # this sample belongs to none
+            if self._trials.get(shape) is trials:
                 trials.in_flight.append((order, start, end))
         return result
 
