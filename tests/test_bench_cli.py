@@ -62,7 +62,7 @@ def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
     out = tmp_path / "sweep"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--workloads", "sweep", "--small", "--iters", "1", "--warmup", "0",
-         "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+         "--min-ms", "5", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "geomean" in result.stdout and "MISMATCH" not in result.stdout, result.stdout
     data = json.loads(out.with_suffix(".json").read_text())
@@ -73,6 +73,16 @@ def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
     assert set(data["summary"]) >= {"forward", "sgd", "rowwise_adagrad"}
     assert data["summary"]["forward"]["points"] == len(compared)
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # ours and fbgemm timed interleaved: each has its sample count; the run's length is recorded
+    assert all(r["recom_rec_runs"] >= 1 and r["fbgemm_runs"] >= 1 for r in data["results"] if r.get("ratio"))
+    assert data["meta"]["seconds"] > 0 and "the sweep took" in result.stdout
+    # the stability report of a run against itself: nothing differs
+    same = subprocess.run([sys.executable, "-m", "recom_rec.bench", "--workloads", "sweep", "--compare",
+                           str(out.with_suffix(".json")), str(out.with_suffix(".json"))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert same.returncode == 0, same.stdout + same.stderr
+    n = len([r for r in data["results"] if r.get("ratio")])
+    assert f"median 0.0%, max 0.0%, within 5%: {n} of {n}" in same.stdout, same.stdout
 
 
 def test_bench_inference_phase_on_the_cpu(tmp_path):

@@ -1,9 +1,20 @@
 """The forward's launch-order tuner on the CPU: a fake stream whose launches take the time the test
 sets per order, and fake CUDA events that finish when the test says so."""
+import random
+
 import pytest
 import torch
 
-from recom_rec.kernels.launch_tuner import BAG_MAJOR, FEATURE_MAJOR, ForwardLaunchShape, LaunchOrderTuner
+from recom_rec.kernels.launch_tuner import (
+    BAG_MAJOR,
+    FEATURE_MAJOR,
+    MARGIN,
+    MAX_TRIALS,
+    MIN_TRIALS,
+    ForwardLaunchShape,
+    LaunchOrderTuner,
+    decide,
+)
 
 DEVICE = torch.device("cpu")  # handed through to the fakes only
 
@@ -26,8 +37,8 @@ class FakeEvent:
 
 
 class FakeStream:
-    """Launches take ``ms[order]``: a number, or a list consumed one per launch of that order (its
-    last value repeats)."""
+    """Launches take ``ms[order]``: a number, a list consumed one per launch of that order (its
+    last value repeats), or a function called once per launch (noisy timings)."""
 
     def __init__(self, ms, finished=True):
         self.ms = {order: list(v) if isinstance(v, (list, tuple)) else v for order, v in ms.items()}
@@ -48,6 +59,8 @@ class FakeStream:
     def run(self, bag_major):
         self.launches.append(bag_major)
         ms = self.ms[bag_major]
+        if callable(ms):
+            ms = ms()
         self.now += (ms.pop(0) if len(ms) > 1 else ms[0]) if isinstance(ms, list) else ms
         return f"pooled {bag_major}"
 
@@ -72,7 +85,7 @@ F, B = FEATURE_MAJOR, BAG_MAJOR
                                         ({F: 2.0, B: [5.0, 9.0, 1.0, 1.0, 1.0]}, "bags")])
 def test_warms_up_then_times_orders_abba_then_keeps_the_faster_median_untimed(ms, faster):
     stream = FakeStream(ms)
-    tuner = stream.tuner(trials=3)
+    tuner = stream.tuner(min_trials=3)
     launch(tuner, stream, 8)
     assert stream.launches == [F, B] + [F, B, B, F, F, B]  # one untimed each, then A B B A ...
     assert stream.events == 12  # a start and an end per timed launch
@@ -84,17 +97,17 @@ def test_warms_up_then_times_orders_abba_then_keeps_the_faster_median_untimed(ms
 
 
 def test_a_linear_drift_favours_neither_order():
-    # Every launch is 0.1 ms faster than the one before (clocks ramping up): bags, launched later
-    # in each plain alternation, would look faster; A B B A sees through it.
-    base = {F: 2.0, B: 2.05}
-    stream = FakeStream(base)
+    # Every launch is 0.05 ms faster than the one before (clocks ramping up): of two equal orders,
+    # bags, launched later in each plain alternation, would look faster; A B B A sees through it
+    # even with no margin at all.
+    stream = FakeStream({F: 2.0, B: 2.0})
     drift = iter(range(100))
 
     def run(bag_major):
-        stream.ms[bag_major] = base[bag_major] - 0.1 * next(drift)
+        stream.ms[bag_major] = 2.0 - 0.05 * next(drift)
         return stream.run(bag_major)
 
-    tuner = stream.tuner(trials=4)
+    tuner = stream.tuner(min_trials=4, margin=1e-9, z=0.0)
     for _ in range(12):
         tuner.launch(shape(), run, DEVICE)
     assert tuner.decisions() == {shape(): "features"}
@@ -102,7 +115,7 @@ def test_a_linear_drift_favours_neither_order():
 
 def test_unfinished_events_never_block_and_decide_once_finished():
     stream = FakeStream({F: 1.0, B: 3.0}, finished=False)
-    tuner = stream.tuner(trials=3)
+    tuner = stream.tuner(min_trials=3)
     launch(tuner, stream, 20)
     # Every trial launched, the rest wait untimed in the default order for the samples to finish.
     assert stream.launches == [F, B, F, B, B, F, F, B] + [F] * 12
@@ -116,7 +129,7 @@ def test_unfinished_events_never_block_and_decide_once_finished():
 
 def test_partly_finished_samples_keep_the_shape_on_trial():
     stream = FakeStream({F: 1.0, B: 3.0}, finished=False)
-    tuner = stream.tuner(trials=3)
+    tuner = stream.tuner(min_trials=3)
     launch(tuner, stream, 4)
     stream.finished = True
     launch(tuner, stream, 4)  # the first two samples are read; the trials go on
@@ -128,7 +141,7 @@ def test_partly_finished_samples_keep_the_shape_on_trial():
 
 def test_graph_capture_records_nothing_and_uses_the_default_then_the_decided_order():
     stream = FakeStream({F: 2.0, B: 1.0})
-    tuner = stream.tuner(trials=3)
+    tuner = stream.tuner(min_trials=3)
     stream.capturing = True
     launch(tuner, stream, 3)
     assert stream.launches == [F] * 3 and stream.events == 0
@@ -170,7 +183,7 @@ def test_force_bad_name_is_a_clear_error():
 
 def test_more_than_65535_features_run_feature_major_only():
     stream = FakeStream({F: 5.0, B: 1.0})
-    tuner = stream.tuner(trials=3)
+    tuner = stream.tuner(min_trials=3)
     wide = shape(num_features=65536)
     launch(tuner, stream, 4, wide)
     assert stream.launches == [F] * 4 and stream.events == 0
@@ -181,7 +194,7 @@ def test_more_than_65535_features_run_feature_major_only():
 
 def test_shapes_are_tuned_separately():
     stream = FakeStream({F: 1.0, B: 2.0})
-    tuner = stream.tuner(trials=1)
+    tuner = stream.tuner(min_trials=1)
     launch(tuner, stream, 5, shape(lookups=1024))
     stream.ms = {F: 2.0, B: 1.0}
     launch(tuner, stream, 5, shape(lookups=2048))
@@ -204,7 +217,7 @@ def test_launch_shape_rounds_the_lookup_count_up_to_a_power_of_two():
 
 def test_forget_drops_decisions_and_trials():
     stream = FakeStream({F: 1.0, B: 2.0})
-    tuner = stream.tuner(trials=1)
+    tuner = stream.tuner(min_trials=1)
     launch(tuner, stream, 5)
     assert tuner.decisions() == {shape(): "features"}
     tuner.forget()
@@ -228,3 +241,128 @@ def test_a_tuner_of_other_launches_reports_and_forces_by_its_own_names():
     assert stream.launches == [False]
     with pytest.raises(ValueError, match="must be 'auto', 'pieces' or 'singletons'"):
         forced.force("bags")
+
+
+def noisy(mean, spread, rng):
+    """Launch times around ``mean`` with a normal spread of ``spread`` (a share of the mean)."""
+    return lambda: [max(rng.gauss(mean, spread * mean), 1e-3)]
+
+
+def decide_by_launching(stream, tuner, max_launches=400, s=None):
+    """Launches until the shape is decided; the number of timed launches it took."""
+    for _ in range(max_launches):
+        tuner.launch(s or shape(), stream.run, DEVICE)
+        if tuner.decisions():
+            return stream.events // 2
+    raise AssertionError("never decided")
+
+
+@pytest.mark.parametrize("gain", [0.0, 0.01, 0.02, 0.029])
+def test_a_candidate_within_the_margin_does_not_displace_the_default(gain):
+    stream = FakeStream({F: 1.0, B: 1.0 - gain})  # steady timings: the verdict is clear at once
+    tuner = stream.tuner()
+    assert decide_by_launching(stream, tuner) == 2 * MIN_TRIALS
+    assert tuner.decisions() == {shape(): "features"}
+
+
+@pytest.mark.parametrize("gain", [0.05, 0.3])
+def test_a_clear_winner_is_chosen(gain):
+    rng = random.Random(0)
+    stream = FakeStream({F: noisy(1.0, 0.01, rng), B: noisy(1.0 - gain, 0.01, rng)})
+    tuner = stream.tuner()
+    decide_by_launching(stream, tuner)
+    assert tuner.decisions() == {shape(): "bags"}
+
+
+def test_the_default_wins_when_it_is_clearly_faster():
+    stream = FakeStream({F: 1.0, B: 3.0})
+    tuner = stream.tuner(names={False: "pieces", True: "singletons"}, default=True)  # singletons first
+    decide_by_launching(stream, tuner)
+    assert tuner.decisions() == {shape(): "pieces"}  # the other is 3x faster: a clear win
+    stream = FakeStream({F: 1.0, B: 1.02})
+    tuner = stream.tuner(names={False: "pieces", True: "singletons"}, default=True)
+    decide_by_launching(stream, tuner)
+    assert tuner.decisions() == {shape(): "singletons"}  # 2% is within the margin: the default stays
+
+
+@pytest.mark.parametrize("spread", [0.02, 0.05, 0.15])
+def test_noisy_samples_around_equal_means_keep_the_default_every_run(spread):
+    """Fifty 'runs' (seeds) of two equal candidates with noisy timings: each keeps the default."""
+    for seed in range(50):
+        rng = random.Random(seed)
+        stream = FakeStream({F: noisy(0.2, spread, rng), B: noisy(0.2, spread, rng)})
+        tuner = stream.tuner()
+        timed = decide_by_launching(stream, tuner)
+        assert tuner.decisions() == {shape(): "features"}, (seed, stream.launches)
+        assert 2 * MIN_TRIALS <= timed <= 2 * MAX_TRIALS
+
+
+def test_three_equal_noisy_candidates_keep_the_default_every_run():
+    names = {"cuda:features": "cuda:features", "cuda:bags": "cuda:bags", "triton": "triton"}
+    for seed in range(30):
+        rng = random.Random(seed)
+        stream = FakeStream({c: noisy(0.15, 0.08, rng) for c in names})
+        tuner = stream.tuner(names=names, candidates=lambda s: tuple(names), default="cuda:features")
+        decide_by_launching(stream, tuner)
+        assert tuner.decisions() == {shape(): "cuda:features"}, seed
+
+
+def test_close_candidates_get_more_trials_and_then_the_same_choice_every_run():
+    """A 12% gain under 4% noise is often unclear after MIN_TRIALS samples: more rounds run (in A B B A
+    pairs) until it is clear, and every seed ends on the faster candidate."""
+    extra = []
+    for seed in range(30):
+        rng = random.Random(seed)
+        stream = FakeStream({F: noisy(1.0, 0.04, rng), B: noisy(0.88, 0.04, rng)})
+        tuner = stream.tuner()
+        timed = decide_by_launching(stream, tuner)
+        assert tuner.decisions() == {shape(): "bags"}, seed
+        assert timed % 4 == 0  # whole A B B A pairs of rounds
+        extra.append(timed > 2 * MIN_TRIALS)
+    assert sum(extra) >= 5  # some needed more than the minimum
+
+
+def test_still_unclear_at_max_trials_keeps_the_default():
+    # Samples alternate 0.9 / 1.1 for bags (median 1.0 +- a wide error) against a steady 1.04:
+    # never clearly beyond the margin, so after max_trials the default stays.
+    stream = FakeStream({F: 1.04, B: [0.9, 1.1] * 100})
+    tuner = stream.tuner(min_trials=4, max_trials=10)
+    assert decide_by_launching(stream, tuner) == 2 * 10
+    assert tuner.decisions() == {shape(): "features"}
+
+
+def test_decide_walks_from_the_default_and_keeps_the_first_of_near_equal_winners():
+    samples = {"a": [1.0] * 6, "b": [0.80] * 6, "c": [0.79] * 6}
+    assert decide(("a", "b", "c"), samples, "a") == ("b", True)  # c is within the margin of b
+    samples["c"] = [0.70] * 6
+    assert decide(("a", "b", "c"), samples, "a") == ("c", True)
+    assert decide(("a", "b", "c"), samples, "b") == ("c", True)
+    samples = {"a": [1.0, 1.1, 0.9, 1.0], "b": [0.9, 1.0, 0.8, 0.9]}  # 10% faster, wide spread
+    choice, clear = decide(("a", "b"), samples, "a")
+    assert choice == "a" and not clear
+    assert decide(("a", "b"), {"a": [1.0] * 4, "b": [1.0 - MARGIN * 1.1] * 4}, "a") == ("b", True)
+
+
+def test_trial_launches_count_launches_of_undecided_shapes_only():
+    stream = FakeStream({F: 1.0, B: 2.0})
+    tuner = stream.tuner(min_trials=1)
+    launch(tuner, stream, 5)  # 2 untimed, 2 timed, the deciding launch
+    assert tuner.decisions() and tuner.trial_launches == 5
+    launch(tuner, stream, 3)
+    assert tuner.trial_launches == 5
+
+
+def test_a_sample_in_flight_across_forget_does_not_join_the_new_trials():
+    """Another thread forgets the tuner (and launches the shape again) while a timed launch runs:
+    that launch's sample belonged to the forgotten trials and is dropped."""
+    stream = FakeStream({F: 1.0, B: 2.0})
+    tuner = stream.tuner(min_trials=1)
+    launch(tuner, stream, 2)  # the untimed launches; the next is timed
+
+    def run_while_another_thread_forgets(bag_major):
+        tuner.forget()
+        tuner.launch(shape(), stream.run, DEVICE)  # the new trials' first (untimed) launch
+        return stream.run(bag_major)
+
+    tuner.launch(shape(), run_while_another_thread_forgets, DEVICE)
+    assert tuner._trials[shape()].samples == {} and tuner._trials[shape()].in_flight == []

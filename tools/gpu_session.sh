@@ -5,7 +5,7 @@
 # GPU), then the benchmarks. Each stage has its own time limit; logs under $OUT. A fresh build comes
 # back as $OUT/_lookup_cuda.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that
 # folder, so the next machine loads it instead of building while the source is unchanged.
-#   STAGES="tests nccl dlrm bench sweep ps quant profile" BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests nccl dlrm bench sweep ps quant profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
 set -o pipefail
 source .gpu/setup.sh
@@ -52,6 +52,11 @@ if [[ " $STAGES " == *" sweep "* ]]; then
     timeout ${SWEEP_TIMEOUT:-300} python3 -m recom_rec.bench --workloads sweep --out "$OUT/$name" ${SWEEP_ARGS:---iters 20} 2>&1 \
       | grep -v "is_fx_tracing\|Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|WARNING\|run_backward" > "$OUT/$name.log"
     tail -6 "$OUT/$name.log"; [ $run = 1 ] || rm -f "$OUT/$name.png"
+  done
+  for run in $(seq 2 ${SWEEP_RUNS:-1}); do  # the stability report: choices and ratios, run 1 against run N
+    stage "sweep-compare 1 vs $run"
+    python3 -m recom_rec.bench --compare "$OUT/sweep.json" "$OUT/sweep$run.json" 2>&1 \
+      | tee "$OUT/sweep-compare$run.log" | head -40
   done
 fi
 if [[ " $STAGES " == *" ps "* ]]; then

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from .peers import PEERS, PINNED_BACKENDS, fbgemm_available, make_peer
 from .report import format_table, plot_results
-from .timing import copy_bandwidth_gbs, time_ms
+from .timing import copy_bandwidth_gbs, settle, time_ms
 from .workloads import DEFAULT_WORKLOADS, WORKLOADS, get_workload
 
 # forward: inference under no_grad. backward: forward + backward to dense gradients (fbgemm has
@@ -60,7 +60,12 @@ def parse_args(argv=None):
     p.add_argument("--small", action="store_true", help="scaled-down workloads (default on the CPU)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=12,
-                   help="untimed runs first: enough for the CUDA forward's launch-order trials (11 launches)")
+                   help="untimed runs first; on a GPU more follow while the product's tuners still measure a choice")
+    p.add_argument("--min-ms", type=float, default=100.0,
+                   help="sweep: time each peer at least this long (and --iters runs) per point and phase, ours and "
+                   "fbgemm interleaved")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
+                   help="print how two sweep JSONs differ (choices, ratios) and exit: the run-to-run stability check")
     p.add_argument("--out", default="bench-results", help="file stem for the .json and .png outputs")
     return p.parse_args(argv)
 
@@ -72,13 +77,10 @@ def _graph_replay(peer, kjt, device):
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream), torch.no_grad():
-        # Warm up outside the graph: Triton compiles, caches fill, and the CUDA forward's launch
-        # order is measured (two untimed and 2 x TRIALS timed launches, decided at a launch after
-        # they finished) so the graph captures the tuned order rather than the default.
-        from ..kernels.launch_tuner import TRIALS
-
-        for _ in range(2 + 2 * TRIALS + 1):
-            peer.forward(kjt)
+        # Warm up outside the graph: Triton compiles, caches fill, and the forward's choices are
+        # measured (until a run launches nothing on trial) so the graph captures the decided
+        # choices rather than the defaults.
+        settle(lambda: peer.forward(kjt), device, warmup=1)
         stream.synchronize()
         for _ in range(2):
             peer.forward(kjt)
@@ -200,6 +202,11 @@ def _run_inference(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.compare:
+        from .stability import compare_files
+
+        print(compare_files(*args.compare))
+        return
     if "inference" in args.phases:
         args.phases = [p for p in args.phases if p != "inference"]
         meta, results = _run_inference(args)

@@ -93,6 +93,12 @@ def _worker(rank: int, world: int, port: int, small: bool, iters: int, warmup: i
         dense = torch.randn(workload.batch_size, DENSE_IN, generator=gen).to(device)
         labels = (torch.rand(workload.batch_size, generator=gen) < 0.25).float().to(device)
         results: Dict[str, float] = {}
+
+        def any_rank(flag: bool) -> bool:  # the warm-up goes on while any rank's tuners are deciding
+            t = torch.tensor([int(flag)], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return bool(t.item())
+
         for impl in ("recom_rec", "torchrec"):
             torch.manual_seed(0)
             dmp = _build(impl, workload, world, device)
@@ -105,7 +111,7 @@ def _worker(rank: int, world: int, port: int, small: bool, iters: int, warmup: i
                 dense_opt.step()
                 dense_opt.zero_grad(set_to_none=True)
 
-            ms = torch.tensor([time_ms(step, device, warmup=warmup, iters=iters)], device=device)
+            ms = torch.tensor([time_ms(step, device, warmup=warmup, iters=iters, any_rank=any_rank)], device=device)
             dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
             results[impl] = float(ms.item())
             del dmp, dense_opt

@@ -12,12 +12,20 @@ and the printed point says so.
 Each point builds ours and fbgemm with the same weights, checks their forward outputs agree on
 the same KJT, then times the forward (no_grad), a fused SGD step and a fused row-wise Adagrad
 step (forward + backward with the optimizer inside, for both). Ratios are fbgemm ms / ours ms.
+
+A phase builds both peers, warms each up until the product's tuners have decided every shape it
+runs (timing.settle), records what ours chose ("choices": the forward's kernels, the backward's
+path), then times the two interleaved in A B B A rounds for at least --iters runs and --min-ms
+each (timing.time_interleaved), so that a drift between the two peers' timings cancels and a
+0.1 ms point's median rests on hundreds of runs. `--compare A.json B.json` checks two runs
+against each other (stability.py).
 """
 import gc
 import json
 import math
 import os
 import statistics
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional
 
@@ -27,7 +35,7 @@ from torchrec import DataType, EmbeddingBagConfig, KeyedJaggedTensor, PoolingTyp
 
 import recom_rec
 
-from .timing import time_ms
+from .timing import time_interleaved
 from .workloads import zipf_ids
 
 PHASES = ("forward", "sgd", "rowwise_adagrad")
@@ -163,8 +171,7 @@ class _Fbgemm:
         self.tbe(kjt.values(), kjt.offsets(), per_sample_weights=kjt.weights_or_none()).backward(grad)
 
 
-def _time_peer(make, kjt, grad, device, phase, warmup, iters):
-    peer = make("sgd" if phase == "forward" else phase)
+def _step(peer, kjt, grad, phase):
     if phase == "forward":
         def step():
             with torch.no_grad():
@@ -172,9 +179,7 @@ def _time_peer(make, kjt, grad, device, phase, warmup, iters):
     else:
         def step():
             peer.train_step(kjt, grad)
-    ms = time_ms(step, device, warmup=warmup, iters=iters)
-    del peer, step
-    return ms
+    return step
 
 
 def _agree(p: Point, ours: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -184,7 +189,7 @@ def _agree(p: Point, ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 
 def run_point(p: Point, device: torch.device, warmup: int, iters: int, backend: str = "auto",
-              with_fbgemm: bool = True) -> List[dict]:
+              with_fbgemm: bool = True, min_ms: float = 100.0) -> List[dict]:
     kjt = make_kjt(p, device)
     gen = torch.Generator(device=device).manual_seed(1)
     dtype = _DATA_TYPES[p.dtype][1]
@@ -209,18 +214,7 @@ def run_point(p: Point, device: torch.device, warmup: int, iters: int, backend: 
         base["max_rel_diff"] = _agree(p, out["recom_rec"], out["fbgemm"])
         base["agree"] = base["max_rel_diff"] <= (1e-5 if p.dtype == "fp32" else 1e-2)
     del out
-    rows = []
-    for phase in PHASES:
-        row = {**base, "phase": phase}
-        for name, make in list(peers.items()):
-            try:
-                row[f"{name}_ms"] = _time_peer(make, kjt, grad, device, phase, warmup, iters)
-            except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-                row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
-            gc.collect()
-        if row.get("recom_rec_ms") and row.get("fbgemm_ms"):
-            row["ratio"] = row["fbgemm_ms"] / row["recom_rec_ms"]
-        rows.append(row)
+    rows = [_run_phase(p, phase, peers, base, kjt, grad, device, warmup, iters, min_ms) for phase in PHASES]
     del weights, kjt, grad
     gc.collect()
     if device.type == "cuda":
@@ -228,39 +222,67 @@ def run_point(p: Point, device: torch.device, warmup: int, iters: int, backend: 
     return rows
 
 
+def _run_phase(p: Point, phase: str, peers: dict, base: dict, kjt, grad, device, warmup: int, iters: int,
+               min_ms: float) -> dict:
+    """One phase of a point: both peers built, each warmed up (ours until its tuners decided),
+    ours' choices recorded, then both timed interleaved."""
+    row = {**base, "phase": phase}
+    if device.type == "cuda":
+        _forget_choices()  # this phase's model tunes afresh, and its choices are this phase's alone
+    steps = {}
+    for name, make in peers.items():
+        try:
+            steps[name] = _step(make("sgd" if phase == "forward" else phase), kjt, grad, phase)
+        except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+            row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    for name in list(steps):  # a peer that cannot run this phase is dropped, the other still timed
+        try:
+            steps[name]()
+        except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+            row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            del steps[name]
+    try:
+        samples = time_interleaved(steps, device, warmup=warmup, min_iters=iters, min_ms=min_ms)
+        for name, times in samples.items():
+            row[f"{name}_ms"] = statistics.median(times)
+            row[f"{name}_runs"] = len(times)
+    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+        row.setdefault("errors", {})["timing"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if device.type == "cuda" and "recom_rec" in steps:
+        row["choices"] = _choices()
+        row["choice"] = (row["choices"].get("backward_path", "") if phase != "forward" else
+                         "+".join(filter(None, (row["choices"].get("forward"), row["choices"].get("forward_order")))))
+    del steps
+    gc.collect()
+    if row.get("recom_rec_ms") and row.get("fbgemm_ms"):
+        row["ratio"] = row["fbgemm_ms"] / row["recom_rec_ms"]
+    return row
+
+
 def _forget_choices() -> None:
-    """Forget the CUDA backend's measured choices: the next point's model may sit where the last
-    one's weights were (the address is part of a choice's key)."""
+    """Forget the CUDA backend's measured choices: the next model may sit where the last one's
+    weights were (the address is part of a choice's key)."""
     from ..kernels import selection
 
     selection.forget_all()
 
 
-_OPTIMIZER_CODES = {"sgd": 0, "rowwise_adagrad": 2}  # optim.spec kinds, the backward path's key
-
-
-def _record_choices(rows: List[dict]) -> None:
-    """What the point's model chose, by measurement: the forward's kernels, the backward's path."""
+def _choices() -> Dict[str, str]:
+    """What ours chose by measurement since the last _forget_choices, by tuner: the forward's
+    kernels (backend auto), the CUDA forward's launch order (backend cuda), the backward's path."""
     from ..kernels import pooled_cuda, selection
 
-    forward = sorted(set(selection.FORWARD.decisions().values()))
-    paths = pooled_cuda.BACKWARD_PATH_TUNER.decisions()
-    for r in rows:
-        if r["phase"] == "forward":
-            r["choice"] = "+".join(forward)
-        else:
-            r["choice"] = "+".join(sorted({v for k, v in paths.items() if k.optimizer == _OPTIMIZER_CODES[r["phase"]]}))
+    tuners = {"forward": selection.FORWARD, "forward_order": pooled_cuda.FORWARD_ORDER_TUNER,
+              "backward_path": pooled_cuda.BACKWARD_PATH_TUNER}
+    made = {name: "+".join(sorted(set(t.decisions().values()))) for name, t in tuners.items()}
+    return {name: choice for name, choice in made.items() if choice}
 
 
 def run_sweep(device: torch.device, small: bool, warmup: int, iters: int, backend: str = "auto",
-              ceiling_gbs: Optional[float] = None, progress=None) -> List[dict]:
+              ceiling_gbs: Optional[float] = None, progress=None, min_ms: float = 100.0) -> List[dict]:
     results = []
     for p in points(small):
-        if device.type == "cuda":
-            _forget_choices()
-        rows = run_point(p, device, warmup, iters, backend)
-        if device.type == "cuda":
-            _record_choices(rows)
+        rows = run_point(p, device, warmup, iters, backend, min_ms=min_ms)
         for r in rows:
             if r["phase"] == "forward" and r.get("recom_rec_ms") and ceiling_gbs:
                 r["ceiling_share"] = r["lookup_bytes"] / (r["recom_rec_ms"] * 1e-3) / 1e9 / ceiling_gbs
@@ -356,16 +378,26 @@ def main_sweep(args, device: torch.device, ceiling: float) -> None:
     small = args.small or device.type == "cpu"
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "copy_gbs": ceiling, "small": small, "backend": args.backend}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    done: List[dict] = []
+    started = time.perf_counter()
+
+    def write(results, summary):
+        with open(args.out + ".json", "w") as f:
+            json.dump({"meta": meta, "summary": summary, "results": results}, f, indent=1)
 
     def progress(rows):
         print(format_results(meta, rows, {}).split("\n", 2)[2], flush=True)
+        # the points so far, so that a run cut off by a time limit still leaves them (to --compare)
+        done.extend(rows)
+        meta["seconds"], meta["complete"] = round(time.perf_counter() - started, 1), False
+        write(done, {})
 
-    results = run_sweep(device, small, args.warmup, args.iters, args.backend, ceiling, progress)
+    results = run_sweep(device, small, args.warmup, args.iters, args.backend, ceiling, progress, args.min_ms)
+    meta["seconds"], meta["complete"] = round(time.perf_counter() - started, 1), True
     summary = summarize(results)
     print(format_results(meta, results, summary).split("\n")[0])
     print("\n".join(format_results(meta, [], summary).split("\n")[2:]))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "summary": summary, "results": results}, f, indent=1)
+    write(results, summary)
     plot_heatmap(results, args.out + ".png")
-    print(f"wrote {args.out}.json and {args.out}.png")
+    print(f"wrote {args.out}.json and {args.out}.png; the sweep took {meta['seconds']:.0f} s")

@@ -1,31 +1,97 @@
-"""Timing: median of many runs after warm-up; CUDA events on the GPU, perf_counter on the CPU."""
+"""Timing: medians of many runs after a warm-up that lets the product's tuners decide; CUDA events
+on the GPU, perf_counter on the CPU. Peers compared with each other are timed interleaved."""
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+# Warm-up runs beyond ``warmup`` while the product's tuners still have a shape on trial: a training
+# step carries two tuners (forward kernels, backward path) of up to 3 candidates x 31 launches.
+MAX_SETTLE_RUNS = 200
 
-def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 5, iters: int = 50) -> float:
+
+def _timed_run(fn: Callable[[], object], device: torch.device) -> float:
+    """One run of ``fn`` in ms, starting on an idle device (the previous run has finished)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def settle(fn: Callable[[], object], device: torch.device, warmup: int,
+           any_rank: Optional[Callable[[bool], bool]] = None) -> int:
+    """Runs ``fn`` ``warmup`` times, then on a GPU until a run launches nothing on trial: every
+    shape it runs has its measured choice (kernels/selection.trial_launches), so no timed run is a
+    tuner's trial of a slower candidate. Waits for each run there, so the trials' timing events
+    have finished when the next run's launches look at them. ``any_rank(flag)``: in a distributed
+    step, whether any process's flag is set (an all-reduce), so that every process goes on while
+    one still has trials and all run as many steps (their collectives pair up). Returns the number
+    of runs."""
     for _ in range(warmup):
         fn()
+    if device.type != "cuda":
+        return warmup
+    from ..kernels.selection import trial_launches
+
+    for extra in range(1, MAX_SETTLE_RUNS + 1):
+        before = trial_launches()
+        fn()
+        torch.cuda.synchronize(device)
+        on_trial = trial_launches() != before
+        if not (any_rank(on_trial) if any_rank else on_trial):
+            break
+    return warmup + extra
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 5, iters: int = 50,
+            any_rank: Optional[Callable[[bool], bool]] = None) -> float:
+    """The median of ``iters`` timed runs after ``settle``."""
+    settle(fn, device, warmup, any_rank)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(_timed_run(fn, device) for _ in range(iters))
+
+
+def time_interleaved(steps: Dict[str, Callable[[], object]], device: torch.device, warmup: int = 5,
+                     min_iters: int = 20, min_ms: float = 50.0, block: int = 4,
+                     max_iters: int = 4000) -> Dict[str, List[float]]:
+    """Timed samples (ms) of each step, taken in rounds that visit the steps in order, then reversed
+    (A B B A, repeated): a drift of the device or host over the rounds (clocks, other processes)
+    falls on every step alike, which back-to-back blocks of one step then the other do not give.
+    A visit is one untimed run (the other steps left their data in the caches), then timed runs:
+    ``block`` (at most ``min_iters``) and at least a quarter of ``min_ms``. Rounds go on until every
+    step has ``min_iters`` samples summing to ``min_ms`` at least (time-bound, so that a 0.1 ms
+    step gets hundreds of samples and its median is steady), ending on a whole A B B A pair, or
+    until a step has ``max_iters``. Each step is first ``settle``d."""
+    for fn in steps.values():
+        settle(fn, device, warmup)
+    names = list(steps)
+    samples: Dict[str, List[float]] = {n: [] for n in names}
+    visit_runs, visit_ms = max(1, min(block, min_iters)), min_ms / 4
+
+    def enough() -> bool:
+        return (all(len(s) >= min_iters and sum(s) >= min_ms for s in samples.values())
+                or any(len(s) >= max_iters for s in samples.values()))
+
+    rounds = 0
+    while rounds % 2 or not enough():
+        for name in (names if rounds % 2 == 0 else names[::-1]):
+            steps[name]()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            visit: List[float] = []
+            while (len(visit) < visit_runs or sum(visit) < visit_ms) and len(samples[name]) + len(visit) < max_iters:
+                visit.append(_timed_run(steps[name], device))
+            samples[name] += visit
+        rounds += 1
+    return samples
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:

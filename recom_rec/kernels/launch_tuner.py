@@ -6,18 +6,24 @@ The forward kernel runs feature-major (every feature's first bags at once) or ba
 feature's bags at once, its repeated rows staying in L2); both give bit-identical results, only
 block scheduling differs. Neither wins everywhere (H100: feature-major on dlrm-kaggle and
 many-500/1000, bag-major on mixed and zipf) and zipf's win depends on the id distribution, so no
-rule on the shape decides: the first launches of each shape run each order once untimed, then
-alternate the two orders in A B B A order timed with CUDA events, and the shape keeps the order of
-the smaller median.
+rule on the shape decides: the first launches of each shape run each candidate once untimed, then
+in rounds of A B B A order timed with CUDA events (a drift over the rounds favours none).
+
+A shape keeps its default unless a candidate is faster by a clear margin (see ``decide``): MARGIN
+(3%) on the medians, beyond what the samples' spread allows. While that is unclear, another pair
+of rounds runs, up to MAX_TRIALS samples a candidate; still unclear then, the default stays. So
+near-equal candidates do not flip from run to run (issue 18: 14 of 156 choices differed between
+two sweeps when the faster median of 4 samples won), and a clear winner is taken after MIN_TRIALS.
 
 The host never waits for a timing: events are read with ``query()`` on later launches, and a shape
-stays undecided (running feature-major, untimed) until its samples have finished. While a stream
+stays undecided (running its default, untimed) until its samples have finished. While a stream
 is capturing a CUDA graph nothing is recorded or queried (a timing event would become part of the
 graph, and the capture must stay free of host-side CUDA calls); the capture gets the shape's
-decided order, or feature-major.
+decided choice, or the default.
 
 Tests and tools force one choice with :meth:`LaunchOrderTuner.force` (the product always measures).
 """
+import math
 import statistics
 import threading
 from dataclasses import dataclass, field
@@ -30,7 +36,20 @@ BAG_MAJOR = True
 ORDER_NAMES = {FEATURE_MAJOR: "features", BAG_MAJOR: "bags"}
 DEFAULT_ORDER = FEATURE_MAJOR  # what an undecided shape runs untimed (and in a graph capture)
 MAX_BAG_MAJOR_FEATURES = 65535  # bag-major puts the features on the grid's y axis
-TRIALS = 4  # finished samples per order before a shape is decided (median: outliers are ignored)
+# Samples per candidate: at least MIN_TRIALS (four A B B A pairs: fewer make the samples' spread
+# itself too uncertain), then pairs of rounds while the verdict is unclear, up to MAX_TRIALS (a
+# 10 ms backward: 0.6 s of tuning for two candidates).
+MIN_TRIALS = 8
+MAX_TRIALS = 30
+# A candidate replaces the default only if its median is more than 3% below: gains under that are
+# within the run-to-run spread of the 0.1-0.4 ms launches measured (v13 sweep, two runs on one
+# H100), so taking them would flip choices between runs for nothing a user could see.
+MARGIN = 0.03
+# ... and only when the gain is beyond the margin by CONFIDENCE_Z standard errors. 3.5 rather than
+# the textbook 2-3: a shape's verdict is looked at up to 12 times (after each pair of rounds), and
+# launches timed with their host-side work spread by 10-30%; with equal candidates at a 15-30%
+# spread, 3.5 switched in under 1% of simulated runs (3: 1-2%).
+CONFIDENCE_Z = 3.5
 
 Result = TypeVar("Result")
 
@@ -83,55 +102,95 @@ def parse_forced_order(value: Optional[str], names: Dict[bool, str] = ORDER_NAME
     raise ValueError(f"the choice must be 'auto', {', '.join(choices[:-1])} or {choices[-1]} (got {value!r})")
 
 
-def trial_plan(candidates: Tuple[bool, ...], trials: int) -> List[Tuple[bool, bool]]:
-    """The (order, timed) launches that decide a shape: each candidate once untimed (a first launch
-    runs on cold caches and clocks), then ``trials`` timed launches of each in A B B A order, so
-    that a drift over the trials (clocks ramping up, caches warming) favours neither order."""
-    plan = [(order, False) for order in candidates]
-    for k in range(trials):
-        plan += [(order, True) for order in (candidates if k % 2 == 0 else candidates[::-1])]
-    return plan
+def trial_round(candidates: tuple, k: int) -> list:
+    """The k-th timed round's launches: the candidates in order on even rounds, reversed on odd
+    ones (A B B A), so that a drift over the rounds (clocks ramping up, caches warming) favours
+    none."""
+    return [(c, True) for c in (candidates if k % 2 == 0 else candidates[::-1])]
+
+
+def relative_gain(current: List[float], challenger: List[float]) -> Tuple[float, float]:
+    """(gain, error): the share of the current choice's median time that the challenger's median
+    saves, and the gain's standard error. The spread is the median absolute deviation relative to
+    each sample set's own median, pooled over both sets (robust to the odd slow launch, and steadier
+    than either set's alone at a few samples); 1.4826 MAD estimates a normal spread's sigma, and
+    1.2533 sigma / sqrt(n) the error of a median of n samples."""
+    m_cur, m_new = statistics.median(current), statistics.median(challenger)
+    if m_cur <= 0 or m_new <= 0:  # no measurable time (a fake or a broken timer): no evidence of a gain
+        return 0.0, 0.0
+    deviations = [abs(x / m_cur - 1.0) for x in current] + [abs(x / m_new - 1.0) for x in challenger]
+    sigma = 1.4826 * statistics.median(deviations)
+    error = 1.2533 * sigma * math.sqrt(1.0 / len(current) + 1.0 / len(challenger))
+    return 1.0 - m_new / m_cur, error
+
+
+def decide(candidates: tuple, samples: Dict[object, List[float]], default, margin: float = MARGIN,
+           z: float = CONFIDENCE_Z) -> Tuple[object, bool]:
+    """(choice, clear): the default, or a candidate clearly faster. Walks the candidates from the
+    default on: one replaces the current choice when its median is below the current one's by more
+    than ``margin`` (relative) plus ``z`` standard errors. ``clear`` is False when a comparison
+    could go either way (its gain within ``z`` errors of the margin): more samples may settle it.
+    Candidates' order breaks ties the same way every run, so the result does not depend on which
+    of two near-equal candidates happened to measure faster."""
+    current = default if default in candidates else candidates[0]
+    clear = True
+    for challenger in [c for c in candidates if c != current]:
+        gain, error = relative_gain(samples[current], samples[challenger])
+        if gain - z * error > margin:
+            current = challenger
+        elif gain + z * error > margin:
+            clear = False
+    return current, clear
 
 
 @dataclass
 class _ShapeTrials:
-    """An undecided shape's launches: the plan, finished samples (ms) and those still in flight."""
-    candidates: Tuple[bool, ...]
-    plan: List[Tuple[bool, bool]] = field(default_factory=list)
-    planned: int = 0  # launches of the plan made so far
-    samples: Dict[bool, List[float]] = field(default_factory=dict)
-    in_flight: List[Tuple[bool, object, object]] = field(default_factory=list)  # (order, start, end)
+    """An undecided shape's launches: those planned and not made yet, finished samples (ms) and
+    those still in flight."""
+    candidates: tuple
+    planned: List[Tuple[object, bool]] = field(default_factory=list)  # (choice, timed), in launch order
+    rounds: int = 0  # timed rounds planned so far
+    samples: Dict[object, List[float]] = field(default_factory=dict)
+    in_flight: List[Tuple[object, object, object]] = field(default_factory=list)  # (choice, start, end)
+
+    def plan_rounds(self, n: int) -> None:
+        for k in range(self.rounds, self.rounds + n):
+            self.planned += trial_round(self.candidates, k)
+        self.rounds += n
 
     def collect_finished(self) -> None:
         still_running = []
-        for order, start, end in self.in_flight:
+        for choice, start, end in self.in_flight:
             if end.query():  # non-blocking; the end finished so the start (earlier, same stream) did
-                self.samples.setdefault(order, []).append(start.elapsed_time(end))
+                self.samples.setdefault(choice, []).append(start.elapsed_time(end))
             else:
-                still_running.append((order, start, end))
+                still_running.append((choice, start, end))
         self.in_flight = still_running
 
-    def faster_order(self, trials: int) -> Optional[bool]:
-        """The order of the smaller median once every candidate has ``trials`` samples, else None
-        (a tie keeps the first candidate, feature-major)."""
-        if any(len(self.samples.get(order, ())) < trials for order in self.candidates):
-            return None
-        return min(self.candidates, key=lambda order: statistics.median(self.samples[order]))
+    def all_in(self) -> bool:
+        """Whether every planned sample has been launched and has finished."""
+        return not self.planned and not self.in_flight and all(
+            len(self.samples.get(c, ())) >= self.rounds for c in self.candidates)
 
 
 class LaunchOrderTuner:
     """Per ``ForwardLaunchShape``, the launch order (the extension's ``bag_major`` flag) that
-    measured faster; or, with other ``names``, any two launches (False, True) that compute the same
-    thing, keyed by any hashable shape with a ``num_features``. ``record_event(device)`` and
-    ``capturing(device)`` are the CUDA hooks, to be replaced by fakes in tests."""
+    measured clearly faster than the default, else the default; or, with other ``names``, any
+    launches that compute the same thing, keyed by any hashable shape with a ``num_features``.
+    ``record_event(device)`` and ``capturing(device)`` are the CUDA hooks, to be replaced by fakes
+    in tests."""
 
-    def __init__(self, trials: int = TRIALS, record_event: Callable = record_timing_event,
+    def __init__(self, min_trials: int = MIN_TRIALS, max_trials: int = MAX_TRIALS, margin: float = MARGIN,
+                 z: float = CONFIDENCE_Z, record_event: Callable = record_timing_event,
                  capturing: Callable = stream_is_capturing, names: Dict[bool, str] = ORDER_NAMES,
                  candidates: Optional[Callable] = None, default=DEFAULT_ORDER):
-        self.trials = trials
+        if not 1 <= min_trials <= max_trials:
+            raise ValueError(f"need 1 <= min_trials <= max_trials (got {min_trials}, {max_trials})")
+        self.min_trials, self.max_trials, self.margin, self.z = min_trials, max_trials, margin, z
         self.names = names
         # ``candidates(shape)``: the choices to measure for a shape (default: both launch orders,
-        # bag-major only where the features fit the grid's y axis); ``default`` runs undecided.
+        # bag-major only where the features fit the grid's y axis); ``default`` runs undecided
+        # and stays unless a candidate is clearly faster.
         self._candidates = candidates or _orders_for
         self.default = default
         self.forced_order = None  # a choice every shape runs, unmeasured (force)
@@ -139,6 +198,9 @@ class LaunchOrderTuner:
         self._capturing = capturing
         self._decided: Dict[ForwardLaunchShape, bool] = {}
         self._trials: Dict[ForwardLaunchShape, _ShapeTrials] = {}
+        # Launches that ran while their shape was undecided (the benchmark warms up until a step
+        # makes none: every shape it runs is decided before it is timed).
+        self.trial_launches = 0
         # The PS tier may run forwards from a background thread: the dicts change under this lock.
         self._lock = threading.Lock()
 
@@ -163,33 +225,40 @@ class LaunchOrderTuner:
         if self._capturing(device):
             return run(self.default)
         with self._lock:
+            self.trial_launches += 1
             order, timed = self._next_launch(shape, candidates)
+            trials = self._trials.get(shape)
         if not timed:
             return run(order)
         start = self._record_event(device)
         result = run(order)
         end = self._record_event(device)
         with self._lock:
-            trials = self._trials.get(shape)
-            if trials is not None:  # else another thread decided meanwhile: this sample is not needed
+            # else another thread decided meanwhile, or the trials were forgotten and begun anew:
+            # this sample belongs to none
+            if self._trials.get(shape) is trials:
                 trials.in_flight.append((order, start, end))
         return result
 
     def _next_launch(self, shape, candidates) -> Tuple[bool, bool]:
-        """(order, whether to time it) for an undecided shape; decides it once its samples are in."""
+        """(choice, whether to time it) for an undecided shape; decides it once its samples are
+        in and the verdict is clear (or MAX_TRIALS samples did not make it clear)."""
         trials = self._trials.get(shape)
         if trials is None:
-            trials = self._trials[shape] = _ShapeTrials(candidates, trial_plan(candidates, self.trials))
+            trials = self._trials[shape] = _ShapeTrials(candidates, [(c, False) for c in candidates])
+            trials.plan_rounds(self.min_trials)
         trials.collect_finished()
-        faster = trials.faster_order(self.trials)
-        if faster is not None:
-            self._decided[shape] = faster
-            del self._trials[shape]
-            return faster, False
-        if trials.planned < len(trials.plan):
-            trials.planned += 1
-            return trials.plan[trials.planned - 1]
-        return self.default, False  # every sample launched: wait for them to finish, untimed
+        if trials.all_in():
+            default = self.default if self.default in candidates else candidates[0]
+            choice, clear = decide(candidates, trials.samples, default, self.margin, self.z)
+            if clear or trials.rounds >= self.max_trials:
+                self._decided[shape] = choice
+                del self._trials[shape]
+                return choice, False
+            trials.plan_rounds(min(2, self.max_trials - trials.rounds))  # one more A B B A pair
+        if trials.planned:
+            return trials.planned.pop(0)
+        return self.default if self.default in candidates else candidates[0], False  # wait for samples, untimed
 
     def forget(self) -> None:
         """Drop every decision and trial. A model built where a freed one's weights were gets the

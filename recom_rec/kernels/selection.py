@@ -3,9 +3,10 @@ them (issue 18), rather than by a rule on dims.
 
 The candidates compute the same pooled output: the Triton kernel, and the CUDA kernel in either
 launch order (feature-major, bag-major; see launch_tuner). The first launches of a shape run each
-once untimed, then in A B B A order timed with CUDA events; the shape keeps the one of the
-smallest median (launch_tuner.LaunchOrderTuner, whose key includes the weights' address, so two
-models of one shape tune apart). Where the CUDA extension is unavailable or does not cover the
+once untimed, then in A B B A order timed with CUDA events; the shape keeps the default (CUDA
+feature-major) unless another is clearly faster, by launch_tuner.MARGIN beyond the samples'
+spread (launch_tuner.LaunchOrderTuner, whose key includes the weights' address, so two models of
+one shape tune apart). Where the CUDA extension is unavailable or does not cover the
 group (a weight buffer that is not 16-byte aligned), Triton runs.
 
 The backward always takes the CUDA kernels where they build and cover the group (they won on
@@ -66,11 +67,21 @@ def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
     return FORWARD.launch(shape, run, flat.device)
 
 
+def _tuners():
+    from . import pooled_cuda
+
+    return (FORWARD, pooled_cuda.FORWARD_ORDER_TUNER, pooled_cuda.BACKWARD_PATH_TUNER)
+
+
+def trial_launches() -> int:
+    """How many launches so far ran while their shape was undecided, over every tuner (forward
+    kernels, the CUDA forward's order, the backward's path): a step that leaves this count unchanged
+    ran only decided choices (the benchmark warms up until then)."""
+    return sum(t.trial_launches for t in _tuners())
+
+
 def forget_all() -> None:
     """Drop every measured choice (forward kernels, the CUDA forward's order, the backward's path):
     a model built where a freed one's weights were would inherit its choices."""
-    FORWARD.forget()
-    from . import pooled_cuda
-
-    pooled_cuda.FORWARD_ORDER_TUNER.forget()
-    pooled_cuda.BACKWARD_PATH_TUNER.forget()
+    for tuner in _tuners():
+        tuner.forget()

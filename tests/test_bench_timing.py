@@ -1,0 +1,158 @@
+"""The benchmark's timing (interleaved A B B A rounds, time-bound sample counts, the warm-up that
+waits for the product's tuners) and the sweep stability report, on the CPU with fake steps."""
+import json
+import time
+
+import pytest
+import torch
+
+from recom_rec.bench import stability, timing
+from recom_rec.bench.__main__ import main as bench_main
+
+CPU = torch.device("cpu")
+
+
+def recording_steps(names, log, ms=None):
+    def make(name):
+        def step():
+            log.append(name)
+            if ms:
+                time.sleep(ms[name] / 1e3)
+        return step
+    return {n: make(n) for n in names}
+
+
+def visits(log):
+    """The log's runs collapsed to visits: [("a", 3), ("b", 3), ...]."""
+    out = []
+    for name in log:
+        if out and out[-1][0] == name:
+            out[-1][1] += 1
+        else:
+            out.append([name, 1])
+    return [tuple(v) for v in out]
+
+
+def test_interleaved_rounds_go_a_b_b_a_with_an_untimed_lead_in_per_visit():
+    log = []
+    samples = timing.time_interleaved(recording_steps("ab", log), CPU, warmup=2, min_iters=4, min_ms=0.0, block=2)
+    # warm-up of each (2 runs), then rounds a b | b a, each visit 1 untimed + 2 timed
+    assert visits(log) == [("a", 2), ("b", 2), ("a", 3), ("b", 6), ("a", 3)]
+    assert {n: len(s) for n, s in samples.items()} == {"a": 4, "b": 4}
+
+
+def test_rounds_end_on_a_whole_a_b_b_a_pair():
+    log = []
+    samples = timing.time_interleaved(recording_steps("ab", log), CPU, warmup=0, min_iters=3, min_ms=0.0, block=1)
+    # 3 samples each are there after three rounds (a b | b a | a b): a fourth (b a) completes the pair
+    assert visits(log) == [("a", 2), ("b", 4), ("a", 4), ("b", 4), ("a", 2)]
+    assert {n: len(s) for n, s in samples.items()} == {"a": 4, "b": 4}
+
+
+def test_three_steps_interleave_in_order_then_reversed():
+    log = []
+    timing.time_interleaved(recording_steps("abc", log), CPU, warmup=0, min_iters=1, min_ms=0.0, block=1)
+    assert visits(log) == [("a", 2), ("b", 2), ("c", 4), ("b", 2), ("a", 2)]
+
+
+def test_sample_counts_are_time_bound_so_a_fast_step_gets_more_runs():
+    log = []
+    samples = timing.time_interleaved(recording_steps("fs", log, ms={"f": 1.0, "s": 6.0}), CPU, warmup=0,
+                                      min_iters=2, min_ms=24.0, block=1)
+    assert sum(samples["f"]) >= 24.0 and sum(samples["s"]) >= 24.0
+    assert len(samples["f"]) > 2 * len(samples["s"])
+    assert all(x >= 1.0 for x in samples["f"])
+
+
+def test_max_iters_bounds_a_step_that_would_need_more():
+    samples = timing.time_interleaved({"x": lambda: None}, CPU, warmup=0, min_iters=1, min_ms=1e9, block=1,
+                                      max_iters=50)
+    assert len(samples["x"]) == 50
+
+
+def test_settle_on_a_gpu_runs_until_a_run_launches_nothing_on_trial(monkeypatch):
+    """The warm-up goes on while the product's tuners still have a shape on trial (here the fake
+    step makes trial launches on its first 7 runs), waiting for the device after each run."""
+    from recom_rec.kernels import selection
+
+    state = {"runs": 0, "trial_launches": 0, "syncs": 0}
+
+    def step():
+        state["runs"] += 1
+        if state["runs"] <= 7:
+            state["trial_launches"] += 2  # a forward and a backward launch of undecided shapes
+
+    monkeypatch.setattr(selection, "trial_launches", lambda: state["trial_launches"])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: state.__setitem__("syncs", state["syncs"] + 1))
+    runs = timing.settle(step, torch.device("cuda"), warmup=3)
+    assert runs == state["runs"] == 8  # 3 warm-up runs, 4 more on trial, one clean
+    assert state["syncs"] == 5
+    assert timing.settle(step, CPU, warmup=3) == 3  # no tuners on the CPU
+
+
+def test_settle_goes_on_while_any_rank_has_trials(monkeypatch):
+    from recom_rec.kernels import selection
+
+    runs = []
+    monkeypatch.setattr(selection, "trial_launches", lambda: 0)  # this rank decided at once
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    other_rank_on_trial = iter([True, True, True, False])
+    seen = []
+
+    def any_rank(flag):
+        seen.append(flag)
+        return flag or next(other_rank_on_trial)
+
+    assert timing.settle(lambda: runs.append(1), torch.device("cuda"), warmup=1, any_rank=any_rank) == 5
+    assert len(runs) == 5 and seen == [False] * 4
+
+
+def sweep_rows(ratios, choices=None, old_format=False):
+    rows = []
+    for i, ratio in enumerate(ratios):
+        row = {"point": f"p{i}", "phase": "sgd", "recom_rec_ms": 1.0, "fbgemm_ms": ratio, "ratio": ratio}
+        choice = (choices or {}).get(i, "pieces")
+        if old_format:
+            row["choice"] = choice
+        else:
+            row["choices"] = {"forward": "cuda:features", "backward_path": choice}
+        rows.append(row)
+    return rows
+
+
+def test_compare_counts_differing_choices_and_moved_ratios():
+    a = sweep_rows([1.0, 2.0, 1.0, 0.5, 1.0])
+    b = sweep_rows([1.02, 2.0, 1.2, 0.45, 1.0], choices={2: "singletons"})
+    b.append({"point": "only-b", "phase": "sgd"})
+    c = stability.compare(a, b)
+    assert c["common"] == 5 and c["only_in_one"] == 1
+    assert c["with_choices"] == 5
+    assert [k for k, _, _ in c["choices_differ"]] == [("p2", "sgd")]
+    assert c["ratios"] == 5 and c["ratios_within"] == 3  # 2%, 0%, 0% in; 20% and 10% out
+    assert c["ratio_median"] == pytest.approx(0.02) and c["ratio_max"] == pytest.approx(0.2)
+    assert c["most_moved"][0][0] == ("p2", "sgd")
+    assert c["peers"]["recom_rec"]["median"] == 0.0 and c["peers"]["fbgemm"]["within"] == 3
+    text = stability.format_comparison(c)
+    assert "choices: 1 of 5 differ" in text
+    assert "p2 sgd: backward_path pieces, forward cuda:features -> backward_path singletons" in text
+    assert "median 2.0%, max 20.0%, within 5%: 3 of 5" in text
+    assert "p2 sgd: 1.000 -> 1.200 (moved 20.0%)" in text and "p0 sgd" not in text
+
+
+def test_compare_reads_sweeps_written_before_the_choices_record():
+    c = stability.compare(sweep_rows([1.0, 1.0], old_format=True),
+                          sweep_rows([1.0, 1.0], choices={1: "singletons"}, old_format=True))
+    assert c["with_choices"] == 2 and len(c["choices_differ"]) == 1
+
+
+def test_compare_cli_prints_the_report_and_refuses_other_json(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"meta": {}, "results": sweep_rows([1.0, 1.5])}))
+    b.write_text(json.dumps({"meta": {}, "results": sweep_rows([1.01, 1.5], choices={0: "singletons"})}))
+    bench_main(["--workloads", "sweep", "--compare", str(a), str(b)])
+    out = capsys.readouterr().out
+    assert "choices: 1 of 2 differ" in out and "within 5%: 2 of 2" in out, out
+    other = tmp_path / "bench.json"
+    other.write_text(json.dumps({"meta": {}, "results": [{"workload": "zipf", "peer": "fbgemm", "ms": 1.0}]}))
+    with pytest.raises(SystemExit, match="not a sweep JSON"):
+        bench_main(["--compare", str(a), str(other)])
