@@ -138,7 +138,7 @@ def test_aot_inductor_package_runs_in_a_fresh_process(tmp_path):
     torch.save([tuple(t.cpu() for t in _inputs(b)) for b in batches], tmp_path / "inputs.pt")
     script = tmp_path / "run.py"
     script.write_text(_RUN_PACKAGE)
-    result = subprocess.run([sys.executable, str(script), package, str(tmp_path / "inputs.pt"),
+    result = subprocess.run([sys.executable, "-X", "faulthandler", str(script), package, str(tmp_path / "inputs.pt"),
                              str(tmp_path / "outputs.pt"), str(DEVICE)], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     outputs = torch.load(tmp_path / "outputs.pt")

@@ -25,9 +25,17 @@ def _run(case, output_dtype, backend):
                                    _names(case))
 
 
-def _reference(case, output_dtype):
-    return reference_quantized_pooled(case.flat, case.meta, case.key_index, case.values, case.offsets, case.weights,
-                                      case.batch_size, case.total_dim, output_dtype)
+def _reference(case, output_dtype, arithmetic="cpu"):
+    return reference_quantized_pooled(case.flat.cpu(), case.meta.cpu(), case.key_index.cpu(), case.values.cpu(),
+                                      case.offsets.cpu(), None if case.weights is None else case.weights.cpu(),
+                                      case.batch_size, case.total_dim, output_dtype, arithmetic)
+
+
+def _on_gpu(case):
+    for name in ("flat", "meta", "key_index", "values", "offsets", "weights"):
+        t = getattr(case, name)
+        setattr(case, name, t.cuda() if t is not None else None)
+    return case
 
 
 def _bits(t):
@@ -76,18 +84,34 @@ def test_triton_kernel_each_row_type(kind, row_alignment):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not triton_interpreting(), reason="the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("pooling", [0, 1])
+def test_triton_kernel_cuda_arithmetic_matches_reference(seed, weighted, pooling):
+    """The rounding of fbgemm's CUDA kernels (INT elements to fp16 first), run by the interpreter:
+    bit for bit without weights (with weights the interpreter rounds its fma twice)."""
+    from recom_rec.kernels import quantized_triton
+
+    case = random_case(400 + seed, weighted, pooling=pooling)
+    out = quantized_triton.forward(case.flat, case.values, case.offsets, case.weights, case.meta, case.key_index,
+                                   case.batch_size, case.total_dim, case.max_dim, torch.float32, cuda_arithmetic=True)
+    ref = _reference(case, torch.float32, "cuda")
+    if weighted:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(_bits(out), _bits(ref))
+    assert not torch.equal(ref, _reference(case, torch.float32, "cpu"))  # the two roundings do differ here
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("output_dtype", [torch.float32, torch.float16])
 def test_triton_kernel_on_gpu_equals_reference_bit_for_bit(seed, weighted, output_dtype):
     case = random_case(200 + seed, weighted, batch_size=300, max_len=12)
-    cuda = random_case(200 + seed, weighted, batch_size=300, max_len=12)
-    for name in ("flat", "meta", "key_index", "values", "offsets", "weights"):
-        t = getattr(cuda, name)
-        setattr(cuda, name, t.cuda() if t is not None else None)
-    out = _run(cuda, output_dtype, "triton").cpu()
-    assert torch.equal(_bits(out), _bits(_run(case, output_dtype, "torch")))
+    out = _run(_on_gpu(case), output_dtype, "triton").cpu()
+    assert torch.equal(_bits(out), _bits(_reference(case, output_dtype, "cuda")))
 
 
 def test_bad_id_names_feature_and_table():
@@ -99,8 +123,8 @@ def test_bad_id_names_feature_and_table():
         _run(case, torch.float32, "torch")
 
 
-def _fbgemm_tbe_output(case, output_dtype, pooling):
-    """fbgemm's CPU IntN TBE on the same rows: its pooled output, in our output columns."""
+def _fbgemm_tbe_output(case, output_dtype, pooling, device="cpu"):
+    """fbgemm's IntN TBE (CPU, or CUDA) on the same rows: its pooled output, in our output columns."""
     from fbgemm_gpu.split_embedding_configs import SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
@@ -110,9 +134,10 @@ def _fbgemm_tbe_output(case, output_dtype, pooling):
     out_sparse = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}[output_dtype]
     tables = case.meta[:, 7].tolist()
     tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
-        [(s.name, s.num_embeddings, s.embedding_dim, sparse[s.kind], EmbeddingLocation.HOST) for s in case.slots],
+        [(s.name, s.num_embeddings, s.embedding_dim, sparse[s.kind],
+          EmbeddingLocation.HOST if device == "cpu" else EmbeddingLocation.DEVICE) for s in case.slots],
         feature_table_map=tables, pooling_mode=PoolingMode.MEAN if pooling else PoolingMode.SUM,
-        device="cpu", output_dtype=out_sparse, row_alignment=case.row_alignment,
+        device=device, output_dtype=out_sparse, row_alignment=case.row_alignment,
     )
     tbe.initialize_weights()
     for s, (rows, _) in zip(case.slots, tbe.split_embedding_weights(split_scale_shifts=False)):
@@ -126,7 +151,8 @@ def _fbgemm_tbe_output(case, output_dtype, pooling):
     weights = None
     if case.weights is not None:
         weights = torch.cat([case.weights[o[0]:o[-1]] for o in per_feature])
-    pooled = tbe(indices, offsets, weights)
+    to = (lambda t: t if t is None else t.to(device))
+    pooled = tbe(to(indices), to(offsets), to(weights)).cpu()
     out = torch.empty(B, case.total_dim, dtype=output_dtype)
     col = 0
     for f in range(case.meta.shape[0]):
@@ -148,3 +174,17 @@ def test_equals_fbgemm_cpu_intn_tbe_bit_for_bit(seed, weighted, pooling, output_
     expected = _fbgemm_tbe_output(case, output_dtype, pooling)
     assert torch.equal(_bits(_run(case, output_dtype, "torch")), _bits(expected))
     assert torch.equal(_bits(_reference(case, output_dtype)), _bits(expected))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("pooling", [0, 1])
+@pytest.mark.parametrize("output_dtype", [torch.float32, torch.float16])
+def test_equals_fbgemm_cuda_intn_tbe_bit_for_bit(seed, weighted, pooling, output_dtype):
+    """On a GPU, the kernel gives fbgemm's CUDA IntN TBE's numbers (rows padded to 16 bytes, as
+    fbgemm's GPU kernels need)."""
+    case = random_case(500 + seed, weighted, pooling=pooling, batch_size=33, max_len=9, row_alignment=16)
+    expected = _fbgemm_tbe_output(case, output_dtype, pooling, device="cuda")
+    out = _run(_on_gpu(case), output_dtype, "triton").cpu()
+    assert torch.equal(_bits(out), _bits(expected))

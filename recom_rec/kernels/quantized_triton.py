@@ -4,15 +4,17 @@ launch.
 One program per (feature, block of bags), as the float forward (pooled_triton.py): it reads the
 feature's row of ``feature_meta`` (dim, table's first byte, row stride, row type, output column,
 pooling), walks its bags' ids in lock-step and dequantizes and accumulates their rows in fp32 with
-fbgemm's arithmetic (quant/reference.py): ``fma(scale * w, q, acc + bias * w)`` for INT rows,
-``fma(w, x, acc)`` for float rows. The row type is uniform within a program, so the branch on it
-is taken once per program, outside the loop over ids. The output row is written once, in the
-output dtype.
+fbgemm's arithmetic (quant/reference.py) of the device it runs on: on a GPU its CUDA kernels'
+(an INT element dequantized to fp16, ``fma(w, v, acc)``), elsewhere its CPU kernels' (``fma(scale
+* w, q, acc + bias * w)``); float rows ``fma(w, x, acc)``. The row type is uniform within a
+program, so the branch on it is taken once per program, outside the loop over ids. The output row
+is written once, in the output dtype.
 
-Rows are read as 32-bit words (the buffer as int32 and, for FP32 rows, fp32): tables start on
-128-byte lines and row strides are multiples of 16 bytes (quant/layout.py), so every row starts
-on a 16-byte boundary, an INT row's data one word after its scale-and-bias word.
+Tables start on 128-byte lines and row strides are multiples of 16 bytes (quant/layout.py), so
+every row starts on a 16-byte boundary, an INT row's data one word after its scale-and-bias word.
 """
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -39,68 +41,94 @@ def _fp8_to_float(code):
 
 
 @triton.jit
-def _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
-          KIND: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+def _half_of_exact_sum(s, bias):
+    """``s + bias`` rounded once to fp16 (as fbgemm's CUDA kernels' fp16 ``hfma2`` rounds
+    ``q * scale + bias``; ``s = q * scale`` is exact in fp32), computed in fp32: the fp32 sum
+    ``t`` and its rounding error ``e`` (TwoSum); ``t`` rounded to fp16 is right unless ``t`` is
+    a tie between two fp16 values and ``e`` leans to the other one. (Sums past the fp16 range
+    give inf, except ties at its edge.)"""
+    t = s + bias
+    bp = t - s
+    e = (s - (t - bp)) + (bias - bp)
+    h = t.to(tl.float16).to(tl.float32)
+    diff = t - h  # exact: t and h are within an fp16 step
+    other = h + 2.0 * diff  # the fp16 neighbour when t is a tie
+    tie = (diff != 0.0) & (other.to(tl.float16).to(tl.float32) == other)
+    return tl.where(tie & (e * diff > 0.0), other, h)
+
+
+@triton.jit
+def _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base,
+          row_stride, dim, KIND: tl.constexpr, CUDA_ARITHMETIC: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+          BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
     """Sum of the bags' dequantized rows (weighted), [BLOCK_B, BLOCK_D] fp32 (columns past
     ``dim`` hold values the caller does not store), rows of type KIND (the RowType codes: 0 FP32,
     1 FP16, 2 FP8, 3 INT8, 4 INT4, 5 INT2).
 
-    Rows are read as 32-bit words, each word once (row strides are multiples of 16 bytes), and
-    unpacked in registers into PER_WORD columns; an INT row's fp16 scale and bias are its first
-    word."""
+    Each lane loads its own elements (a byte, or the byte holding its 4 or 2 bits; an fp16 or fp32
+    element): no reshuffle of packed words between lanes. An INT row's fp16 scale and bias are its
+    first word. CUDA_ARITHMETIC: INT rows dequantize as fbgemm's CUDA kernels do (each element
+    rounded to fp16, then ``fma(w, v, acc)``); otherwise as its CPU kernels (``fma(scale * w, q,
+    acc + bias * w)``)."""
     BITS: tl.constexpr = 32 if KIND == 0 else (16 if KIND == 1 else (8 if KIND <= 3 else (4 if KIND == 4 else 2)))
-    PER_WORD: tl.constexpr = 32 // BITS
-    BLOCK_W: tl.constexpr = BLOCK_D // PER_WORD
-    HEADER: tl.constexpr = 1 if KIND >= 3 else 0
-    w = tl.arange(0, BLOCK_W)
-    shift = tl.arange(0, PER_WORD) * BITS
-    w_mask = w < (dim * BITS + 31) // 32
+    PER_BYTE: tl.constexpr = 8 // BITS if BITS < 8 else 1
+    HEADER_BYTES: tl.constexpr = 4 if KIND >= 3 else 0
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < dim
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     i = 0
     # A while loop: the interpreter cannot take a reduced value as a range bound.
     while i < max_length:
         live = i < length
         # Unmasked id loads: a bag past its end (or past the batch) reads a neighbouring bag's id,
-        # whose row loads below are masked off. (A masked load of the ids
-        # feeding the row addresses fails Triton 3.6's layout pass on sm_90: "mask type matches
-        # ptr type". The loop runs only while some bag has ids, so values[0] exists.)
+        # whose row loads below are masked off. (A masked load of the ids feeding the row
+        # addresses fails Triton 3.6's layout pass on sm_90: "mask type matches ptr type". The
+        # loop runs only while some bag has ids, so values[0] exists.)
         pos = tl.minimum(start + i, tl.maximum(end - 1, 0))
         idx = tl.load(values_ptr + pos).to(tl.int64)
         if HAS_WEIGHTS:
             wt = tl.where(live, tl.load(weights_ptr + pos).to(tl.float32), 0.0)
         else:
             wt = tl.full([BLOCK_B], 1.0, tl.float32)
-        row = tl.multiple_of((base + idx * row_stride) // 4, 4)  # first word of each bag's i-th row
-        m = live[:, None] & w_mask[None, :]
+        row = tl.multiple_of(base + idx * row_stride, 16)  # first byte of each bag's i-th row
+        m = live[:, None] & d_mask[None, :]
         if KIND == 0:
-            x = tl.load(flat_f32 + row[:, None] + w[None, :], mask=m, other=0.0)
+            x = tl.load(flat_f32 + (row // 4)[:, None] + d[None, :], mask=m, other=0.0)
+            acc = tl.fma(wt[:, None], x, acc)
+        elif KIND == 1:
+            x = tl.load(flat_f16 + (row // 2)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
             acc = tl.fma(wt[:, None], x, acc)
         else:
-            data = tl.load(flat_i32 + row[:, None] + HEADER + w[None, :], mask=m, other=0)
-            # Each word's PER_WORD elements, in column order (element k of word j is column
-            # j * PER_WORD + k, little end first).
-            codes = tl.reshape((data[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1), [BLOCK_B, BLOCK_D])
-            if KIND == 1:
-                acc = tl.fma(wt[:, None], _fp16_to_float(codes), acc)
-            elif KIND == 2:
+            byte = tl.load(flat_u8 + (row + HEADER_BYTES)[:, None] + (d // PER_BYTE)[None, :], mask=m,
+                           other=0).to(tl.int32)
+            if PER_BYTE == 1:
+                codes = byte
+            else:  # element k of a byte sits at bit k * BITS (little end first)
+                codes = (byte >> ((d % PER_BYTE) * BITS)[None, :]) & ((1 << BITS) - 1)
+            if KIND == 2:
                 acc = tl.fma(wt[:, None], _fp8_to_float(codes), acc)
             else:
-                header = tl.load(flat_i32 + row, mask=live, other=0)  # fp16 scale, fp16 bias
-                scale = _fp16_to_float(header & 0xFFFF) * wt
-                # bias * w as an fma with +0: a plain product would be contracted with the add
-                # below into one fma (Triton compiles with fp-contract=fast), which rounds once
-                # where fbgemm rounds twice. (It differs from bias * w only in the sign of a zero.)
-                bias = tl.fma(_fp16_to_float((header >> 16) & 0xFFFF), wt, 0.0)
-                acc = tl.fma(scale[:, None], codes.to(tl.float32), acc + bias[:, None])
+                header = tl.load(flat_i32 + row // 4, mask=live, other=0)  # fp16 scale, fp16 bias
+                scale = _fp16_to_float(header & 0xFFFF)
+                bias = _fp16_to_float((header >> 16) & 0xFFFF)
+                if CUDA_ARITHMETIC:
+                    v = _half_of_exact_sum(codes.to(tl.float32) * scale[:, None], bias[:, None])
+                    acc = tl.fma(wt[:, None], v, acc)
+                else:
+                    # bias * w as an fma with +0: a plain product would be contracted with the add
+                    # below into one fma (Triton compiles with fp-contract=fast), which rounds once
+                    # where fbgemm rounds twice. (It differs from bias * w only in a zero's sign.)
+                    bias_w = tl.fma(bias, wt, 0.0)
+                    acc = tl.fma((scale * wt)[:, None], codes.to(tl.float32), acc + bias_w[:, None])
         i += 1
     return acc
 
 
 @triton.jit
 def _quantized_forward_kernel(
-    flat_i32, flat_f32, values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, out_ptr,
+    flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, out_ptr,
     batch_size, total_dim,
-    META_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    META_W: tl.constexpr, CUDA_ARITHMETIC: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     f = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -115,23 +143,23 @@ def _quantized_forward_kernel(
     length = end - start
     max_length = tl.max(length, axis=0)
     if kind == 3:
-        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
-                    3, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length,
+                    base, row_stride, dim, 3, CUDA_ARITHMETIC, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     elif kind == 4:
-        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
-                    4, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length,
+                    base, row_stride, dim, 4, CUDA_ARITHMETIC, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     elif kind == 1:
-        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
-                    1, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length,
+                    base, row_stride, dim, 1, CUDA_ARITHMETIC, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     elif kind == 5:
-        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
-                    5, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length,
+                    base, row_stride, dim, 5, CUDA_ARITHMETIC, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     elif kind == 2:
-        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
-                    2, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length,
+                    base, row_stride, dim, 2, CUDA_ARITHMETIC, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     else:
-        acc = _pool(flat_i32, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base, row_stride, dim,
-                    0, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length,
+                    base, row_stride, dim, 0, CUDA_ARITHMETIC, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
     # fbgemm multiplies by 1/L (not a division by L), 1/L rounded correctly (Triton's "/" on fp32
     # is the approximate division); an empty bag stays 0.
     inv_len = tl.math.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.maximum(length, 1).to(tl.float32))
@@ -142,12 +170,12 @@ def _quantized_forward_kernel(
 
 
 def block_shape(max_dim: int, batch_size: int):
-    """(BLOCK_B, BLOCK_D, num_warps): tiles of up to ~4K elements (the float forward's H100 sweep,
-    docs/perf-notes.md, halved: decoding a quantized row takes registers of its own), no more bags
-    than the batch has (online batches of 1-64 would leave most lanes of a 64-bag tile idle), and
-    warps for ~256 elements each (a batch-1 program is one warp)."""
+    """(BLOCK_B, BLOCK_D, num_warps): tiles of up to 8K elements and warps as the float forward's
+    H100 sweep chose (docs/perf-notes.md), no more bags than the batch has (online batches of 1-64
+    would leave most lanes of a 128-bag tile idle), and a warp for every ~256 elements of a small
+    tile (a batch-1 program is one warp)."""
     block_d = max(16, triton.next_power_of_2(int(max_dim)))
-    block_b = max(1, min(64, 4096 // block_d))
+    block_b = max(1, min(128, 8192 // block_d))
     if isinstance(batch_size, int):  # a symbolic batch (export, dynamic shapes) keeps the full tile
         block_b = min(block_b, triton.next_power_of_2(max(1, batch_size)))
     num_warps = max(1, min(2 if block_d >= 128 else 4, block_b * block_d // 256))
@@ -156,22 +184,23 @@ def block_shape(max_dim: int, batch_size: int):
 
 def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per_sample_weights, feature_meta: torch.Tensor,
             key_index: torch.Tensor, batch_size: int, total_dim: int, max_dim: int, output_dtype: torch.dtype,
-            wrap=None) -> torch.Tensor:
+            wrap=None, cuda_arithmetic: Optional[bool] = None) -> torch.Tensor:
     """Launches the kernel; ``wrap`` is ``torch.library.wrap_triton`` when the launch is to be
     traced (the custom op under torch.compile / AOTInductor: Inductor then compiles the kernel
-    into its own code)."""
+    into its own code). ``cuda_arithmetic`` (default: on a GPU) gives fbgemm's CUDA results
+    rather than its CPU ones (they differ in INT rows' rounding; see _pool)."""
     num_features = feature_meta.shape[0]
     if num_features == 0 or batch_size == 0:
         return torch.zeros(batch_size, total_dim, dtype=output_dtype, device=flat.device)
     out = torch.empty(batch_size, total_dim, dtype=output_dtype, device=flat.device)
     block_b, block_d, num_warps = block_shape(max_dim, batch_size)
-    words, floats = flat.view(torch.int32), flat.view(torch.float32)
+    words, halves, floats = flat.view(torch.int32), flat.view(torch.float16), flat.view(torch.float32)
     weights = per_sample_weights if per_sample_weights is not None else floats  # (not read)
     kernel = _quantized_forward_kernel if wrap is None else wrap(_quantized_forward_kernel)
     kernel[(num_features, triton.cdiv(batch_size, block_b))](
-        words, floats, values, offsets, weights, feature_meta, key_index,
+        flat, words, halves, floats, values, offsets, weights, feature_meta, key_index,
         out, batch_size, total_dim,
-        META_W=QMETA_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d,
-        num_warps=num_warps,
+        META_W=QMETA_WIDTH, CUDA_ARITHMETIC=flat.is_cuda if cuda_arithmetic is None else cuda_arithmetic,
+        HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d, num_warps=num_warps,
     )
     return out

@@ -1,0 +1,75 @@
+"""Times the quantized kernel under several tile rules (BLOCK_B x BLOCK_D and warps) on the
+inference workloads, beside fbgemm's IntN TBE on the same rows: the data behind
+``quantized_triton.block_shape``. GPU only.
+
+    python tools/quant_tiles.py [--workloads dlrm-kaggle many-500 many-4000] [--row-types int8 int4 fp16]
+"""
+import argparse
+
+import torch
+import triton
+
+from recom_rec.bench.inference import ROW_TYPES, build_peers
+from recom_rec.bench.timing import time_ms
+from recom_rec.bench.workloads import get_workload
+from recom_rec.kernels import quantized_triton
+
+
+def rule(max_elems, max_b, warps_wide, warps_narrow):
+    def block_shape(max_dim, batch_size):
+        block_d = max(16, triton.next_power_of_2(int(max_dim)))
+        block_b = max(1, min(max_b, max_elems // block_d))
+        if isinstance(batch_size, int):
+            block_b = min(block_b, triton.next_power_of_2(max(1, batch_size)))
+        warps = warps_wide if block_d >= 128 else warps_narrow
+        return block_b, block_d, max(1, min(warps, block_b * block_d // 256))
+    return block_shape
+
+
+RULES = {
+    "4K/64 w2-4": rule(4096, 64, 2, 4),
+    "8K/128 w2-4": rule(8192, 128, 2, 4),
+    "8K/128 w4-4": rule(8192, 128, 4, 4),
+    "8K/128 w8-8": rule(8192, 128, 8, 8),
+    "16K/128 w4-8": rule(16384, 128, 4, 8),
+    "2K/32 w2-2": rule(2048, 32, 2, 2),
+    "1K/16 w1-2": rule(1024, 16, 1, 2),
+}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--workloads", nargs="+", default=["dlrm-kaggle", "many-500", "many-4000"])
+    p.add_argument("--row-types", nargs="+", default=["int8", "int4", "fp16"])
+    p.add_argument("--iters", type=int, default=30)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    default = quantized_triton.block_shape
+    print(f"{'workload':<12} {'rows':<5} {'fbgemm':>8} " + " ".join(f"{r:>13}" for r in RULES))
+    for wname in args.workloads:
+        w = get_workload(wname, False)
+        for t in args.row_types:
+            peers = build_peers(w, ROW_TYPES[t], device, ["recom_rec", "fbgemm"])
+            kjt = w.make_input(device)
+            with torch.no_grad():
+                ref = peers["fbgemm"].forward(kjt)
+                fb = time_ms(lambda: peers["fbgemm"].forward(kjt), device, warmup=5, iters=args.iters)
+                cells = []
+                for name, r in RULES.items():
+                    quantized_triton.block_shape = r
+                    try:
+                        out = peers["recom_rec"].forward(kjt)
+                        same = torch.equal(out.float(), ref.float())
+                        ms = time_ms(lambda: peers["recom_rec"].forward(kjt), device, warmup=5, iters=args.iters)
+                        cells.append(f"{ms:8.3f} {fb / ms:3.2f}{'' if same else '!'}")
+                    except Exception as e:  # noqa: BLE001 - a rule that does not compile or fit
+                        cells.append(f"{'err ' + type(e).__name__[:8]:>13}")
+                    finally:
+                        quantized_triton.block_shape = default
+            print(f"{wname:<12} {t:<5} {fb:8.3f} " + " ".join(f"{c:>13}" for c in cells), flush=True)
+            del peers
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
