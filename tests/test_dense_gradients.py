@@ -211,3 +211,14 @@ def test_meta_module_materialised_gets_gradients():
     for name, table in ref.embedding_bags.items():
         got = ours.embedding_bags[name].weight.grad
         _close(got, table.weight.grad)
+
+
+def test_per_table_hooks_fire_once_a_backward():
+    # What DDP and FSDP-style gradient bucketing rely on: each table is its own autograd leaf.
+    _, ours = _pair("torch")
+    seen, hooked = [], []
+    for name, bag in ours.embedding_bags.items():
+        bag.weight.register_post_accumulate_grad_hook(lambda p, name=name: seen.append(name))
+        bag.weight.register_hook(lambda g, name=name: hooked.append(name))
+    _backward(ours, _kjt(seed=8))
+    assert sorted(seen) == sorted(hooked) == sorted(ours.embedding_bags)
