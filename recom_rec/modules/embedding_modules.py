@@ -33,6 +33,7 @@ from ..ops.layout import (
     TableSlot,
     feature_meta_tensor,
     pack_tables,
+    table_runs,
 )
 from ..ops.plan import FusedStep, GroupPlan, LookupPlan, group_states
 from ..ops.validation import encode_names
@@ -92,7 +93,7 @@ class _Group:
     def plan(self) -> GroupPlan:
         return GroupPlan(
             [f.feature for f in self.features], [self.slots[f.table].name for f in self.features],
-            self.total_dim, self.max_dim, sum(s.num_embeddings for s in self.slots),
+            self.total_dim, self.max_dim, sum(s.num_embeddings for s in self.slots), table_runs(self.slots),
         )
 
 
@@ -284,6 +285,7 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
     # TorchScript compiles properties; these are Python-side only (the scripted module runs
     # inference with the settings it was scripted with, and has no fused optimizer).
     __jit_unused_properties__ = ["fused_optimizer", "backend", "validate_inputs"]
+    __jit_ignored_attributes__ = ["_table_parameters"]  # the eager lookup's, Python-side only
     _plan: LookupPlan
 
     def __init__(
@@ -391,6 +393,7 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
                 bags[i] = TableEmbeddingBag(view, pooling_type_to_str(configs[i].pooling), self._flat_link)
         for i, config in enumerate(configs):  # table order, as torchrec's state_dict has it
             self.embedding_bags[config.name] = bags[i]
+        self._hold_table_parameters()
         if len(self._groups) > 1:
             # Groups produce their columns side by side; this maps them back to table order.
             group_cols = [f.out_col + d for g in self._groups for f in g.features
@@ -418,7 +421,15 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
         return self._table_weights(group)
 
     def _table_weights(self, group: _Group) -> List[torch.Tensor]:
-        return [self.embedding_bags[s.name].weight for s in group.slots]
+        # Read from the tables' parameter dicts, held per group: `embedding_bags[name].weight`
+        # goes through two nn.Module.__getattr__ calls and a ModuleDict lookup (~2.8 us a table,
+        # 2.8 ms a forward with 1000 tables); a dict read is ~0.03 us and still sees a replaced
+        # Parameter.
+        return [params["weight"] for params in self._table_parameters[group.index]]
+
+    def _hold_table_parameters(self) -> None:
+        self._table_parameters: List[List[Dict[str, Any]]] = [
+            [self.embedding_bags[s.name]._parameters for s in group.slots] for group in self._groups]
 
     def _flat(self, group: _Group) -> torch.Tensor:
         return getattr(self, group.flat_name)
@@ -496,6 +507,7 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
         memo[id(self)] = new
         for key, value in self.__dict__.items():
             new.__dict__[key] = copy.deepcopy(value, memo)
+        new._hold_table_parameters()
         new._repack_flat_buffers()
         return new
 

@@ -7,7 +7,7 @@ a group only through ``feature_meta``, an int64 tensor with one row per *output 
 feature that feeds two tables appears twice) and these columns:
 """
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -58,6 +58,20 @@ def pack_tables(names: Sequence[str], rows: Sequence[int], dims: Sequence[int]) 
         elem += int(n) * int(d)
         row += int(n)
     return slots
+
+
+def table_runs(slots: Sequence[TableSlot]) -> List[Tuple[int, int, int, List[int]]]:
+    """The group's tables as runs of neighbours of one width: ``(first element, end element,
+    width, rows of each table)``. A run's slice of the flat buffer, viewed ``[-1, width]``, splits
+    into its tables with one ``split_with_sizes`` (the dense backward's per-table gradients)."""
+    runs: List[Tuple[int, int, int, List[int]]] = []
+    for slot in slots:
+        if runs and runs[-1][2] == slot.embedding_dim and runs[-1][1] == slot.elem_base:
+            start, _, dim, rows = runs[-1]
+            runs[-1] = (start, slot.elem_base + slot.numel, dim, rows + [slot.num_embeddings])
+        else:
+            runs.append((slot.elem_base, slot.elem_base + slot.numel, slot.embedding_dim, [slot.num_embeddings]))
+    return runs
 
 
 def feature_meta_tensor(

@@ -5,7 +5,7 @@ batch's tensors, to the lookup; only ``pooled_embedding_forward`` (a torch.libra
 schema allows no records) takes the fields one by one. The records are ``NamedTuple``s: fx
 records them as literal arguments, TorchScript and torch.compile read them as typed tuples.
 """
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -18,6 +18,8 @@ class GroupPlan(NamedTuple):
     total_dim: int  # output columns of the group
     max_dim: int  # widest table
     num_rows: int  # rows of all the group's tables (the backward's row keys are 32-bit when they fit)
+    # layout.table_runs: how the flat gradient splits into the tables' gradients
+    table_runs: List[Tuple[int, int, int, List[int]]]
 
 
 class LookupPlan(NamedTuple):

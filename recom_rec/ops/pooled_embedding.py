@@ -8,10 +8,11 @@ gradient of the flat buffer, split into per-table views) and, when the KJT weigh
 """
 import warnings
 from functools import lru_cache
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch._functorch.utils import unwrap_dead_wrappers
 
 from . import torch_backend
 from .backends import resolve_backend
@@ -260,6 +261,17 @@ def _wants_grad(flag) -> bool:
     return any(flag) if isinstance(flag, (list, tuple)) else bool(flag)
 
 
+def table_grad_views(grad_flat: Tensor, runs: List[Tuple[int, int, int, List[int]]]) -> List[Tensor]:
+    """The tables' gradients as views of the group's flat gradient (layout.table_runs): one
+    ``split_with_sizes`` per run of equal-width tables, not a slice and a view per table (a third
+    of the host time, docs/perf-notes.md "Dense gradients v2"). Being views that nothing else
+    holds, autograd's AccumulateGrad takes them as the tables' ``.grad`` without a copy."""
+    grads: List[Tensor] = []
+    for start, end, dim, rows in runs:
+        grads.extend(grad_flat[start:end].view(-1, dim).split_with_sizes(rows))
+    return grads
+
+
 def _grads(ctx, grad_output, wants_weights: bool, wants_psw: bool, as_ops: bool):
     """The backward of the lookup: (per-table weight gradients or None, per-sample-weight gradient
     or None). With a fused optimizer it updates the tables and their state in place instead.
@@ -289,9 +301,13 @@ def _grads(ctx, grad_output, wants_weights: bool, wants_psw: bool, as_ops: bool)
                 ctx.batch_size, ctx.flat_numel, ctx.max_dim, ctx.flat_dtype, ctx.backend, ctx.num_lookups,
                 ctx.num_rows)
         grad_flat = pooled_embedding_backward(*args) if as_ops else _backward_impl(*args)
-        # The tables lie back to back in the buffer: one C++ call makes every table's view (a
-        # Python slice per table cost ~1.5 us each, 1.5 ms a step with 1000 tables).
-        grad_weights = list(torch._C._nn.unflatten_dense_tensors(grad_flat, ctx.tables))
+        runs = getattr(ctx, "table_runs", None)
+        if runs is not None:
+            grad_weights = table_grad_views(grad_flat, runs)
+        else:
+            # The registered op's formula (no plan records in its schema): one C++ call makes
+            # every table's view from the tables' shapes.
+            grad_weights = list(torch._C._nn.unflatten_dense_tensors(grad_flat, ctx.tables))
     return grad_weights, grad_psw
 
 
@@ -317,26 +333,37 @@ class _EagerLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim,
                 max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step,
-                num_lookups, num_rows, *weights):
+                num_lookups, num_rows, table_runs, *weights):
         out = _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
                             total_dim, max_dim, backend, validate, names)
         _setup_context(ctx, (list(weights), flat, values, offsets, per_sample_weights, feature_meta, key_index,
                              batch_size, total_dim, max_dim, backend, validate, names, optimizer, state1, state2,
                              state1_is_row, hyper, step, num_lookups, num_rows), out)
+        ctx.table_runs = table_runs
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
         # needs_input_grad is per input of forward(): the weights come last, the sample weights 4th.
-        grad_weights, grad_psw = _grads(ctx, grad_output.contiguous(), any(ctx.needs_input_grad[20:]),
+        grad_weights, grad_psw = _grads(ctx, grad_output.contiguous(), any(ctx.needs_input_grad[21:]),
                                         ctx.needs_input_grad[3], as_ops=False)
         if grad_weights is None:
             grad_weights = [None] * len(ctx.tables)
-        return (None, None, None, grad_psw) + (None,) * 16 + tuple(grad_weights)
+        return (None, None, None, grad_psw) + (None,) * 17 + tuple(grad_weights)
+
+
+_PLAIN_TYPES = frozenset((type(None), torch.Tensor, torch.nn.Parameter))
+
+
+# torch.autograd.Function.apply's Python layer looks at every argument for functorch's dead
+# wrappers (~0.7 us an argument, and each table is one: 0.7 ms a step with 1000 tables). The eager
+# lookup runs only outside functorch transforms (_eager_ok) and its weights are the module's own
+# Parameters, so it calls the C apply under that layer and unwraps only the batch's arguments.
+_eager_apply = super(torch.autograd.Function, _EagerLookup).apply
 
 
 def _plain(t: Optional[Tensor]) -> bool:
-    return t is None or type(t) in (torch.Tensor, torch.nn.Parameter)
+    return type(t) in _PLAIN_TYPES
 
 
 def _eager_ok(weights: List[Tensor], *tensors: Optional[Tensor]) -> bool:
@@ -347,7 +374,8 @@ def _eager_ok(weights: List[Tensor], *tensors: Optional[Tensor]) -> bool:
         return False
     if tensors[0].device.type == "meta":
         return False
-    return all(_plain(t) for t in tensors) and all(_plain(w) for w in weights)
+    # The weights' types in one C-level pass (a Python call per table cost ~0.6 us each).
+    return all(_plain(t) for t in tensors) and _PLAIN_TYPES.issuperset(map(type, weights))
 
 
 class JaggedBatch(NamedTuple):
@@ -388,5 +416,5 @@ def pooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, bat
     tensor with a fused optimizer)."""
     args = op_arguments(flat, feature_meta, batch, routing, group, plan, fused, group_index)
     if _eager_ok(weights, *[a for a in args if isinstance(a, Tensor)]):  # flat first
-        return _EagerLookup.apply(*args, *weights)
+        return _eager_apply(*unwrap_dead_wrappers(args), group.table_runs, *weights)
     return pooled_embedding_forward(weights, *args)
