@@ -170,15 +170,16 @@ def _quantized_forward_kernel(
 
 
 def block_shape(max_dim: int, batch_size: int):
-    """(BLOCK_B, BLOCK_D, num_warps): tiles of up to 8K elements and warps as the float forward's
-    H100 sweep chose (docs/perf-notes.md), no more bags than the batch has (online batches of 1-64
-    would leave most lanes of a 128-bag tile idle), and a warp for every ~256 elements of a small
-    tile (a batch-1 program is one warp)."""
+    """(BLOCK_B, BLOCK_D, num_warps): small tiles, ~1K elements (at most 16 bags) with one warp for
+    rows of 128 or more and two below. Measured on the H100 against tiles of 2K-16K elements and
+    2-8 warps (tools/quant_tiles.py, docs/perf-notes.md "Quantized inference v2"): the kernel is
+    bound by its chains of dependent loads (offsets, id, row), so many small programs keep more
+    rows in flight than few large ones. No more bags than the batch has (online batches)."""
     block_d = max(16, triton.next_power_of_2(int(max_dim)))
-    block_b = max(1, min(128, 8192 // block_d))
+    block_b = max(1, min(16, 1024 // block_d))
     if isinstance(batch_size, int):  # a symbolic batch (export, dynamic shapes) keeps the full tile
         block_b = min(block_b, triton.next_power_of_2(max(1, batch_size)))
-    num_warps = max(1, min(2 if block_d >= 128 else 4, block_b * block_d // 256))
+    num_warps = max(1, min(1 if block_d >= 128 else 2, block_b * block_d // 256))
     return block_b, block_d, num_warps
 
 
