@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import inspect
 import threading
 import zlib
 from typing import Dict, List, Optional, Tuple
@@ -146,10 +147,13 @@ class _Table:
         self.layout_key = None  # (weight address, fused optimizer) the layout was made for
         self.store_ops = (native.StoreOps * 1)()  # per store lane (connections of their own)
         self.py_ops: Optional[native.PythonStoreOps] = None  # callbacks, made for the current row width
-        self.native_store = None  # the store's C table the store ops point at
+        self.native_store = None  # the store's C table the store ops point at (lane 0)
+        self.lane_tables: list = []  # the C tables of every store lane
         # Read and written by the job itself (memory://, redis://...): the store's own class
         # offers a C table; a subclass, which may override the I/O, is called back in Python.
         self.native_io = "native_table" in type(store).__dict__
+        # its native_table takes a lane: connections of their own per staging I/O thread (Redis)
+        self.laned = self.native_io and "lane" in inspect.signature(store.native_table).parameters
 
 
 class _Pending:
@@ -185,6 +189,7 @@ class PSTier:
         self._sync_handle: Optional[Handle] = None
         self._stream = None  # the tier's CUDA stream (see the per-batch section)
         self._stager_of: Optional[native.Stager] = None
+        self._depth = 1  # jobs in flight (set_depth)
         self._flush_lock = threading.RLock()
         self._load_prefix: Optional[str] = None
         self.prefetched = 0  # batches whose rows wrap() staged ahead of the forward
@@ -267,17 +272,23 @@ class PSTier:
             t.layout_key = key
         width = L.width
         table = t.store.native_table(t.name, width) if t.native_io else None  # memory://'s clear() replaces it
-        if t.py_ops is None or t.py_ops.width != width or table is not t.native_store:
+        # a store with lanes (Redis: connections per lane) serves each I/O thread on its own lane
+        lanes = self._depth if t.laned else 1
+        if t.py_ops is None or t.py_ops.width != width or table is not t.native_store or len(t.store_ops) != lanes:
             name = t.name
-            ops = (native.StoreOps * 1)()
+            ops = (native.StoreOps * lanes)()
             if table is not None:
-                table.fill_store_ops(ops[0])
+                t.lane_tables = [table] + [t.store.native_table(name, width, lane=k) for k in range(1, lanes)]
+                for op, lane_table in zip(ops, t.lane_tables):
+                    lane_table.fill_store_ops(op)
                 py = native.PythonStoreOps(None, None, lambda ids: self._initial_rows(t, ids), width)
             else:
+                t.lane_tables = []
                 py = native.PythonStoreOps(lambda ids: t.store.get(name, ids, width, torch.float32),
                                            lambda ids, rows: t.store.put(name, ids, rows, unique_ids=True),
                                            lambda ids: self._initial_rows(t, ids), width)
-            py.fill(ops[0])
+            for op in ops:  # the init of never-seen rows (and a Python store's I/O): one callback
+                py.fill(op)
             t.store_ops, t.py_ops, t.native_store = ops, py, table
 
     # ------------------------------------------------------------------ per batch
@@ -356,7 +367,8 @@ class PSTier:
     def set_depth(self, depth: int) -> None:
         """Submitted jobs in flight at most (``wrap``'s prefetch): planned in batch order, their
         store I/O at once, finished in batch order (csrc/ps/ps_stage.c)."""
-        self._stager(self._device()).set_depth(min(int(depth), native.Stager.MAX_DEPTH))
+        self._depth = max(1, min(int(depth), native.Stager.MAX_DEPTH))
+        self._stager(self._device()).set_depth(self._depth)
 
     def submit(self, kjt: KeyedJaggedTensor) -> Optional[_Pending]:
         """Start staging ``kjt`` on the tier's worker thread; :meth:`finish` waits for it. None when
@@ -394,7 +406,7 @@ class PSTier:
             seg = torch.tensor([x - lo for ab in segs for x in ab], dtype=torch.int64)
             slots = torch.empty(sum(b - a for a, b in segs), dtype=torch.int64)
             parts.append((t, tj, slots))
-            refs += [seg, t.store_ops, t.layout, t.py_ops, t.native_store]
+            refs += [seg, t.store_ops, t.layout, t.py_ops, t.native_store, list(t.lane_tables)]
             tj.cache, tj.store, tj.layout = t.cache.handle, ctypes.addressof(t.store_ops), ctypes.addressof(t.layout)
             tj.segs, tj.n_segs, tj.slots = seg.data_ptr(), len(segs), slots.data_ptr()
             tj.store_lanes = len(t.store_ops)
@@ -436,8 +448,10 @@ class PSTier:
         name, rows = t.name, t.cache.cache_rows
         if status == host_lib.STAGE_STORE_ERROR:
             exc, t.py_ops.error = t.py_ops.error, None  # raised by a Python store or init
-            if exc is None and t.native_store is not None:
-                exc = t.native_store.error()  # the C store's (None: memory:// out of memory)
+            for lane_table in t.lane_tables if exc is None else ():
+                exc = lane_table.error()  # the C store's (None: memory:// out of memory)
+                if exc is not None:
+                    break
             return exc if exc is not None else StoreError(f"{t.store.url} table {name!r}: out of host memory")
         if status == host_lib.STAGE_NEGATIVE_ID:
             return ValueError(f"table {name!r}: PS-backed tables take ids >= 0, got {job.error_at}")

@@ -28,8 +28,9 @@ an unreachable server fails fast (small connect timeout + PING).
 from __future__ import annotations
 
 import ssl
+import threading
 import time
-from typing import Callable, List, Sequence, Tuple, TypeVar
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import numpy as np
@@ -92,10 +93,16 @@ class RedisStore(RowStore):
         redacted_url: str,
         native: NativeClient,
         secrets: Sequence[str] = (),
+        new_lane: Optional[Callable[[], NativeClient]] = None,
     ):
         super().__init__(redacted_url)
         self._client = client
         self._native = native
+        # Store lanes: a client (connections) of its own per staging I/O thread, so that several
+        # batches' I/O is in flight at once (lane 0 also serves the store's own get/put).
+        self._lanes: List[NativeClient] = [native]
+        self._new_lane = new_lane
+        self._lanes_lock = threading.Lock()
         self._cluster = cluster
         self._prefix = prefix
         self._retry_timeout = retry_timeout
@@ -118,17 +125,32 @@ class RedisStore(RowStore):
     def _put(self, table, ids, rows) -> None:
         self._table(table, rows.shape[1] * rows.element_size()).put(ids, rows)
 
-    def native_table(self, table: str, width: int) -> NativeTable:
+    def native_table(self, table: str, width: int, lane: int = 0) -> NativeTable:
         """The C table of ``table``'s float32 rows of ``width``, which the tier's staging job reads
-        and writes itself (csrc/ps/ps_redis.c)."""
+        and writes itself (csrc/ps/ps_redis.c), on store lane ``lane`` (connections of its own:
+        the staging's I/O thread ``lane`` uses them)."""
         self._check_open()
-        return self._table(table, width * 4)
+        return self._lane(lane).table(table, self._head(table), width * 4)
+
+    def _lane(self, lane: int) -> NativeClient:
+        with self._lanes_lock:
+            while len(self._lanes) <= lane:
+                if self._new_lane is None:
+                    return self._lanes[lane % len(self._lanes)]
+                self._lanes.append(self._new_lane())
+            return self._lanes[lane]
 
     def native_stats(self) -> dict:
-        """The C client's counters since the store was opened: commands, RESP bytes out and in,
-        rows got and put, exchanges and the seconds spent in them, MOVED / ASK redirections,
-        retried attempts."""
-        return self._native.stats()
+        """The C client's counters since the store was opened (every lane summed): commands, RESP
+        bytes out and in, rows got and put, exchanges and the seconds spent in them, MOVED / ASK
+        redirections, retried attempts."""
+        with self._lanes_lock:
+            lanes = list(self._lanes)
+        total: dict = {}
+        for lane in lanes:
+            for name, value in lane.stats().items():
+                total[name] = total.get(name, 0.0) + value
+        return total
 
     def server_command_usec(self) -> float:
         """Microseconds the server (every master of a cluster) has spent running commands since it
@@ -177,7 +199,10 @@ class RedisStore(RowStore):
         self._retrying("clear", clear)
 
     def _close(self) -> None:
-        self._native.close()
+        with self._lanes_lock:
+            lanes = list(self._lanes)
+        for lane in lanes:
+            lane.close()
         try:
             self._client.close()
         except RedisError:
@@ -293,6 +318,7 @@ def open_redis_store(url: str) -> RedisStore:
     native = _native_client(client, cluster, parts, redacted, retry_timeout, secrets)
     return RedisStore(
         client,
+        new_lane=lambda: _native_client(client, cluster, parts, redacted, retry_timeout, secrets),
         cluster=cluster,
         prefix=prefix,
         retry_timeout=retry_timeout,
