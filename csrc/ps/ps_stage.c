@@ -28,8 +28,10 @@
 #include <string.h>
 #include <time.h>
 
-/* Seconds spent in each phase, summed over a stager's jobs (tools/profile_ps.py prints them). */
-enum { T_FETCH, T_STAGE, T_WAIT, T_READ, T_PUT, T_GET, T_WRITE, T_INIT, T_COMMIT, T_PUT_IDS, T_JOB, T_PUT_GET, N_TIMES };
+/* Seconds spent in each phase, summed over a stager's jobs (tools/profile_ps.py prints them);
+ * the last three are counts and the time a job's store I/O waited for an earlier job's pushes. */
+enum { T_FETCH, T_STAGE, T_WAIT, T_READ, T_PUT, T_GET, T_WRITE, T_INIT, T_COMMIT, T_PUT_IDS, T_JOB, T_PUT_GET,
+       T_PUSH_WAIT, N_AFTER_PUSH, N_GIVEN_BACK, N_TIMES };
 
 /* Adds the time since *t to times[k] and restarts *t. */
 static inline void lap(double *times, int k, double *t) {
@@ -216,6 +218,7 @@ static int plan_job(const RowOps *ops, Flight *F, Cache **blocked, i64 *seen) {
         }
         if (P->np > 0 && !ps_cache_pushing(c, P->pids, P->np, F->seq, 1)) status = STAGE_NO_MEMORY;
     }
+    F->times[N_AFTER_PUSH] = F->after >= 0;
     char *buf = NULL;
     if (status == STAGE_OK && bytes > 0 && !(buf = (char *)ops->host_buffer(ctx, F->buffer, bytes)))
         status = STAGE_NO_MEMORY;
@@ -409,6 +412,7 @@ static void take_back(Stager *st, i64 status, i64 table) {
         Flight *F = ring(st, i);
         undo_tables(F, F->job->n_tables);
         memset(F->times, 0, sizeof(F->times));
+        st->times[N_GIVEN_BACK] += 1;
         F->job->status = i == 0 ? status : STAGE_ABORTED;
         F->job->done = i == 0 ? table : 0;
     }
@@ -525,8 +529,10 @@ static void *io_main(void *arg) {
         }
         F->io = IO_RUNNING;
         Flight *E;
+        double t = ps_now();
         while (!st->aborting && F->after >= 0 && (E = flight_of(st, F->after)) != NULL && E->io != IO_DONE)
             pthread_cond_wait(&st->changed, &st->queue);
+        F->times[T_PUSH_WAIT] += ps_now() - t;
         E = F->after >= 0 ? flight_of(st, F->after) : NULL;
         int skip = st->aborting || (E && E->io_status != STAGE_OK);
         pthread_mutex_unlock(&st->queue);

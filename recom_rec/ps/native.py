@@ -118,12 +118,13 @@ class PythonStoreOps:
     thread calling them takes the GIL for their length. An exception is kept in ``error`` for the
     tier to raise, and the call reports failure."""
 
-    def __init__(self, get: Optional[Callable], put: Optional[Callable], init: Callable, width: int) -> None:
+    def __init__(self, get: Optional[Callable], put: Optional[Callable], init: Callable, width: int,
+                 lock: Optional[threading.Lock] = None) -> None:
         self.width = width
         self.error: Optional[BaseException] = None
         # several jobs' store I/O may run at once (ps_stager_set_depth): a store registered by a
-        # user is called by one thread at a time
-        self._one_at_a_time = threading.Lock()
+        # user is called by one thread at a time (`lock`: one per store)
+        self._one_at_a_time = lock if lock is not None else threading.Lock()
         self._get, self._put, self._init = get, put, init
         # the CFUNCTYPE objects live as long as this object: C holds their addresses
         self.get_fn, self.put_fn, self.init_fn = _GET(self._on_get), _PUT(self._on_put), _INIT(self._on_init)
@@ -191,10 +192,13 @@ class Stager:
         self._lib.ps_stager_set_depth(self._st, int(depth))
 
     PHASES = ("fetch ids", "cache stage", "wait for slots", "read pushed rows", "store put", "store get",
-              "write pulled rows", "init new rows", "cache commit", "remapped ids", "job", "store put+get")
+              "write pulled rows", "init new rows", "cache commit", "remapped ids", "job", "store put+get",
+              "wait for earlier pushes", "jobs after earlier pushes", "jobs given back")
 
     def times(self) -> dict:
-        """Seconds per phase of the jobs since the last call (ps_stage.c's timers)."""
+        """Seconds per phase of the jobs since the last call (ps_stage.c's timers); the last two
+        are counts: jobs whose pulls waited for an earlier job in flight pushing the same ids, and
+        jobs given back (a failed job and the jobs in flight after it)."""
         out = (ctypes.c_double * len(self.PHASES))()
         self._lib.ps_stager_times(self._st, out)
         return dict(zip(self.PHASES, out))

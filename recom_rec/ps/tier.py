@@ -190,6 +190,7 @@ class PSTier:
         self._stream = None  # the tier's CUDA stream (see the per-batch section)
         self._stager_of: Optional[native.Stager] = None
         self._depth = 1  # jobs in flight (set_depth)
+        self._store_locks: Dict[int, threading.Lock] = {}  # a store of Python callbacks: one thread at a time
         self._flush_lock = threading.RLock()
         self._load_prefix: Optional[str] = None
         self.prefetched = 0  # batches whose rows wrap() staged ahead of the forward
@@ -286,7 +287,8 @@ class PSTier:
                 t.lane_tables = []
                 py = native.PythonStoreOps(lambda ids: t.store.get(name, ids, width, torch.float32),
                                            lambda ids, rows: t.store.put(name, ids, rows, unique_ids=True),
-                                           lambda ids: self._initial_rows(t, ids), width)
+                                           lambda ids: self._initial_rows(t, ids), width,
+                                           self._store_locks.setdefault(id(t.store), threading.Lock()))
             for op in ops:  # the init of never-seen rows (and a Python store's I/O): one callback
                 py.fill(op)
             t.store_ops, t.py_ops, t.native_store = ops, py, table
