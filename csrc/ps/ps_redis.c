@@ -40,9 +40,17 @@ enum { OK = 0, TRANSIENT = 1, FATAL = 2, AUTH_FAILED = 3 };
 enum { R_AUTH, R_SELECT, R_MGET, R_MSET, R_ASKING, R_RAW };
 
 /* Counters since the client was made (ps_redis_stats): commands, bytes out, bytes in, rows got,
- * rows put, exchanges, seconds in exchanges, MOVED, ASK, attempts that failed and were retried. */
+ * rows put, exchanges, seconds in exchanges, MOVED, ASK, attempts that failed and were retried,
+ * CPU seconds of the calling thread in exchanges (the rest of their time it waits for the
+ * servers), CPU seconds encoding the commands. */
 enum { S_COMMANDS, S_BYTES_OUT, S_BYTES_IN, S_ROWS_GOT, S_ROWS_PUT, S_EXCHANGES, S_SECONDS, S_MOVED, S_ASK,
-       S_RETRIES, N_STATS };
+       S_RETRIES, S_CPU_SECONDS, S_ENCODE_SECONDS, N_STATS };
+
+static double thread_cpu(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 
 typedef struct {
     int kind;
@@ -437,7 +445,7 @@ static int handle(RedisClient *c, Batch *b, Node *nd, const Req *r, const char *
 
 /* Sends every active node's pipeline and reads its replies, all nodes at once. */
 static int exchange(RedisClient *c, Batch *b) {
-    const double start = ps_now();
+    const double start = ps_now(), cpu = thread_cpu();
     struct pollfd fds[MAX_NODES];
     int which[MAX_NODES];
     c->stats[S_EXCHANGES] += 1;
@@ -489,6 +497,7 @@ static int exchange(RedisClient *c, Batch *b) {
         }
     }
     c->stats[S_SECONDS] += ps_now() - start;
+    c->stats[S_CPU_SECONDS] += thread_cpu() - cpu;
     return OK;
 }
 
@@ -568,6 +577,7 @@ static int refresh_slots(RedisClient *c, Batch *b) {
  * command per run of puts or gets (one server) or per slot and kind (a cluster: a multi-key
  * command stays within one slot; ASKING before each when `asking`). */
 static int queue_keys(RedisClient *c, Batch *b, int k, const i64 *pos, i64 n, int asking) {
+    const double cpu = thread_cpu();
     RedisTable *t = b->t;
     Node *nd = c->nodes[k];
     int s = ensure_connected(c, k, b->why, sizeof(b->why));
@@ -615,6 +625,7 @@ static int queue_keys(RedisClient *c, Batch *b, int k, const i64 *pos, i64 n, in
         c->stats[S_COMMANDS] += 1 + asking;
         a += m;
     }
+    c->stats[S_ENCODE_SECONDS] += thread_cpu() - cpu;
     return OK;
 oom:
     snprintf(b->why, sizeof(b->why), "out of memory");

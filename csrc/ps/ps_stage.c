@@ -4,18 +4,19 @@
  * Why native: the tier's work per batch is a few C calls, row copies and store I/O; driven from
  * Python it took tens of calls, each taking the GIL back, and a staging thread that takes the GIL
  * many times a batch slows the training thread several-fold (tools/gil_probe.py, perf-notes
- * "PS v4"). Here a Stager runs jobs either in the calling thread (ps_stager_run; ctypes releases
- * the GIL) or on a worker thread of its own (ps_stager_submit / ps_stager_wait), which takes the
+ * "PS v4"). Here a Stager runs a job either in the calling thread (ps_stager_run; ctypes releases
+ * the GIL) or submitted (ps_stager_submit / ps_stager_wait) on threads of its own, which take the
  * GIL only for a store or an init written in Python.
  *
- * One table's staging (stage_table), the order that keeps every row safe:
- *  1. the cache reserves slots for the misses and pins the batch's slots (nothing moves yet);
- *  2. the dirty victims' rows are read and put to the store, which acknowledges them;
- *  3. the misses are got from the store (with 2 in one exchange where the store can); ids it lacks
- *     get their initial rows;
- *  4. the rows are written into their slots, and only then the cache commits the new ids.
- * A failure in 2-3 aborts: the slots are unpinned and every id stays where it was (a dirty row the
- * store did not acknowledge stays cached and dirty).
+ * A job, per PS table, in the order that keeps every row safe (the stages and why several jobs
+ * may be in flight: "a job in flight" below):
+ *  1. plan: the cache reserves slots for the misses, pins the batch's slots, and the plan is
+ *     committed to the id map (undone if the job fails); the dirty victims' rows are read;
+ *  2. store I/O: the victims are put to the store, which acknowledges them, and the misses are got
+ *     (in one exchange where the store can); ids it lacks get their initial rows;
+ *  3. finish: the rows are written into their slots, the remapped ids out.
+ * A failure in 2 takes the job back: the slots are unpinned and every id is where it was (a dirty
+ * row the store did not acknowledge stays cached and dirty, its slot never overwritten).
  *
  * The row ops (RowOps) move rows between the cache's memory and the host: the CPU ops below, or
  * the CUDA ops of ps_cuda.c, or Python's (recom_rec/ps/native.py).
