@@ -134,3 +134,53 @@ def test_prepare_after_wrap_waits_for_nothing_left_in_flight():
     for a, b in zip(outs, train(ref, data)):
         assert torch.equal(a, b)
     assert_same_tables(m, ref)
+
+
+class _RandomlyFailingStore(MemoryStore):
+    """memory:// whose gets and puts fail at random (seeded), a store with a bad link."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+        self.rng = torch.Generator().manual_seed(1)
+        self.failures = 0
+
+    def _maybe_fail(self, what):
+        if torch.rand((), generator=self.rng).item() < self.p:
+            self.failures += 1
+            raise StoreUnavailable(f"flaky://: {what} failed")
+
+    def _put(self, table, ids, rows):
+        self._maybe_fail("put")
+        super()._put(table, ids, rows)
+
+    def _get(self, table, ids, width, dtype):
+        self._maybe_fail("get")
+        return super()._get(table, ids, width, dtype)
+
+
+def test_random_store_failures_with_four_jobs_in_flight_lose_no_row():
+    # every failure takes back the failed job and the ones in flight after it; training restarts
+    # at the failed batch and must end exactly where the in-memory run ends
+    stores = []
+    register_store("randfail", lambda url: stores.append(_RandomlyFailingStore(0.15)) or stores[-1], replace=True)
+    data = cycling_batches(40, groups=5, seed=9)
+    m = ps_model("randfail://", cache_rows=3 * GROUP)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
+    store, tier = stores[-1], m._ps
+    tier.stager_times()
+    outs, restarts = [], 0
+    while len(outs) < len(data):
+        try:
+            for kjt in ps.wrap(data[len(outs):], m, prefetch=4):
+                outs.append(step(m, kjt))
+        except StoreUnavailable:
+            restarts += 1
+            assert not tier.tables["big"].cache.pins.any() and not tier._prepared
+            assert restarts < 100
+    assert restarts > 0 and store.failures >= restarts
+    assert tier.stager_times()["jobs given back"] >= restarts
+    store.p = 0.0
+    for a, b in zip(outs, train(ref, data)):
+        assert torch.equal(a, b)
+    assert_same_tables(m, ref)
