@@ -476,7 +476,16 @@ static void *worker_main(void *arg) {
             pthread_mutex_unlock(&st->run);
             pthread_mutex_lock(&st->queue);
             st->planning = 0;
-            if (r == 1) {
+            if (r == 1 && st->depth == 1) {
+                /* one job at a time: its I/O here, without handing it to an I/O thread and back */
+                F->io = IO_RUNNING;
+                st->count++;
+                st->seq++;
+                pthread_mutex_unlock(&st->queue);
+                io_job(F, 0);
+                pthread_mutex_lock(&st->queue);
+                F->io = IO_DONE;
+            } else if (r == 1) {
                 F->io = IO_WAITING;
                 st->count++;
                 st->seq++;
