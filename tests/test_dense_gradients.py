@@ -94,7 +94,10 @@ def test_eager_gradients_are_the_registered_ops_bits(backend, is_weighted):
     with _Passthrough():
         _backward(op, kjt)
     for name, bag in eager.embedding_bags.items():
-        assert torch.equal(bag.weight.grad, op.embedding_bags[name].weight.grad), name
+        if backend == "torch" and bag.weight.is_cuda:  # torch's index_add_ adds in no fixed order on a GPU
+            torch.testing.assert_close(bag.weight.grad, op.embedding_bags[name].weight.grad, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(bag.weight.grad, op.embedding_bags[name].weight.grad), name
 
 
 def test_gradients_are_views_of_one_buffer_taken_without_a_copy():
