@@ -8,7 +8,7 @@ import copy
 import warnings
 from collections import OrderedDict
 from functools import lru_cache
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -163,21 +163,38 @@ def _concat_groups(outs: List[torch.Tensor], output_columns: Optional[torch.Tens
     return torch.cat(outs, dim=1).index_select(1, output_columns)
 
 
-def key_routing(keys: Tuple[str, ...], wanted: Tuple[str, ...], tables: Tuple[str, ...], device: torch.device,
+# The last routing per caller's (wanted, tables) objects: a KJT of thousands of keys costs ~20 us
+# to compare with the last key order, against ~0.1-0.3 ms to hash it and the feature lists for
+# the three caches below every call (many-4000, docs/perf-notes.md v14). Holding the lists keeps
+# their ids from being reused.
+_LAST_ROUTING: Dict[Tuple[int, int], tuple] = {}
+
+
+def key_routing(keys: Tuple[str, ...], wanted: Sequence[str], tables: Sequence[str], device: torch.device,
                 validate: bool) -> Tuple[torch.Tensor, bool, str]:
     """For one KJT key order: the key index of each wanted feature (on ``device``), whether the
     features read every key exactly once, and the names an input error may need ("" when inputs
-    are not validated). Cached per key order in eager mode; torch.compile folds them instead."""
+    are not validated). Cached per key order in eager mode; torch.compile folds them instead.
+    ``wanted`` and ``tables`` must not change after the call (a module's plan)."""
     if torch.compiler.is_compiling():
-        key_index_list = _key_plan.__wrapped__(keys, wanted, tables)
+        key_index_list = _key_plan.__wrapped__(keys, tuple(wanted), tuple(tables))
         key_index = torch.tensor(key_index_list, dtype=torch.int64, device=device)
         reads_each_key_once = sorted(key_index_list) == list(range(len(keys)))
         names = encode_names(list(keys), list(wanted), list(tables)) if validate else ""
-    else:
-        key_index = _key_index_on(keys, wanted, tables, device)
-        reads_each_key_once = _reads_each_key_once(keys, wanted, tables)
-        names = _names_for(keys, wanted, tables) if validate else ""
-    return key_index, reads_each_key_once, names
+        return key_index, reads_each_key_once, names
+    last = _LAST_ROUTING.get((id(wanted), id(tables)))
+    if (last is not None and last[0] is wanted and last[1] is tables and last[2] == device and last[3] == validate
+            and last[4] == keys):
+        return last[5]
+    wanted_t, tables_t = tuple(wanted), tuple(tables)
+    key_index = _key_index_on(keys, wanted_t, tables_t, device)
+    reads_each_key_once = _reads_each_key_once(keys, wanted_t, tables_t)
+    names = _names_for(keys, wanted_t, tables_t) if validate else ""
+    result = (key_index, reads_each_key_once, names)
+    if len(_LAST_ROUTING) >= 4096:
+        _LAST_ROUTING.clear()
+    _LAST_ROUTING[(id(wanted), id(tables))] = (wanted, tables, device, validate, keys, result)
+    return result
 
 
 def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights: List[List[torch.Tensor]],
@@ -193,7 +210,7 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
     batch = JaggedBatch(values, features.offsets(), per_sample_weights, features.stride())
     outs: List[torch.Tensor] = []
     for g, group in enumerate(plan.groups):
-        key_index, reads_each_key_once, names = key_routing(keys, tuple(group.features), tuple(group.tables),
+        key_index, reads_each_key_once, names = key_routing(keys, group.features, group.tables,
                                                             flats[g].device, plan.validate)
         # Every key read by exactly one feature: the lookups are the values (no sync to count them).
         routing = KeyRouting(key_index, names, values.numel() if reads_each_key_once else -1)
