@@ -62,9 +62,9 @@ fi
 if [[ " $STAGES " == *" ps "* ]]; then
   stage ps
   # redis://local and redis+cluster://local: the bench starts a server and a 3-shard cluster itself
-  timeout ${PS_TIMEOUT:-240} python3 -m recom_rec.bench --workloads ps --ps-urls memory://bench \
+  timeout ${PS_TIMEOUT:-360} python3 -m recom_rec.bench --workloads ps --ps-urls memory://bench \
     redis://local redis+cluster://local --out /tmp/ps 2>&1 | grep -v "Warning\|warn\|^ *$\|is_fx_tracing\|WARNING\|33m\|0m\|compat" \
-    | tee "$OUT/ps.log" | tail -14; cp /tmp/ps.json "$OUT/" 2>/dev/null
+    | tee "$OUT/ps.log" | tail -36; cp /tmp/ps.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STAGES " == *" quant "* ]]; then
   stage quant-tests  # quantized inference (issue 21): kernel and module against torchrec/fbgemm, serving

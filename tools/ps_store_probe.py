@@ -7,6 +7,8 @@ median of ``--reps``: ``store.put`` then ``store.get`` through the public API (w
 installed recom_rec has: run it with another checkout on PYTHONPATH to compare), and, where the
 store has the native client, the staging job's one-exchange put+get (``ps_redis_put_get``). The
 server's own time is INFO commandstats' usec, all masters summed.
+Where the native client's time goes: encoding the commands (its CPU), and in the exchange its CPU
+(writing, reading, parsing) against the wall time (the rest is waiting for the server).
 Usage: python tools/ps_store_probe.py [--rows 1850] [--width 64] [--reps 50]
 """
 import argparse
@@ -72,6 +74,10 @@ def probe(label, url, rows, width, reps):
                 line += (f"{(after['bytes_out'] - before['bytes_out']) / reps / 1e3:>10.1f}"
                          f"{(after['bytes_in'] - before['bytes_in']) / reps / 1e3:>9.1f}"
                          f"{(after['commands'] - before['commands']) / reps:>9.0f}")
+                if "cpu_seconds" in after:  # where the client's time goes: its CPU, the rest waiting
+                    line += (f"{(after['encode_seconds'] - before['encode_seconds']) / reps * 1e3:>10.3f}"
+                             f"{(after['cpu_seconds'] - before['cpu_seconds']) / reps * 1e3:>10.3f}"
+                             f"{(after['seconds'] - before['seconds']) / reps * 1e3:>10.3f}")
             print(line, flush=True)
         store.clear("t")
 
@@ -84,7 +90,10 @@ def main():
     args = p.parse_args()
     print(f"{args.rows} rows pushed + {args.rows} pulled per batch, {args.width * 4} bytes a row; ms per batch "
           f"(median of {args.reps}); server ms: INFO commandstats; RESP kB and commands per batch")
-    print(f"{'store':<28}{'how':<24}{'client ms':>9}{'server ms':>10}{'out kB':>10}{'in kB':>9}{'commands':>9}")
+    print(f"{'store':<28}{'how':<24}{'client ms':>9}{'server ms':>10}{'out kB':>10}{'in kB':>9}{'commands':>9}"
+          f"{'encode ms':>10}{'I/O cpu':>10}{'I/O wall':>10}")
+    print("encode ms: the client's CPU building the commands; I/O cpu / wall: its CPU and wall time sending them "
+          "and reading the replies (mean per batch; wall - cpu is waiting for the server)")
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(f"{tmp}/one").start()
         cluster = RedisClusterProcesses(f"{tmp}/cluster", n=3)

@@ -76,6 +76,11 @@ struct Cache {
     Map batch;       /* a stage's distinct misses (id -> index in new_ids), kept between calls */
     i64 *batch_pos;  /* where each went in it, to empty those entries afterwards */
     i64 batch_room;  /* ids a stage may have without regrowing batch */
+    /* Ids pushed by staging jobs in flight whose store has not acknowledged them yet -> the job's
+     * sequence number (a later job pulling one waits for that job's store I/O). Only the
+     * stager's worker thread touches it. */
+    Map pushing;
+    int pushing_ready;
 };
 
 static inline i64 score_of(const Cache *c, i64 s) {
@@ -245,6 +250,7 @@ void ps_cache_free(Cache *c) {
     free(c->pending);
     map_release(&c->batch);
     free(c->batch_pos);
+    if (c->pushing_ready) map_release(&c->pushing);
     free(c);
 }
 
@@ -450,6 +456,73 @@ void ps_cache_abort(Cache *c, const i64 *uniq_slots, i64 u) {
     unpin_now(c, uniq_slots, u);
     pthread_mutex_unlock(&c->mutex);
     count_release(c);
+}
+
+/* Takes back a stage and its commit made ahead of the store I/O (ps_stage.c commits a job's
+ * cache plan at once, so that the next batch's plan sees it): every take slot holds its old id
+ * again, dirty as before (the rows were never overwritten: a slot is written only after the
+ * store acknowledged its push), the recency of the batch's slots is restored, its slots are
+ * unpinned. Later commits must have been taken back first (reverse order). old_last / old_uses:
+ * last_used and uses of uniq_slots before the commit. */
+void ps_cache_undo(Cache *c, const i64 *uniq_slots, i64 u, const i64 *take, const i64 *new_ids, const i64 *evicted,
+                   const uint8_t *push, i64 m, const i64 *old_last, const i64 *old_uses) {
+    pthread_mutex_lock(&c->mutex);
+    apply_unpins(c);
+    for (i64 k = 0; k < m; k++) {
+        i64 s = take[k];
+        map_erase(&c->map, new_ids[k]);
+        c->id_of[s] = evicted[k];
+        if (evicted[k] != FREE_SLOT) map_insert(&c->map, evicted[k], s); /* sized for rows: cannot fail */
+        c->dirty[s] = push[k];
+    }
+    for (i64 k = 0; k < u; k++) {
+        c->last_used[uniq_slots[k]] = old_last[k];
+        c->uses[uniq_slots[k]] = old_uses[k];
+    }
+    c->clock--;
+    unpin_now(c, uniq_slots, u);
+    pthread_mutex_unlock(&c->mutex);
+    count_release(c);
+}
+
+/* last_used and uses of slots[0..n) (what ps_cache_undo restores). */
+void ps_cache_recency(Cache *c, const i64 *slots, i64 n, i64 *last, i64 *uses) {
+    pthread_mutex_lock(&c->mutex);
+    for (i64 k = 0; k < n; k++) {
+        last[k] = c->last_used[slots[k]];
+        uses[k] = c->uses[slots[k]];
+    }
+    pthread_mutex_unlock(&c->mutex);
+}
+
+/* The largest job sequence number pushing one of ids[0..n) and not yet acknowledged, or -1. */
+i64 ps_cache_pushing_after(Cache *c, const i64 *ids, i64 n) {
+    if (!c->pushing_ready || c->pushing.size == 0) return -1;
+    i64 last = -1;
+    for (i64 i = 0; i < n; i++) {
+        i64 seq = map_get(&c->pushing, ids[i]);
+        if (seq > last) last = seq;
+    }
+    return last;
+}
+
+/* ids[0..n) are pushed by job `seq` (add) or no longer in flight (remove: acknowledged, or the
+ * job taken back). 0 when out of memory. */
+int ps_cache_pushing(Cache *c, const i64 *ids, i64 n, i64 seq, int add) {
+    if (!c->pushing_ready) {
+        if (!add) return 1;
+        if (!map_init(&c->pushing, 4096)) return 0;
+        c->pushing_ready = 1;
+    }
+    for (i64 i = 0; i < n; i++) {
+        if (add) {
+            map_erase(&c->pushing, ids[i]);
+            if (!map_insert(&c->pushing, ids[i], seq)) return 0;
+        } else if (map_get(&c->pushing, ids[i]) == seq) {
+            map_erase(&c->pushing, ids[i]);
+        }
+    }
+    return 1;
 }
 
 /* A batch is done with its slots (its backward has been issued): queued, never waiting for a

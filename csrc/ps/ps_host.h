@@ -36,6 +36,7 @@ static inline double ps_now(void) {
 #define STAGE_NO_MEMORY (-4)
 #define STAGE_STORE_ERROR (-5)  /* the store's get or put failed (nothing moved, see ps_stage.c) */
 #define STAGE_DEVICE_ERROR (-6) /* a row op failed (its message: ps_ops_error) */
+#define STAGE_ABORTED (-7)      /* taken back: an earlier job in flight failed (nothing moved) */
 
 /* ------------------------------------------------------------------ slot cache (ps_host.c) */
 typedef struct Cache Cache;
@@ -45,6 +46,11 @@ i64 ps_cache_stage(Cache *c, const i64 *ids, i64 n, i64 *pos_slot, i64 *uniq_slo
                    i64 *evicted, uint8_t *push, i64 *counts);
 i64 ps_cache_commit(Cache *c, const i64 *uniq_slots, i64 u, const i64 *take, const i64 *new_ids, i64 m);
 void ps_cache_abort(Cache *c, const i64 *uniq_slots, i64 u);
+void ps_cache_undo(Cache *c, const i64 *uniq_slots, i64 u, const i64 *take, const i64 *new_ids, const i64 *evicted,
+                   const uint8_t *push, i64 m, const i64 *old_last, const i64 *old_uses);
+void ps_cache_recency(Cache *c, const i64 *slots, i64 n, i64 *last, i64 *uses);
+i64 ps_cache_pushing_after(Cache *c, const i64 *ids, i64 n);
+int ps_cache_pushing(Cache *c, const i64 *ids, i64 n, i64 seq, int add);
 int ps_cache_unpin(Cache *c, const i64 *slots, i64 n);
 /* Waits until a batch unpins slots of this cache after `seen` (a value of ps_cache_releases), or
  * until `timeout_ms` passed; returns the releases so far. */
@@ -138,17 +144,19 @@ void ps_ids_from_int64(const i64 *src, i64 n, void *dst, int id_bytes);
 /* One table's part of a staging job. */
 typedef struct {
     Cache *cache;
-    const StoreOps *store;
+    const StoreOps *store; /* store_lanes StoreOps: lane k's connections serve one I/O thread at a time */
     const RowLayout *layout;
     const i64 *segs; /* [start, end) pairs: where the table's ids sit in the job's span */
     i64 n_segs;
     i64 *slots;      /* out: the batch's distinct slots of this table, pinned (room for its ids) */
     i64 counts[5];   /* out: distinct slots, misses, hits, rows pushed, evictions */
+    i64 store_lanes; /* >= 1 */
 } TableJob;
 
 /* A batch's staging: the span of the KJT's values holding every PS feature's ids, remapped into
- * `out` (ids of other features inside the span pass through). Tables [0, done) are staged and
- * pinned when it ends; status is STAGE_OK or the error of table `done`. */
+ * `out` (ids of other features inside the span pass through). On STAGE_OK every table is staged
+ * and its slots pinned; otherwise nothing is (the job gave its slots back) and status is the
+ * error of table `done`. */
 typedef struct Job {
     const void *span;
     i64 id_bytes;

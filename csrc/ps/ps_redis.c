@@ -3,13 +3,15 @@
  * SCAN, DEL).
  *
  * Layout, as redis_store.py's: the row of (table, id) is the value of the key
- * "{prefix}:{table}:" + the id as 8 bytes little-endian, holding the row's raw bytes.
+ * "{prefix}:{table}:" + the id as 8 bytes little-endian, holding the row's raw bytes; on a cluster
+ * the key starts with a hash tag, "{" + tag + "}", one of CLUSTER_BUCKETS (see make_key).
  *
- * A batch's get or put is pipelined: one server gets MGET / MSET commands of MGET_KEYS keys each;
- * a cluster gets a GET / SET per key on the connection of the key's master (slots as Redis hashes
- * them: CRC16 of the key or of its {hash tag}), every master's pipeline written and read at once
- * on non-blocking sockets under one poll. A -MOVED reply refreshes the slot map (CLUSTER SLOTS) and
- * sends the key again to its new master; -ASK sends it to the node named, after ASKING.
+ * A batch's get or put is pipelined: MGET / MSET commands of up to MGET_KEYS keys each; on a
+ * cluster one per hash tag (slot) and kind, on the connection of the slot's master, every
+ * master's pipeline written and read at once on non-blocking sockets under one poll. A -MOVED
+ * reply refreshes the slot map (CLUSTER SLOTS) and sends the command's keys again to their new
+ * master; -ASK sends them to the node named, after ASKING. A slot being migrated answers a
+ * command whose keys are partly moved with -TRYAGAIN: the batch is retried, as below.
  *
  * Failures, as redis_store.py's: a connection error, a timeout, -LOADING / -TRYAGAIN /
  * -CLUSTERDOWN / -MASTERDOWN close the connections and the whole batch is sent again (the commands
@@ -35,12 +37,20 @@
 #define KEEP_BUFFER ((size_t)16 << 20) /* a connection's buffers larger than this are freed after a batch */
 
 enum { OK = 0, TRANSIENT = 1, FATAL = 2, AUTH_FAILED = 3 };
-enum { R_AUTH, R_SELECT, R_MGET, R_MSET, R_GET, R_SET, R_ASKING, R_RAW };
+enum { R_AUTH, R_SELECT, R_MGET, R_MSET, R_ASKING, R_RAW };
 
 /* Counters since the client was made (ps_redis_stats): commands, bytes out, bytes in, rows got,
- * rows put, exchanges, seconds in exchanges, MOVED, ASK, attempts that failed and were retried. */
+ * rows put, exchanges, seconds in exchanges, MOVED, ASK, attempts that failed and were retried,
+ * CPU seconds of the calling thread in exchanges (the rest of their time it waits for the
+ * servers), CPU seconds encoding the commands. */
 enum { S_COMMANDS, S_BYTES_OUT, S_BYTES_IN, S_ROWS_GOT, S_ROWS_PUT, S_EXCHANGES, S_SECONDS, S_MOVED, S_ASK,
-       S_RETRIES, N_STATS };
+       S_RETRIES, S_CPU_SECONDS, S_ENCODE_SECONDS, N_STATS };
+
+static double thread_cpu(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 
 typedef struct {
     int kind;
@@ -166,9 +176,58 @@ int ps_redis_key_slot(const char *key, i64 n) {
     return crc16(k, n) & (SLOTS - 1);
 }
 
-static inline void make_key(const RedisTable *t, i64 id, char *key) {
-    memcpy(key, t->head, (size_t)t->head_len);
-    for (int b = 0; b < 8; b++) key[t->head_len + b] = (char)((u64)id >> (8 * b)); /* little-endian */
+/* A cluster table's keys carry one of CLUSTER_BUCKETS hash tags, so that a command can move many
+ * keys (a multi-key command must stay within one slot): the key of (table, id) is
+ * "{" tag(bucket(id)) "}" + head + id, bucket(id) the top 6 bits of id * 0x9E3779B97F4A7C15 (mod
+ * 2^64), tag(b) the smallest integer j, in decimal, whose slot lies in [b, b + 1) * SLOTS /
+ * CLUSTER_BUCKETS: the buckets' slots spread evenly over the slot space, so over the masters'
+ * ranges, and a batch of ~1,850 keys makes ~30 keys a command. One server: no tag. */
+#define CLUSTER_BUCKETS 64
+static char bucket_tag[CLUSTER_BUCKETS][12];
+static int bucket_tag_len[CLUSTER_BUCKETS], bucket_slot[CLUSTER_BUCKETS];
+static pthread_once_t buckets_once = PTHREAD_ONCE_INIT;
+
+static void make_bucket_tags(void) {
+    int left = CLUSTER_BUCKETS;
+    for (long j = 0; left > 0; j++) {
+        char text[12];
+        const int n = snprintf(text, sizeof(text), "%ld", j);
+        const int slot = crc16((const unsigned char *)text, n) & (SLOTS - 1);
+        const int b = slot * CLUSTER_BUCKETS / SLOTS;
+        if (bucket_tag_len[b]) continue;
+        memcpy(bucket_tag[b], text, (size_t)n);
+        bucket_tag_len[b] = n;
+        bucket_slot[b] = slot;
+        left--;
+    }
+}
+
+static inline int bucket_of(i64 id) { return (int)(((u64)id * 0x9E3779B97F4A7C15ULL) >> 58); }
+
+/* The hash tag of bucket b (0..CLUSTER_BUCKETS-1) into out (without braces); its length. */
+int ps_redis_bucket_tag(int b, char *out, int len) {
+    pthread_once(&buckets_once, make_bucket_tags);
+    if (b < 0 || b >= CLUSTER_BUCKETS || len <= bucket_tag_len[b]) return -1;
+    memcpy(out, bucket_tag[b], (size_t)bucket_tag_len[b]);
+    out[bucket_tag_len[b]] = 0;
+    return bucket_tag_len[b];
+}
+
+int ps_redis_buckets(void) { return CLUSTER_BUCKETS; }
+
+/* The key of id into key (room for head_len + 24 bytes); its length. */
+static inline i64 make_key(const RedisTable *t, i64 id, char *key) {
+    i64 at = 0;
+    if (t->c->cluster) {
+        const int b = bucket_of(id);
+        key[0] = '{';
+        memcpy(key + 1, bucket_tag[b], (size_t)bucket_tag_len[b]);
+        key[1 + bucket_tag_len[b]] = '}';
+        at = 2 + bucket_tag_len[b];
+    }
+    memcpy(key + at, t->head, (size_t)t->head_len);
+    for (int b = 0; b < 8; b++) key[at + t->head_len + b] = (char)((u64)id >> (8 * b)); /* little-endian */
+    return at + t->head_len + 8;
 }
 
 /* ------------------------------------------------------------------ nodes */
@@ -302,12 +361,13 @@ static int take_row(Batch *b, const char *p, i64 len, i64 pos) {
     return OK;
 }
 
-/* A -MOVED / -ASK reply for the key at position pos: queued for the next round. */
-static int redirect(RedisClient *c, Batch *b, const char *p, i64 len, i64 pos) {
+/* A -MOVED / -ASK reply to request r (its keys share a slot): its positions are queued for the
+ * next round; -1 when the reply is another error. */
+static int redirect(RedisClient *c, Batch *b, const char *p, i64 len, const Node *nd, const Req *r) {
     const int moved = len > 7 && !memcmp(p, "-MOVED ", 7), ask = len > 5 && !memcmp(p, "-ASK ", 5);
     if (!moved && !ask) return -1;
     if (moved) {
-        b->redo[b->n_redo++] = pos;
+        for (i64 i = 0; i < r->count; i++) b->redo[b->n_redo++] = nd->pos[r->first + i];
         c->stats[S_MOVED] += 1;
         return OK;
     }
@@ -328,8 +388,10 @@ static int redirect(RedisClient *c, Batch *b, const char *p, i64 len, i64 pos) {
         snprintf(b->why, sizeof(b->why), "too many cluster nodes");
         return FATAL;
     }
-    b->ask_pos[b->n_ask] = pos;
-    b->ask_node[b->n_ask++] = k;
+    for (i64 i = 0; i < r->count; i++) {
+        b->ask_pos[b->n_ask] = nd->pos[r->first + i];
+        b->ask_node[b->n_ask++] = k;
+    }
     c->stats[S_ASK] += 1;
     return OK;
 }
@@ -341,22 +403,19 @@ static int handle(RedisClient *c, Batch *b, Node *nd, const Req *r, const char *
         return p[0] == '-' ? (error_reply(b, p, len, "AUTH"), AUTH_FAILED) : OK;
     case R_SELECT:
     case R_ASKING:
+        return p[0] == '+' ? OK : error_reply(b, p, len, r->kind == R_SELECT ? "SELECT" : "ASKING");
     case R_MSET:
-        return p[0] == '+' ? OK : error_reply(b, p, len, r->kind == R_SELECT ? "SELECT" : r->kind == R_MSET ? "MSET" : "ASKING");
-    case R_SET:
         if (p[0] == '+') return OK;
-        if (p[0] == '-') {
-            int s = redirect(c, b, p, len, nd->pos[r->first]);
+        if (p[0] == '-' && c->cluster) {
+            int s = redirect(c, b, p, len, nd, r);
             if (s >= 0) return s;
         }
-        return error_reply(b, p, len, "SET");
-    case R_GET:
-        if (p[0] == '-') {
-            int s = redirect(c, b, p, len, nd->pos[r->first]);
-            if (s >= 0) return s;
-        }
-        return take_row(b, p, len, nd->pos[r->first]);
+        return error_reply(b, p, len, "MSET");
     case R_MGET: {
+        if (p[0] == '-' && c->cluster) {
+            int s = redirect(c, b, p, len, nd, r);
+            if (s >= 0) return s;
+        }
         if (p[0] != '*') return error_reply(b, p, len, "MGET");
         i64 head;
         const i64 k = resp_header(p, len, &head);
@@ -386,7 +445,7 @@ static int handle(RedisClient *c, Batch *b, Node *nd, const Req *r, const char *
 
 /* Sends every active node's pipeline and reads its replies, all nodes at once. */
 static int exchange(RedisClient *c, Batch *b) {
-    const double start = ps_now();
+    const double start = ps_now(), cpu = thread_cpu();
     struct pollfd fds[MAX_NODES];
     int which[MAX_NODES];
     c->stats[S_EXCHANGES] += 1;
@@ -438,6 +497,7 @@ static int exchange(RedisClient *c, Batch *b) {
         }
     }
     c->stats[S_SECONDS] += ps_now() - start;
+    c->stats[S_CPU_SECONDS] += thread_cpu() - cpu;
     return OK;
 }
 
@@ -513,53 +573,59 @@ static int refresh_slots(RedisClient *c, Batch *b) {
 }
 
 /* ------------------------------------------------------------------ a batch */
-/* The commands of the positions pos[0..n) for node k (after ASKING each when `asking`). */
+/* The commands of the positions pos[0..n) for node k: MSET / MGET of up to MGET_KEYS keys, a
+ * command per run of puts or gets (one server) or per slot and kind (a cluster: a multi-key
+ * command stays within one slot; ASKING before each when `asking`). */
 static int queue_keys(RedisClient *c, Batch *b, int k, const i64 *pos, i64 n, int asking) {
+    const double cpu = thread_cpu();
     RedisTable *t = b->t;
     Node *nd = c->nodes[k];
     int s = ensure_connected(c, k, b->why, sizeof(b->why));
     if (s != OK) return s;
     Buf *out = &nd->conn.out;
-    const i64 key_len = t->head_len + 8, rb = t->row_bytes;
+    const i64 rb = t->row_bytes;
     char key[600];
     const i64 first = nd->n_pos;
-    for (i64 i = 0; i < n; i++)
-        if (!add_pos(nd, pos[i])) goto oom;
-    if (!c->cluster) { /* MSET / MGET of up to MGET_KEYS keys, a command per run of puts or gets */
-        for (i64 a = 0; a < n;) {
-            const int put = is_put(b, pos[a]);
-            i64 m = 1;
-            while (a + m < n && m < MGET_KEYS && is_put(b, pos[a + m]) == put) m++;
-            if (!resp_reserve(out, 1 + m * (put ? 2 : 1), m * (key_len + (put ? rb : 0)))) goto oom;
-            resp_array(out, 1 + m * (put ? 2 : 1));
-            resp_bulk(out, put ? "MSET" : "MGET", 4);
-            for (i64 i = a; i < a + m; i++) {
-                make_key(t, id_at(b, pos[i]), key);
-                resp_bulk(out, key, key_len);
-                if (put) resp_bulk(out, b->put_rows + pos[i] * rb, rb);
-            }
-            if (!add_req(nd, put ? R_MSET : R_MGET, first + a, m)) goto oom;
-            c->stats[S_COMMANDS] += 1;
-            a += m;
-        }
-        return OK;
+    /* the cluster's positions by (bucket, put before get): a counting sort into the node's list */
+    i64 at[2 * CLUSTER_BUCKETS + 1];
+    if (c->cluster) {
+        memset(at, 0, sizeof(at));
+        for (i64 i = 0; i < n; i++) at[2 * bucket_of(id_at(b, pos[i])) + !is_put(b, pos[i]) + 1]++;
+        for (int g = 0; g < 2 * CLUSTER_BUCKETS; g++) at[g + 1] += at[g];
+        for (i64 i = 0; i < n; i++)
+            if (!add_pos(nd, 0)) goto oom;
+        for (i64 i = 0; i < n; i++)
+            nd->pos[first + at[2 * bucket_of(id_at(b, pos[i])) + !is_put(b, pos[i])]++] = pos[i];
+    } else {
+        for (i64 i = 0; i < n; i++)
+            if (!add_pos(nd, pos[i])) goto oom;
     }
-    for (i64 i = 0; i < n; i++) { /* a cluster: GET / SET a key */
-        const int put = is_put(b, pos[i]);
-        if (!resp_reserve(out, 5, 16 + key_len + (put ? rb : 0))) goto oom;
+    const i64 *sorted = nd->pos + first;
+    for (i64 a = 0; a < n;) {
+        const int put = is_put(b, sorted[a]);
+        const int bucket = c->cluster ? bucket_of(id_at(b, sorted[a])) : 0;
+        i64 m = 1;
+        while (a + m < n && m < MGET_KEYS && is_put(b, sorted[a + m]) == put &&
+               (!c->cluster || bucket_of(id_at(b, sorted[a + m])) == bucket))
+            m++;
+        if (!resp_reserve(out, 2 + m * (put ? 2 : 1), 16 + m * (t->head_len + 24 + (put ? rb : 0)))) goto oom;
         if (asking) {
             resp_array(out, 1);
             resp_bulk(out, "ASKING", 6);
             if (!add_req(nd, R_ASKING, 0, 0)) goto oom;
         }
-        make_key(t, id_at(b, pos[i]), key);
-        resp_array(out, put ? 3 : 2);
-        resp_bulk(out, put ? "SET" : "GET", 3);
-        resp_bulk(out, key, key_len);
-        if (put) resp_bulk(out, b->put_rows + pos[i] * rb, rb);
-        if (!add_req(nd, put ? R_SET : R_GET, first + i, 1)) goto oom;
+        resp_array(out, 1 + m * (put ? 2 : 1));
+        resp_bulk(out, put ? "MSET" : "MGET", 4);
+        for (i64 i = a; i < a + m; i++) {
+            const i64 key_len = make_key(t, id_at(b, sorted[i]), key);
+            resp_bulk(out, key, key_len);
+            if (put) resp_bulk(out, b->put_rows + sorted[i] * rb, rb);
+        }
+        if (!add_req(nd, put ? R_MSET : R_MGET, first + a, m)) goto oom;
         c->stats[S_COMMANDS] += 1 + asking;
+        a += m;
     }
+    c->stats[S_ENCODE_SECONDS] += thread_cpu() - cpu;
     return OK;
 oom:
     snprintf(b->why, sizeof(b->why), "out of memory");
@@ -568,7 +634,6 @@ oom:
 
 /* One try at the whole batch: its keys sent where the slot map says, redirections followed. */
 static int attempt(RedisClient *c, Batch *b, i64 n, i64 *todo, i64 *group) {
-    RedisTable *t = b->t;
     i64 n_todo = n;
     for (i64 i = 0; i < n; i++) todo[i] = i;
     b->n_ask = 0;
@@ -587,10 +652,8 @@ static int attempt(RedisClient *c, Batch *b, i64 n, i64 *todo, i64 *group) {
             i64 count[MAX_NODES + 1];
             memset(count, 0, sizeof(count));
             if (!node) return FATAL;
-            char key[600];
             for (i64 i = 0; i < n_todo; i++) {
-                make_key(t, id_at(b, todo[i]), key);
-                const int slot = ps_redis_key_slot(key, t->head_len + 8);
+                const int slot = bucket_slot[bucket_of(id_at(b, todo[i]))];
                 node[i] = c->slot_node[slot];
                 if (node[i] < 0) {
                     free(node);
@@ -611,9 +674,12 @@ static int attempt(RedisClient *c, Batch *b, i64 n, i64 *todo, i64 *group) {
                     if (s != OK) return s;
                 }
         }
-        for (i64 i = 0; i < b->n_ask; i++) {
-            int s = queue_keys(c, b, b->ask_node[i], &b->ask_pos[i], 1, 1);
+        for (i64 i = 0; i < b->n_ask;) { /* a run of one reply's positions: one node, one slot */
+            i64 m = 1;
+            while (i + m < b->n_ask && b->ask_node[i + m] == b->ask_node[i]) m++;
+            int s = queue_keys(c, b, b->ask_node[i], &b->ask_pos[i], m, 1);
             if (s != OK) return s;
+            i += m;
         }
         b->n_redo = b->n_ask = 0;
         int s = exchange(c, b);
@@ -691,6 +757,7 @@ static int run_op(RedisTable *t, const i64 *put_ids, i64 n_put, const char *put_
 RedisClient *ps_redis_client_new(const char *redacted_url, int cluster, const char *unix_path, const char *user,
                                  const char *password, int db, double connect_timeout, double io_timeout,
                                  double retry_timeout) {
+    pthread_once(&buckets_once, make_bucket_tags);
     RedisClient *c = (RedisClient *)calloc(1, sizeof(RedisClient));
     if (!c) return NULL;
     pthread_mutex_init(&c->mu, NULL);

@@ -4,18 +4,19 @@
  * Why native: the tier's work per batch is a few C calls, row copies and store I/O; driven from
  * Python it took tens of calls, each taking the GIL back, and a staging thread that takes the GIL
  * many times a batch slows the training thread several-fold (tools/gil_probe.py, perf-notes
- * "PS v4"). Here a Stager runs jobs either in the calling thread (ps_stager_run; ctypes releases
- * the GIL) or on a worker thread of its own (ps_stager_submit / ps_stager_wait), which takes the
+ * "PS v4"). Here a Stager runs a job either in the calling thread (ps_stager_run; ctypes releases
+ * the GIL) or submitted (ps_stager_submit / ps_stager_wait) on threads of its own, which take the
  * GIL only for a store or an init written in Python.
  *
- * One table's staging (stage_table), the order that keeps every row safe:
- *  1. the cache reserves slots for the misses and pins the batch's slots (nothing moves yet);
- *  2. the dirty victims' rows are read and put to the store, which acknowledges them;
- *  3. the misses are got from the store (with 2 in one exchange where the store can); ids it lacks
- *     get their initial rows;
- *  4. the rows are written into their slots, and only then the cache commits the new ids.
- * A failure in 2-3 aborts: the slots are unpinned and every id stays where it was (a dirty row the
- * store did not acknowledge stays cached and dirty).
+ * A job, per PS table, in the order that keeps every row safe (the stages and why several jobs
+ * may be in flight: "a job in flight" below):
+ *  1. plan: the cache reserves slots for the misses, pins the batch's slots, and the plan is
+ *     committed to the id map (undone if the job fails); the dirty victims' rows are read;
+ *  2. store I/O: the victims are put to the store, which acknowledges them, and the misses are got
+ *     (in one exchange where the store can); ids it lacks get their initial rows;
+ *  3. finish: the rows are written into their slots, the remapped ids out.
+ * A failure in 2 takes the job back: the slots are unpinned and every id is where it was (a dirty
+ * row the store did not acknowledge stays cached and dirty, its slot never overwritten).
  *
  * The row ops (RowOps) move rows between the cache's memory and the host: the CPU ops below, or
  * the CUDA ops of ps_cuda.c, or Python's (recom_rec/ps/native.py).
@@ -28,8 +29,10 @@
 #include <string.h>
 #include <time.h>
 
-/* Seconds spent in each phase, summed over a stager's jobs (tools/profile_ps.py prints them). */
-enum { T_FETCH, T_STAGE, T_WAIT, T_READ, T_PUT, T_GET, T_WRITE, T_INIT, T_COMMIT, T_PUT_IDS, T_JOB, T_PUT_GET, N_TIMES };
+/* Seconds spent in each phase, summed over a stager's jobs (tools/profile_ps.py prints them);
+ * the last three are counts and the time a job's store I/O waited for an earlier job's pushes. */
+enum { T_FETCH, T_STAGE, T_WAIT, T_READ, T_PUT, T_GET, T_WRITE, T_INIT, T_COMMIT, T_PUT_IDS, T_JOB, T_PUT_GET,
+       T_PUSH_WAIT, N_AFTER_PUSH, N_GIVEN_BACK, N_TIMES };
 
 /* Adds the time since *t to times[k] and restarts *t. */
 static inline void lap(double *times, int k, double *t) {
@@ -38,229 +41,582 @@ static inline void lap(double *times, int k, double *t) {
     *t = x;
 }
 
-/* ------------------------------------------------------------------ scratch arrays */
-typedef struct {
-    i64 cap;
-    i64 *span, *remap;                                  /* the job's span: ids, remapped */
-    i64 *ids, *pos_slot, *take, *new_ids, *evicted;     /* one table's */
-    i64 *pslots, *pids, *kslots, *fslots, *fids;       /* pushes, kept pulls, fresh ids */
-    uint8_t *push, *found;
-    void *block;
-} Scratch;
+/* ------------------------------------------------------------------ a job in flight
+ *
+ * Several batches' jobs in flight (ps_stager_set_depth): a job is cut in three stages.
+ *  plan   (the worker thread, in job order): fetch the ids, stage every table's cache and commit
+ *         its plan at once (new ids mapped to their reserved slots, evicted ids out of the map),
+ *         read the dirty victims' rows into the job's host buffer;
+ *  I/O    (I/O threads, several jobs at once, each thread on its own store lane): push the
+ *         victims, pull the misses;
+ *  finish (the worker thread, in job order): write the pulled rows into their slots, the
+ *         remapped ids out.
+ * So the next job's plan sees this job's plan, as it saw its commit when jobs ran one by one, and
+ * the results are the same. What keeps every row safe:
+ *  - a slot's row is overwritten only in finish, after the store acknowledged the push of the
+ *    row it held; until then the row is in the slot (and a copy in the job's buffer);
+ *  - a job pulling an id that an earlier job in flight pushes waits for that job's store I/O
+ *    (Cache.pushing), so it reads the pushed row, whatever connection each went on;
+ *  - a failed job is taken back with every later job in flight (ps_cache_undo, newest first):
+ *    every evicted id is cached and dirty again in its slot, every new id is gone; the later
+ *    jobs end with STAGE_ABORTED;
+ *  - flush, load and ps_stager_run wait until no job is in flight (ps_stager_lock).
+ * A slot reserved by a job in flight is pinned until its batch is released, which happens after
+ * the job finished, so no later job evicts it or reads it before it is written. */
+#define MAX_FLIGHTS 4 /* jobs planned and not finished; host buffer p for ring position p */
+enum { IO_WAITING, IO_RUNNING, IO_DONE };
 
-static int scratch_reserve(Scratch *s, i64 n) {
-    if (n <= s->cap) return 1;
-    i64 cap = s->cap ? s->cap : 1024;
+typedef struct {
+    i64 n, distinct, m, np, kept, fresh;
+    i64 *ids, *pos_slot, *take, *new_ids, *evicted, *pids, *pslots, *old_last, *old_uses, *kslots, *fslots, *fids;
+    uint8_t *push, *found;
+    float *pushed, *rows; /* in the flight's host buffer */
+} TablePlan;
+
+#define PLAN_ARRAYS 12
+
+typedef struct {
+    Job *job;
+    i64 seq;
+    int buffer;      /* the row ops' host buffer of this flight */
+    int wrote;       /* a finish queued row writes from the buffer (a device may still read it) */
+    int io;          /* IO_* */
+    i64 io_status;   /* STAGE_OK, or the store's failure at table io_table */
+    i64 io_table;
+    i64 after;       /* the seq of an earlier job whose store I/O must end first, or -1 */
+    double start;
+    double times[N_TIMES];
+    i64 cap, tcap;
+    char *arena;     /* span, remap, then the tables' arrays */
+    i64 *span, *remap;
+    TablePlan *tp;
+} Flight;
+
+static int flight_reserve(Flight *F, i64 n, i64 tables) {
+    if (tables > F->tcap) {
+        TablePlan *tp = (TablePlan *)realloc(F->tp, sizeof(TablePlan) * (size_t)tables);
+        if (!tp) return 0;
+        F->tp = tp;
+        F->tcap = tables;
+    }
+    if (n <= F->cap) return 1;
+    i64 cap = F->cap ? F->cap : 1024;
     while (cap < n) cap *= 2;
-    char *b = (char *)malloc((size_t)cap * (12 * sizeof(i64) + 2));
-    if (!b) return 0;
-    free(s->block);
-    s->block = b;
-    i64 **arrays[] = {&s->span, &s->remap, &s->ids, &s->pos_slot, &s->take, &s->new_ids, &s->evicted,
-                      &s->pslots, &s->pids, &s->kslots, &s->fslots, &s->fids};
-    for (int k = 0; k < 12; k++) *arrays[k] = (i64 *)(b + (size_t)k * cap * sizeof(i64));
-    s->push = (uint8_t *)(b + (size_t)12 * cap * sizeof(i64));
-    s->found = s->push + cap;
-    s->cap = cap;
+    char *a = (char *)malloc((size_t)cap * ((PLAN_ARRAYS + 2) * sizeof(i64) + 2));
+    if (!a) return 0;
+    free(F->arena);
+    F->arena = a;
+    F->cap = cap;
+    F->span = (i64 *)a;
+    F->remap = F->span + cap;
     return 1;
 }
 
-/* ------------------------------------------------------------------ one table */
-static i64 fail(TableJob *tj, i64 status, const i64 *slots, i64 distinct) {
-    ps_cache_abort(tj->cache, slots, distinct);
-    return status;
+/* Table plan arrays for the table whose ids start at `at` of the job's span order (n of them). */
+static void plan_arrays(Flight *F, TablePlan *P, i64 at, i64 n) {
+    i64 *base = F->remap + F->cap;
+    i64 **arrays[PLAN_ARRAYS] = {&P->ids, &P->pos_slot, &P->take, &P->new_ids, &P->evicted, &P->pids,
+                                 &P->pslots, &P->old_last, &P->old_uses, &P->kslots, &P->fslots, &P->fids};
+    for (int k = 0; k < PLAN_ARRAYS; k++) *arrays[k] = base + (i64)k * F->cap + at;
+    uint8_t *bytes = (uint8_t *)(base + (i64)PLAN_ARRAYS * F->cap);
+    P->push = bytes + at;
+    P->found = bytes + F->cap + at;
+    P->n = n;
+    P->distinct = P->m = P->np = P->kept = P->fresh = 0;
 }
 
-/* `run`: the stager's mutex, held by the caller and let go while the table waits for slots (a
- * flush may then run; the training thread may need one to make progress). */
-static i64 stage_table(const RowOps *ops, Scratch *s, Job *job, TableJob *tj, pthread_mutex_t *run, double *times) {
-    const RowLayout *L = tj->layout;
-    const StoreOps *store = tj->store;
+/* Takes back the plans of tables [0, upto) of a flight, newest first. */
+static void undo_tables(Flight *F, i64 upto) {
+    Job *job = F->job;
+    for (i64 k = upto - 1; k >= 0; k--) {
+        TableJob *tj = &job->tables[k];
+        TablePlan *P = &F->tp[k];
+        if (P->distinct == 0) continue;
+        ps_cache_pushing(tj->cache, P->pids, P->np, F->seq, 0);
+        ps_cache_undo(tj->cache, tj->slots, P->distinct, P->take, P->new_ids, P->evicted, P->push, P->m, P->old_last,
+                      P->old_uses);
+        P->distinct = 0;
+    }
+}
+
+/* 1: planned; 0: failed (job->status, job->done set; nothing held); -1: a table lacks unpinned
+ * slots now (nothing held; *blocked = that table's cache, *seen = its releases before the try). */
+static int plan_job(const RowOps *ops, Flight *F, Cache **blocked, i64 *seen) {
+    Job *job = F->job;
     void *ctx = ops->ctx;
-    i64 n = 0;
-    for (i64 k = 0; k < tj->n_segs; k++) n += tj->segs[2 * k + 1] - tj->segs[2 * k];
-    memset(tj->counts, 0, sizeof(tj->counts));
-    if (n == 0) return STAGE_OK;
-    for (i64 k = 0, at = 0; k < tj->n_segs; k++) {
-        i64 a = tj->segs[2 * k], b = tj->segs[2 * k + 1];
-        memcpy(s->ids + at, s->span + a, sizeof(i64) * (size_t)(b - a));
-        at += b - a;
-    }
-    i64 counts[3], status;
     double t = ps_now();
-    for (;;) {
-        i64 seen = ps_cache_releases(tj->cache);
-        status = ps_cache_stage(tj->cache, s->ids, n, s->pos_slot, tj->slots, s->take, s->new_ids, s->evicted,
-                                s->push, counts);
-        lap(times, T_STAGE, &t);
-        if (status != STAGE_WOULD_BLOCK) break;
-        /* other batches in flight hold the slots: wait for one to be released (`seen` was read
-         * before the stage, so a release in between is not missed) */
-        pthread_mutex_unlock(run);
-        ps_cache_wait_release(tj->cache, seen, -1);
-        pthread_mutex_lock(run);
-        lap(times, T_WAIT, &t);
+    F->start = t;
+    F->after = -1;
+    F->io_status = STAGE_OK;
+    F->io_table = 0;
+    job->done = 0;
+    job->error_at = -1;
+    if (!flight_reserve(F, job->n, job->n_tables)) {
+        job->status = STAGE_NO_MEMORY;
+        return 0;
     }
-    tj->counts[0] = counts[0];
-    tj->counts[1] = counts[1];
-    tj->counts[2] = counts[2];
-    if (status == STAGE_NEGATIVE_ID) job->error_at = s->ids[counts[0]]; /* the id itself */
-    if (status != STAGE_OK) return status;
-    const i64 distinct = counts[0], m = counts[1], width = L->width;
-    if (m > 0) {
-        /* 2. pushes: the dirty victims' rows, acknowledged before their slots are reused */
-        i64 np = 0;
-        for (i64 k = 0; k < m; k++)
-            if (s->push[k]) {
-                s->pslots[np] = s->take[k];
-                s->pids[np++] = s->evicted[k];
-            }
-        float *pushed = NULL;
-        if (np > 0) {
-            pushed = (float *)ops->host_buffer(ctx, 0, np * width * (i64)sizeof(float));
-            if (!pushed) return fail(tj, STAGE_NO_MEMORY, tj->slots, distinct);
-            if (ops->read_rows(ctx, L, s->pslots, np, pushed)) return fail(tj, STAGE_DEVICE_ERROR, tj->slots, distinct);
-            lap(times, T_READ, &t);
+    for (i64 k = 0; k < job->n_tables; k++) F->tp[k].distinct = 0;
+    if (ops->fetch_ids(ctx, job->span, (int)job->id_bytes, job->n, F->span)) {
+        job->status = STAGE_DEVICE_ERROR;
+        return 0;
+    }
+    memcpy(F->remap, F->span, sizeof(i64) * (size_t)job->n);
+    lap(F->times, T_FETCH, &t);
+    i64 at = 0, bytes = 0, status = STAGE_OK;
+    for (i64 k = 0; k < job->n_tables; k++) {
+        TableJob *tj = &job->tables[k];
+        TablePlan *P = &F->tp[k];
+        i64 n = 0;
+        for (i64 g = 0; g < tj->n_segs; g++) n += tj->segs[2 * g + 1] - tj->segs[2 * g];
+        plan_arrays(F, P, at, n);
+        at += n;
+        memset(tj->counts, 0, sizeof(tj->counts));
+        if (n == 0) continue;
+        for (i64 g = 0, w = 0; g < tj->n_segs; g++) {
+            i64 a = tj->segs[2 * g], b = tj->segs[2 * g + 1];
+            memcpy(P->ids + w, F->span + a, sizeof(i64) * (size_t)(b - a));
+            w += b - a;
         }
-        tj->counts[3] = np;
-        /* 3. pulls (the misses are not the pushed ids, so a store may take both at once); rows the
-         * store lacks start from the init rule */
-        float *rows = (float *)ops->host_buffer(ctx, 1, m * width * (i64)sizeof(float));
-        if (!rows) return fail(tj, STAGE_NO_MEMORY, tj->slots, distinct);
+        i64 counts[3];
+        *seen = ps_cache_releases(tj->cache);
+        status = ps_cache_stage(tj->cache, P->ids, n, P->pos_slot, tj->slots, P->take, P->new_ids, P->evicted,
+                                P->push, counts);
+        lap(F->times, T_STAGE, &t);
+        tj->counts[0] = counts[0];
+        tj->counts[1] = counts[1];
+        tj->counts[2] = counts[2];
+        if (status != STAGE_OK) {
+            undo_tables(F, k);
+            if (status == STAGE_WOULD_BLOCK) {
+                *blocked = tj->cache;
+                return -1;
+            }
+            if (status == STAGE_NEGATIVE_ID) job->error_at = P->ids[counts[0]]; /* the id itself */
+            job->status = status;
+            job->done = k;
+            return 0;
+        }
+        P->distinct = counts[0];
+        P->m = counts[1];
+        ps_cache_recency(tj->cache, tj->slots, P->distinct, P->old_last, P->old_uses);
+        tj->counts[4] = ps_cache_commit(tj->cache, tj->slots, P->distinct, P->take, P->new_ids, P->m);
+        for (i64 q = 0; q < P->m; q++)
+            if (P->push[q]) {
+                P->pslots[P->np] = P->take[q];
+                P->pids[P->np++] = P->evicted[q];
+            }
+        tj->counts[3] = P->np;
+        bytes += (P->np + P->m) * tj->layout->width * (i64)sizeof(float);
+        lap(F->times, T_COMMIT, &t);
+    }
+    /* pulls of ids still being pushed by earlier jobs wait for them; this job's pushes are in flight */
+    for (i64 k = 0; k < job->n_tables; k++) {
+        TablePlan *P = &F->tp[k];
+        Cache *c = job->tables[k].cache;
+        if (P->m > 0) {
+            i64 a = ps_cache_pushing_after(c, P->new_ids, P->m);
+            if (a > F->after) F->after = a;
+        }
+        if (P->np > 0 && !ps_cache_pushing(c, P->pids, P->np, F->seq, 1)) status = STAGE_NO_MEMORY;
+    }
+    F->times[N_AFTER_PUSH] = F->after >= 0;
+    char *buf = NULL;
+    if (status == STAGE_OK && bytes > 0 && !(buf = (char *)ops->host_buffer(ctx, F->buffer, bytes)))
+        status = STAGE_NO_MEMORY;
+    int read_any = 0;
+    for (i64 k = 0; k < job->n_tables && status == STAGE_OK; k++) {
+        TablePlan *P = &F->tp[k];
+        const RowLayout *L = job->tables[k].layout;
+        P->pushed = (float *)buf;
+        buf += P->np * L->width * (i64)sizeof(float);
+        P->rows = (float *)buf;
+        buf += P->m * L->width * (i64)sizeof(float);
+        if (P->np > 0) {
+            /* the victims' rows as they are now: their slots are overwritten only after the store
+             * acknowledged these copies */
+            if (ops->read_rows(ctx, L, P->pslots, P->np, P->pushed)) {
+                status = STAGE_DEVICE_ERROR;
+                job->done = k;
+            }
+            read_any = 1;
+        }
+    }
+    /* the buffer's last writes into the device (an earlier finish) must be done before the I/O
+     * fills it; a read above waited for them */
+    if (status == STAGE_OK && F->wrote && !read_any && ops->sync(ctx)) status = STAGE_DEVICE_ERROR;
+    F->wrote = 0;
+    lap(F->times, T_READ, &t);
+    if (status != STAGE_OK) {
+        undo_tables(F, job->n_tables);
+        job->status = status;
+        return 0;
+    }
+    return 1;
+}
+
+/* The store I/O of a planned job, on store lane `lane` of every table. */
+static void io_job(Flight *F, int lane) {
+    Job *job = F->job;
+    double t = ps_now();
+    for (i64 k = 0; k < job->n_tables; k++) {
+        TableJob *tj = &job->tables[k];
+        TablePlan *P = &F->tp[k];
+        const i64 m = P->m, np = P->np;
+        if (m == 0) continue;
+        const StoreOps *store = &tj->store[tj->store_lanes > 1 ? lane % tj->store_lanes : 0];
+        const RowLayout *L = tj->layout;
+        const i64 width = L->width;
+        int failed;
         if (np > 0 && store->put_get) {
-            if (store->put_get(store->ctx, s->pids, np, pushed, s->new_ids, m, rows, s->found))
-                return fail(tj, STAGE_STORE_ERROR, tj->slots, distinct);
-            lap(times, T_PUT_GET, &t);
+            failed = store->put_get(store->ctx, P->pids, np, P->pushed, P->new_ids, m, P->rows, P->found);
+            lap(F->times, T_PUT_GET, &t);
         } else {
-            if (np > 0 && store->put(store->ctx, s->pids, np, pushed))
-                return fail(tj, STAGE_STORE_ERROR, tj->slots, distinct);
-            lap(times, T_PUT, &t);
-            if (store->get(store->ctx, s->new_ids, m, rows, s->found))
-                return fail(tj, STAGE_STORE_ERROR, tj->slots, distinct);
-            lap(times, T_GET, &t);
+            failed = np > 0 && store->put(store->ctx, P->pids, np, P->pushed);
+            lap(F->times, T_PUT, &t);
+            if (!failed) failed = store->get(store->ctx, P->new_ids, m, P->rows, P->found);
+            lap(F->times, T_GET, &t);
+        }
+        if (failed) {
+            F->io_status = STAGE_STORE_ERROR;
+            F->io_table = k;
+            return;
         }
         i64 kept = 0, fresh = 0;
-        for (i64 k = 0; k < m; k++) {
-            if (s->found[k]) {
-                if (kept != k) memcpy(rows + kept * width, rows + k * width, sizeof(float) * (size_t)width);
-                s->kslots[kept++] = s->take[k];
+        float *rows = P->rows;
+        for (i64 q = 0; q < m; q++) {
+            if (P->found[q]) {
+                if (kept != q) memcpy(rows + kept * width, rows + q * width, sizeof(float) * (size_t)width);
+                P->kslots[kept++] = P->take[q];
             } else {
-                s->fslots[fresh] = s->take[k];
-                s->fids[fresh++] = s->new_ids[k];
+                P->fslots[fresh] = P->take[q];
+                P->fids[fresh++] = P->new_ids[q];
             }
         }
         if (fresh > 0 && !L->init_uniform) { /* initial rows made on the host, written with the kept ones */
-            if (store->init(store->ctx, s->fids, fresh, rows + kept * width))
-                return fail(tj, STAGE_STORE_ERROR, tj->slots, distinct);
-            lap(times, T_INIT, &t);
-            memcpy(s->kslots + kept, s->fslots, sizeof(i64) * (size_t)fresh);
+            if (store->init(store->ctx, P->fids, fresh, rows + kept * width)) {
+                F->io_status = STAGE_STORE_ERROR;
+                F->io_table = k;
+                return;
+            }
+            lap(F->times, T_INIT, &t);
+            memcpy(P->kslots + kept, P->fslots, sizeof(i64) * (size_t)fresh);
             kept += fresh;
             fresh = 0;
         }
-        /* 4. the rows into their slots */
-        if (kept > 0 && ops->write_rows(ctx, L, s->kslots, kept, rows))
-            return fail(tj, STAGE_DEVICE_ERROR, tj->slots, distinct);
-        lap(times, T_WRITE, &t);
-        if (fresh > 0 && ops->init_rows(ctx, L, s->fslots, s->fids, fresh))
-            return fail(tj, STAGE_DEVICE_ERROR, tj->slots, distinct);
-        lap(times, T_INIT, &t);
+        P->kept = kept;
+        P->fresh = fresh;
     }
-    tj->counts[4] = ps_cache_commit(tj->cache, tj->slots, distinct, s->take, s->new_ids, m);
-    lap(times, T_COMMIT, &t);
-    for (i64 k = 0, at = 0; k < tj->n_segs; k++)
-        for (i64 p = tj->segs[2 * k]; p < tj->segs[2 * k + 1]; p++) s->remap[p] = s->pos_slot[at++];
-    return STAGE_OK;
 }
 
-static void run_job(const RowOps *ops, Scratch *s, Job *job, pthread_mutex_t *run, double *times) {
-    const double start = ps_now();
-    double t = start;
-    job->done = 0;
-    job->error_at = -1;
-    if (!scratch_reserve(s, job->n)) {
-        job->status = STAGE_NO_MEMORY;
-        return;
-    }
-    if (ops->fetch_ids(ops->ctx, job->span, (int)job->id_bytes, job->n, s->span)) {
-        job->status = STAGE_DEVICE_ERROR;
-        return;
-    }
-    memcpy(s->remap, s->span, sizeof(i64) * (size_t)job->n);
-    lap(times, T_FETCH, &t);
+/* Writes a job's pulled rows and remapped ids (its store I/O succeeded). 0 on a device error. */
+static int finish_job(const RowOps *ops, Flight *F, double *times) {
+    Job *job = F->job;
+    void *ctx = ops->ctx;
+    double t = ps_now();
     for (i64 k = 0; k < job->n_tables; k++) {
-        /* the previous table's row writes may still read their host buffers */
-        if (k > 0 && ops->sync(ops->ctx)) {
-            job->status = STAGE_DEVICE_ERROR;
-            return;
+        TableJob *tj = &job->tables[k];
+        TablePlan *P = &F->tp[k];
+        if (P->kept > 0 && ops->write_rows(ctx, tj->layout, P->kslots, P->kept, P->rows)) {
+            job->done = k;
+            return 0;
         }
-        i64 status = stage_table(ops, s, job, &job->tables[k], run, times);
-        if (status != STAGE_OK) {
-            job->status = status;
-            return;
+        F->wrote |= P->kept > 0;
+        lap(F->times, T_WRITE, &t);
+        if (P->fresh > 0 && ops->init_rows(ctx, tj->layout, P->fslots, P->fids, P->fresh)) {
+            job->done = k;
+            return 0;
         }
-        job->done = k + 1;
+        lap(F->times, T_INIT, &t);
     }
-    t = ps_now();
-    job->status = ops->put_ids(ops->ctx, s->remap, job->n, job->out, (int)job->id_bytes) ? STAGE_DEVICE_ERROR
-                                                                                        : STAGE_OK;
-    lap(times, T_PUT_IDS, &t);
-    times[T_JOB] += t - start;
+    for (i64 k = 0; k < job->n_tables; k++) {
+        TableJob *tj = &job->tables[k];
+        TablePlan *P = &F->tp[k];
+        for (i64 g = 0, at = 0; g < tj->n_segs; g++)
+            for (i64 p = tj->segs[2 * g]; p < tj->segs[2 * g + 1]; p++) F->remap[p] = P->pos_slot[at++];
+    }
+    if (ops->put_ids(ctx, F->remap, job->n, job->out, (int)job->id_bytes)) {
+        job->done = 0;
+        return 0;
+    }
+    lap(F->times, T_PUT_IDS, &t);
+    for (i64 k = 0; k < job->n_tables; k++) /* acknowledged: later pulls of these ids need not wait */
+        ps_cache_pushing(job->tables[k].cache, F->tp[k].pids, F->tp[k].np, F->seq, 0);
+    F->times[T_JOB] += t - F->start;
+    for (int k = 0; k < N_TIMES; k++) times[k] += F->times[k];
+    memset(F->times, 0, sizeof(F->times));
+    job->status = STAGE_OK;
+    job->done = job->n_tables;
+    return 1;
 }
 
-/* ------------------------------------------------------------------ the stager and its worker */
+/* ------------------------------------------------------------------ the stager and its threads */
 typedef struct {
     const RowOps *ops;
-    pthread_mutex_t run; /* held while a job runs, and by ps_stager_lock (flush, load) */
-    pthread_mutex_t queue;
-    pthread_cond_t changed; /* a job queued or finished, or stop */
-    Job *head, *tail;
-    int stop, started;
-    pthread_t thread;
-    Scratch scratch;
+    pthread_mutex_t run;    /* held while a job is planned or finished, and by ps_stager_lock */
+    pthread_mutex_t queue;  /* guards the fields below */
+    pthread_cond_t changed; /* a job queued, planned, its I/O done, finished; a lock let go; stop */
+    Job *head, *tail;       /* submitted, not planned */
+    int stop, started, depth, io_threads;
+    int planning;           /* the worker is planning a job (between the queue and the ring) */
+    int lockers;            /* ps_stager_lock / ps_stager_run callers: nothing new is planned */
+    int blocked;            /* the head lacks slots: plan it again once a flight finished */
+    int aborting;           /* a failed job and those after it are being taken back */
+    pthread_t thread, io[MAX_FLIGHTS];
+    Flight flights[MAX_FLIGHTS + 1]; /* the ring, then ps_stager_run's */
+    i64 first, count, seq;
     double times[N_TIMES];
 } Stager;
+
+static inline Flight *ring(Stager *st, i64 i) { return &st->flights[(st->first + i) % MAX_FLIGHTS]; }
+
+static Flight *flight_of(Stager *st, i64 seq) {
+    for (i64 i = 0; i < st->count; i++)
+        if (ring(st, i)->seq == seq) return ring(st, i);
+    return NULL;
+}
 
 Stager *ps_stager_new(const RowOps *ops) {
     Stager *st = (Stager *)calloc(1, sizeof(Stager));
     if (!st) return NULL;
     st->ops = ops;
+    st->depth = 1;
+    for (int p = 0; p <= MAX_FLIGHTS; p++) st->flights[p].buffer = p;
     pthread_mutex_init(&st->run, NULL);
     pthread_mutex_init(&st->queue, NULL);
     pthread_cond_init(&st->changed, NULL);
     return st;
 }
 
-/* Runs `job` now, in the calling thread; returns its status. */
-i64 ps_stager_run(Stager *st, Job *job) {
-    pthread_mutex_lock(&st->run);
-    run_job(st->ops, &st->scratch, job, &st->run, st->times);
-    pthread_mutex_unlock(&st->run);
-    job->state = 2;
-    return job->status;
+/* Jobs in flight at most (1 = one after another); 1..MAX_FLIGHTS. */
+void ps_stager_set_depth(Stager *st, i64 depth) {
+    pthread_mutex_lock(&st->queue);
+    st->depth = depth < 1 ? 1 : depth > MAX_FLIGHTS ? MAX_FLIGHTS : (int)depth;
+    pthread_cond_broadcast(&st->changed);
+    pthread_mutex_unlock(&st->queue);
+}
+
+/* The failed oldest flight (status, at table `table`) and every flight after it are taken back,
+ * newest first, once none has store I/O running. Called by the worker holding `run`. */
+static void take_back(Stager *st, i64 status, i64 table) {
+    pthread_mutex_lock(&st->queue);
+    st->aborting = 1;
+    pthread_cond_broadcast(&st->changed);
+    for (;;) {
+        int running = 0;
+        for (i64 i = 0; i < st->count; i++) running |= ring(st, i)->io != IO_DONE;
+        if (!running) break;
+        pthread_cond_wait(&st->changed, &st->queue);
+    }
+    i64 n = st->count;
+    pthread_mutex_unlock(&st->queue);
+    for (i64 i = n - 1; i >= 0; i--) {
+        Flight *F = ring(st, i);
+        undo_tables(F, F->job->n_tables);
+        memset(F->times, 0, sizeof(F->times));
+        st->times[N_GIVEN_BACK] += 1;
+        F->job->status = i == 0 ? status : STAGE_ABORTED;
+        F->job->done = i == 0 ? table : 0;
+    }
+    pthread_mutex_lock(&st->queue);
+    for (i64 i = 0; i < n; i++) ring(st, i)->job->state = 2;
+    st->first = (st->first + n) % MAX_FLIGHTS;
+    st->count = 0;
+    st->aborting = 0;
+    st->blocked = 0;
+    pthread_cond_broadcast(&st->changed);
+    pthread_mutex_unlock(&st->queue);
 }
 
 static void *worker_main(void *arg) {
     Stager *st = (Stager *)arg;
     pthread_mutex_lock(&st->queue);
     for (;;) {
-        while (!st->stop && !st->head) pthread_cond_wait(&st->changed, &st->queue);
-        if (!st->head) break; /* stopping, nothing left */
-        Job *job = st->head;
-        st->head = job->next;
-        if (!st->head) st->tail = NULL;
+        Flight *old = st->count ? ring(st, 0) : NULL;
+        if (old && old->io == IO_DONE) { /* finish in job order */
+            pthread_mutex_unlock(&st->queue);
+            pthread_mutex_lock(&st->run);
+            i64 status = old->io_status, table = old->io_table;
+            int ok = status == STAGE_OK && finish_job(st->ops, old, st->times);
+            if (!ok) {
+                if (status == STAGE_OK) {
+                    status = STAGE_DEVICE_ERROR;
+                    table = old->job->done;
+                }
+                take_back(st, status, table);
+            }
+            pthread_mutex_unlock(&st->run);
+            pthread_mutex_lock(&st->queue);
+            if (ok) {
+                old->job->state = 2;
+                st->first = (st->first + 1) % MAX_FLIGHTS;
+                st->count--;
+            }
+            st->blocked = 0;
+            pthread_cond_broadcast(&st->changed);
+            continue;
+        }
+        if (st->head && st->count < st->depth && !st->lockers && !st->blocked) {
+            Job *job = st->head;
+            st->head = job->next;
+            if (!st->head) st->tail = NULL;
+            st->planning = 1;
+            Flight *F = ring(st, st->count);
+            F->job = job;
+            F->seq = st->seq;
+            pthread_mutex_unlock(&st->queue);
+            pthread_mutex_lock(&st->run);
+            Cache *blocked = NULL;
+            i64 seen = 0;
+            double t = ps_now();
+            int r = plan_job(st->ops, F, &blocked, &seen);
+            if (r == 0) {
+                st->times[T_JOB] += ps_now() - t;
+                memset(F->times, 0, sizeof(F->times));
+            }
+            pthread_mutex_unlock(&st->run);
+            pthread_mutex_lock(&st->queue);
+            st->planning = 0;
+            if (r == 1 && st->depth == 1) {
+                /* one job at a time: its I/O here, without handing it to an I/O thread and back */
+                F->io = IO_RUNNING;
+                st->count++;
+                st->seq++;
+                pthread_mutex_unlock(&st->queue);
+                io_job(F, 0);
+                pthread_mutex_lock(&st->queue);
+                F->io = IO_DONE;
+            } else if (r == 1) {
+                F->io = IO_WAITING;
+                st->count++;
+                st->seq++;
+            } else if (r == 0) {
+                job->state = 2;
+            } else { /* no slots now: batches in flight hold them; plan it again later */
+                job->next = st->head;
+                st->head = job;
+                if (!st->tail) st->tail = job;
+                if (st->count > 0) {
+                    st->blocked = 1; /* until a flight finishes */
+                } else {
+                    /* wait for a batch to release slots (`seen` was read before the stage, so a
+                     * release in between is not missed); a flush may run meanwhile */
+                    pthread_cond_broadcast(&st->changed);
+                    pthread_mutex_unlock(&st->queue);
+                    ps_cache_wait_release(blocked, seen, -1);
+                    pthread_mutex_lock(&st->queue);
+                    st->times[T_WAIT] += ps_now() - t;
+                }
+            }
+            pthread_cond_broadcast(&st->changed);
+            continue;
+        }
+        if (st->stop && !st->head && !st->count) break;
+        pthread_cond_wait(&st->changed, &st->queue);
+    }
+    pthread_mutex_unlock(&st->queue);
+    return NULL;
+}
+
+typedef struct {
+    Stager *st;
+    int lane;
+} IoThread;
+
+static void *io_main(void *arg) {
+    IoThread *me = (IoThread *)arg;
+    Stager *st = me->st;
+    const int lane = me->lane;
+    free(me);
+    pthread_mutex_lock(&st->queue);
+    for (;;) {
+        Flight *F = NULL;
+        for (i64 i = 0; i < st->count && !F; i++)
+            if (ring(st, i)->io == IO_WAITING) F = ring(st, i); /* the oldest waiting */
+        if (!F) {
+            if (st->stop && !st->head && !st->count) break;
+            pthread_cond_wait(&st->changed, &st->queue);
+            continue;
+        }
+        F->io = IO_RUNNING;
+        Flight *E;
+        double t = ps_now();
+        while (!st->aborting && F->after >= 0 && (E = flight_of(st, F->after)) != NULL && E->io != IO_DONE)
+            pthread_cond_wait(&st->changed, &st->queue);
+        F->times[T_PUSH_WAIT] += ps_now() - t;
+        E = F->after >= 0 ? flight_of(st, F->after) : NULL;
+        int skip = st->aborting || (E && E->io_status != STAGE_OK);
         pthread_mutex_unlock(&st->queue);
-        pthread_mutex_lock(&st->run);
-        run_job(st->ops, &st->scratch, job, &st->run, st->times);
-        pthread_mutex_unlock(&st->run);
+        if (skip)
+            F->io_status = STAGE_ABORTED;
+        else
+            io_job(F, lane);
         pthread_mutex_lock(&st->queue);
-        job->state = 2;
+        F->io = IO_DONE;
         pthread_cond_broadcast(&st->changed);
     }
     pthread_mutex_unlock(&st->queue);
     return NULL;
 }
 
-/* Queues `job` for the worker (started on first use); 0, or -1 when no thread can be started. */
+/* Waits until no job is in flight and keeps new ones from being planned (until unlock_flights). */
+static void lock_flights(Stager *st) {
+    pthread_mutex_lock(&st->queue);
+    st->lockers++;
+    while (st->count > 0 || st->planning) pthread_cond_wait(&st->changed, &st->queue);
+    pthread_mutex_unlock(&st->queue);
+}
+
+static void unlock_flights(Stager *st) {
+    pthread_mutex_lock(&st->queue);
+    st->lockers--;
+    pthread_cond_broadcast(&st->changed);
+    pthread_mutex_unlock(&st->queue);
+}
+
+/* Runs `job` now, in the calling thread, once no job is in flight; returns its status. */
+i64 ps_stager_run(Stager *st, Job *job) {
+    lock_flights(st);
+    pthread_mutex_lock(&st->run);
+    Flight *F = &st->flights[MAX_FLIGHTS];
+    F->job = job;
+    pthread_mutex_lock(&st->queue);
+    F->seq = st->seq++;
+    pthread_mutex_unlock(&st->queue);
+    for (;;) {
+        Cache *blocked = NULL;
+        i64 seen = 0;
+        double t = ps_now();
+        int r = plan_job(st->ops, F, &blocked, &seen);
+        if (r == 1) {
+            io_job(F, 0);
+            i64 status = F->io_status, table = F->io_table;
+            if (status == STAGE_OK && !finish_job(st->ops, F, st->times)) {
+                status = STAGE_DEVICE_ERROR;
+                table = job->done;
+            }
+            if (status != STAGE_OK) {
+                undo_tables(F, job->n_tables);
+                job->status = status;
+                job->done = table;
+            }
+            break;
+        }
+        if (r == 0) break;
+        /* other batches hold the slots: wait for one to be released; a flush may run meanwhile */
+        pthread_mutex_unlock(&st->run);
+        ps_cache_wait_release(blocked, seen, -1);
+        pthread_mutex_lock(&st->run);
+        st->times[T_WAIT] += ps_now() - t;
+    }
+    memset(F->times, 0, sizeof(F->times));
+    pthread_mutex_unlock(&st->run);
+    unlock_flights(st);
+    job->state = 2;
+    return job->status;
+}
+
+/* Queues `job` (the worker and the I/O threads start on first use); 0, or -1 when no thread can
+ * be started. */
 int ps_stager_submit(Stager *st, Job *job) {
     pthread_mutex_lock(&st->queue);
     if (!st->started) {
@@ -269,6 +625,21 @@ int ps_stager_submit(Stager *st, Job *job) {
             return -1;
         }
         st->started = 1;
+    }
+    while (st->io_threads < st->depth) {
+        IoThread *arg = (IoThread *)malloc(sizeof(IoThread));
+        if (!arg) break;
+        arg->st = st;
+        arg->lane = st->io_threads;
+        if (pthread_create(&st->io[st->io_threads], NULL, io_main, arg) != 0) {
+            free(arg);
+            break;
+        }
+        st->io_threads++;
+    }
+    if (st->io_threads == 0) {
+        pthread_mutex_unlock(&st->queue);
+        return -1;
     }
     job->state = 1;
     job->next = NULL;
@@ -290,7 +661,16 @@ i64 ps_stager_wait(Stager *st, Job *job) {
     return job->status;
 }
 
-void ps_stager_lock(Stager *st) { pthread_mutex_lock(&st->run); }
+/* Excludes staging (flush, load): waits until no job is in flight, and plans none until unlock. */
+void ps_stager_lock(Stager *st) {
+    lock_flights(st);
+    pthread_mutex_lock(&st->run);
+}
+
+void ps_stager_unlock(Stager *st) {
+    pthread_mutex_unlock(&st->run);
+    unlock_flights(st);
+}
 
 /* The phase times so far (N_TIMES seconds, in the enum's order), then zeroes them. */
 i64 ps_stager_times(Stager *st, double *out) {
@@ -300,9 +680,8 @@ i64 ps_stager_times(Stager *st, double *out) {
     pthread_mutex_unlock(&st->run);
     return N_TIMES;
 }
-void ps_stager_unlock(Stager *st) { pthread_mutex_unlock(&st->run); }
 
-/* Stops the worker after the jobs queued so far. */
+/* Stops the threads after the jobs queued so far. */
 void ps_stager_free(Stager *st) {
     if (!st) return;
     pthread_mutex_lock(&st->queue);
@@ -310,10 +689,14 @@ void ps_stager_free(Stager *st) {
     pthread_cond_broadcast(&st->changed);
     pthread_mutex_unlock(&st->queue);
     if (st->started) pthread_join(st->thread, NULL);
+    for (int k = 0; k < st->io_threads; k++) pthread_join(st->io[k], NULL);
     pthread_mutex_destroy(&st->run);
     pthread_mutex_destroy(&st->queue);
     pthread_cond_destroy(&st->changed);
-    free(st->scratch.block);
+    for (int p = 0; p <= MAX_FLIGHTS; p++) {
+        free(st->flights[p].arena);
+        free(st->flights[p].tp);
+    }
     free(st);
 }
 

@@ -27,7 +27,7 @@ import numpy as np
 from .. import native_build as spec
 
 (STAGE_OK, STAGE_WOULD_BLOCK, STAGE_FULL, STAGE_NEGATIVE_ID, STAGE_NO_MEMORY, STAGE_STORE_ERROR,
- STAGE_DEVICE_ERROR) = 0, -1, -2, -3, -4, -5, -6
+ STAGE_DEVICE_ERROR, STAGE_ABORTED) = 0, -1, -2, -3, -4, -5, -6, -7
 
 _lock = threading.Lock()
 _P = ctypes.c_void_p
@@ -61,6 +61,7 @@ _SIGNATURES = {
     "ps_stager_lock": (None, [_P]),
     "ps_stager_unlock": (None, [_P]),
     "ps_stager_times": (_I, [_P, _P]),
+    "ps_stager_set_depth": (None, [_P, _I]),
     "ps_cpu_ops_new": (ctypes.c_int, [_P]),
     "ps_cpu_ops_free": (None, [_P]),
     "ps_cuda_ops_new": (ctypes.c_int, [_P, ctypes.c_int, _P, ctypes.c_char_p, _P, _I]),

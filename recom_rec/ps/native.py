@@ -42,7 +42,7 @@ class StoreOps(ctypes.Structure):
 
 class TableJob(ctypes.Structure):
     _fields_ = [("cache", _P), ("store", _P), ("layout", _P), ("segs", _P), ("n_segs", _I), ("slots", _P),
-                ("counts", _I * 5)]
+                ("counts", _I * 5), ("store_lanes", _I)]
 
 
 class Job(ctypes.Structure):
@@ -118,16 +118,21 @@ class PythonStoreOps:
     thread calling them takes the GIL for their length. An exception is kept in ``error`` for the
     tier to raise, and the call reports failure."""
 
-    def __init__(self, get: Optional[Callable], put: Optional[Callable], init: Callable, width: int) -> None:
+    def __init__(self, get: Optional[Callable], put: Optional[Callable], init: Callable, width: int,
+                 lock: Optional[threading.Lock] = None) -> None:
         self.width = width
         self.error: Optional[BaseException] = None
+        # several jobs' store I/O may run at once (ps_stager_set_depth): a store registered by a
+        # user is called by one thread at a time (`lock`: one per store)
+        self._one_at_a_time = lock if lock is not None else threading.Lock()
         self._get, self._put, self._init = get, put, init
         # the CFUNCTYPE objects live as long as this object: C holds their addresses
         self.get_fn, self.put_fn, self.init_fn = _GET(self._on_get), _PUT(self._on_put), _INIT(self._on_init)
 
     def _guard(self, fn, *args) -> int:
         try:
-            fn(*args)
+            with self._one_at_a_time:
+                fn(*args)
             return 0
         except BaseException as exc:  # noqa: BLE001 - raised again by the tier after the job
             self.error = exc
@@ -157,8 +162,9 @@ class PythonStoreOps:
 
 
 class Stager:
-    """Runs staging jobs (one batch's PS tables) now or on a worker thread of its own; one job at a
-    time. :meth:`locked` excludes jobs (flush, load)."""
+    """Runs staging jobs (one batch's PS tables) now, or submitted: planned and finished in order
+    on a worker thread of its own, their store I/O on I/O threads, up to :meth:`set_depth` jobs in
+    flight. :meth:`lock` waits for the jobs in flight and excludes new ones (flush, load)."""
 
     def __init__(self, ops: DeviceOps) -> None:
         self.device_ops = ops  # kept alive while the stager refers to its ops
@@ -178,11 +184,21 @@ class Stager:
     def wait(self, job: Job) -> int:
         return self._lib.ps_stager_wait(self._st, ctypes.byref(job))
 
+    MAX_DEPTH = 4  # ps_stage.c's MAX_FLIGHTS
+
+    def set_depth(self, depth: int) -> None:
+        """Submitted jobs in flight at most: their plans are made in order, their store I/O runs
+        at once on ``depth`` threads (store lane k on thread k), they finish in order."""
+        self._lib.ps_stager_set_depth(self._st, int(depth))
+
     PHASES = ("fetch ids", "cache stage", "wait for slots", "read pushed rows", "store put", "store get",
-              "write pulled rows", "init new rows", "cache commit", "remapped ids", "job", "store put+get")
+              "write pulled rows", "init new rows", "cache commit", "remapped ids", "job", "store put+get",
+              "wait for earlier pushes", "jobs after earlier pushes", "jobs given back")
 
     def times(self) -> dict:
-        """Seconds per phase of the jobs since the last call (ps_stage.c's timers)."""
+        """Seconds per phase of the jobs since the last call (ps_stage.c's timers); the last two
+        are counts: jobs whose pulls waited for an earlier job in flight pushing the same ids, and
+        jobs given back (a failed job and the jobs in flight after it)."""
         out = (ctypes.c_double * len(self.PHASES))()
         self._lib.ps_stager_times(self._st, out)
         return dict(zip(self.PHASES, out))

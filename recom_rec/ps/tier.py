@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import inspect
 import threading
 import zlib
 from typing import Dict, List, Optional, Tuple
@@ -144,12 +145,15 @@ class _Table:
         # What a staging job reads (native.py): where the cache's rows are, and the store's ops.
         self.layout = native.RowLayout()
         self.layout_key = None  # (weight address, fused optimizer) the layout was made for
-        self.store_ops = native.StoreOps()
+        self.store_ops = (native.StoreOps * 1)()  # per store lane (connections of their own)
         self.py_ops: Optional[native.PythonStoreOps] = None  # callbacks, made for the current row width
-        self.native_store = None  # the store's C table the store ops point at
+        self.native_store = None  # the store's C table the store ops point at (lane 0)
+        self.lane_tables: list = []  # the C tables of every store lane
         # Read and written by the job itself (memory://, redis://...): the store's own class
         # offers a C table; a subclass, which may override the I/O, is called back in Python.
         self.native_io = "native_table" in type(store).__dict__
+        # its native_table takes a lane: connections of their own per staging I/O thread (Redis)
+        self.laned = self.native_io and "lane" in inspect.signature(store.native_table).parameters
 
 
 class _Pending:
@@ -167,8 +171,8 @@ class PSTier:
 
     A batch's staging (find its ids' slots, push dirty victims, pull misses, remap) is one native
     job (csrc/ps/ps_stage.c), run in the calling thread by :meth:`stage`, or on the tier's
-    worker thread by :meth:`submit` and :meth:`finish` (``wrap``). Jobs run one at a time; flush and
-    load take the stager's lock to run between them."""
+    worker thread by :meth:`submit` and :meth:`finish` (``wrap``), up to :meth:`set_depth` jobs in
+    flight; flush and load wait for the jobs in flight and run before the next one is planned."""
 
     def __init__(self, module, ps: Dict[str, PSConfig]) -> None:
         self._module_ref = module  # plain attribute: nn.Module does not register it
@@ -185,6 +189,8 @@ class PSTier:
         self._sync_handle: Optional[Handle] = None
         self._stream = None  # the tier's CUDA stream (see the per-batch section)
         self._stager_of: Optional[native.Stager] = None
+        self._depth = 1  # jobs in flight (set_depth)
+        self._store_locks: Dict[int, threading.Lock] = {}  # a store of Python callbacks: one thread at a time
         self._flush_lock = threading.RLock()
         self._load_prefix: Optional[str] = None
         self.prefetched = 0  # batches whose rows wrap() staged ahead of the forward
@@ -267,17 +273,24 @@ class PSTier:
             t.layout_key = key
         width = L.width
         table = t.store.native_table(t.name, width) if t.native_io else None  # memory://'s clear() replaces it
-        if t.py_ops is None or t.py_ops.width != width or table is not t.native_store:
+        # a store with lanes (Redis: connections per lane) serves each I/O thread on its own lane
+        lanes = self._depth if t.laned else 1
+        if t.py_ops is None or t.py_ops.width != width or table is not t.native_store or len(t.store_ops) != lanes:
             name = t.name
-            ops = native.StoreOps()
+            ops = (native.StoreOps * lanes)()
             if table is not None:
-                table.fill_store_ops(ops)
+                t.lane_tables = [table] + [t.store.native_table(name, width, lane=k) for k in range(1, lanes)]
+                for op, lane_table in zip(ops, t.lane_tables):
+                    lane_table.fill_store_ops(op)
                 py = native.PythonStoreOps(None, None, lambda ids: self._initial_rows(t, ids), width)
             else:
+                t.lane_tables = []
                 py = native.PythonStoreOps(lambda ids: t.store.get(name, ids, width, torch.float32),
                                            lambda ids, rows: t.store.put(name, ids, rows, unique_ids=True),
-                                           lambda ids: self._initial_rows(t, ids), width)
-            py.fill(ops)
+                                           lambda ids: self._initial_rows(t, ids), width,
+                                           self._store_locks.setdefault(id(t.store), threading.Lock()))
+            for op in ops:  # the init of never-seen rows (and a Python store's I/O): one callback
+                py.fill(op)
             t.store_ops, t.py_ops, t.native_store = ops, py, table
 
     # ------------------------------------------------------------------ per batch
@@ -353,6 +366,12 @@ class PSTier:
         pending = self._start(kjt, device or self._device(), submit=False)
         return (kjt, {}) if pending is None else self.finish(pending)
 
+    def set_depth(self, depth: int) -> None:
+        """Submitted jobs in flight at most (``wrap``'s prefetch): planned in batch order, their
+        store I/O at once, finished in batch order (csrc/ps/ps_stage.c)."""
+        self._depth = max(1, min(int(depth), native.Stager.MAX_DEPTH))
+        self._stager(self._device()).set_depth(self._depth)
+
     def submit(self, kjt: KeyedJaggedTensor) -> Optional[_Pending]:
         """Start staging ``kjt`` on the tier's worker thread; :meth:`finish` waits for it. None when
         the batch has no ids of PS tables."""
@@ -389,9 +408,10 @@ class PSTier:
             seg = torch.tensor([x - lo for ab in segs for x in ab], dtype=torch.int64)
             slots = torch.empty(sum(b - a for a, b in segs), dtype=torch.int64)
             parts.append((t, tj, slots))
-            refs += [seg, t.store_ops, t.layout, t.py_ops, t.native_store]
+            refs += [seg, t.store_ops, t.layout, t.py_ops, t.native_store, list(t.lane_tables)]
             tj.cache, tj.store, tj.layout = t.cache.handle, ctypes.addressof(t.store_ops), ctypes.addressof(t.layout)
             tj.segs, tj.n_segs, tj.slots = seg.data_ptr(), len(segs), slots.data_ptr()
+            tj.store_lanes = len(t.store_ops)
         job = native.Job(span=values.data_ptr() + lo * item, id_bytes=item, n=hi - lo,
                          out=out.data_ptr() + lo * item, tables=ctypes.addressof(tables), n_tables=len(plan))
         pending = _Pending(kjt, job, parts, refs, out, stager, ran=not submit)
@@ -403,11 +423,14 @@ class PSTier:
 
     def finish(self, pending: _Pending) -> Tuple[KeyedJaggedTensor, Handle]:
         """Wait for a job; the remapped KJT and the slots it pinned (release them when the batch is
-        done). A failed job raises, with every slot it had pinned released."""
+        done). A failed job raises; it gave every slot back itself (ps_stage.c)."""
         job = pending.job
         status = job.status if pending.ran else pending.stager.wait(job)
+        if status != host_lib.STAGE_OK:
+            t, tj, _ = pending.parts[min(job.done, len(pending.parts) - 1)]
+            raise self._job_error(t, tj, status, job, pending.stager)
         handle: Handle = {}
-        for t, tj, slots in pending.parts[:job.done]:
+        for t, tj, slots in pending.parts:
             distinct, misses, hits, pushed, evictions = tj.counts
             handle[t.name] = slots[:distinct].numpy()
             stats = t.cache.stats
@@ -415,10 +438,6 @@ class PSTier:
             stats["misses"] += misses
             stats["pushed"] += pushed
             stats["evictions"] += evictions
-        if status != host_lib.STAGE_OK:
-            self.release(handle)
-            t, tj, _ = pending.parts[job.done]
-            raise self._job_error(t, tj, status, job, pending.stager)
         kjt = pending.kjt
         remapped = KeyedJaggedTensor(
             keys=kjt.keys(), values=pending.out, weights=kjt.weights_or_none(), lengths=kjt.lengths(),
@@ -431,8 +450,10 @@ class PSTier:
         name, rows = t.name, t.cache.cache_rows
         if status == host_lib.STAGE_STORE_ERROR:
             exc, t.py_ops.error = t.py_ops.error, None  # raised by a Python store or init
-            if exc is None and t.native_store is not None:
-                exc = t.native_store.error()  # the C store's (None: memory:// out of memory)
+            for lane_table in t.lane_tables if exc is None else ():
+                exc = lane_table.error()  # the C store's (None: memory:// out of memory)
+                if exc is not None:
+                    break
             return exc if exc is not None else StoreError(f"{t.store.url} table {name!r}: out of host memory")
         if status == host_lib.STAGE_NEGATIVE_ID:
             return ValueError(f"table {name!r}: PS-backed tables take ids >= 0, got {job.error_at}")
@@ -445,6 +466,9 @@ class PSTier:
                              "flight); raise cache_rows")
         if status == host_lib.STAGE_NO_MEMORY:
             return MemoryError(f"table {name!r}: out of host memory staging a batch")
+        if status == host_lib.STAGE_ABORTED:
+            return StoreError(f"{t.store.url}: a batch staged ahead was given back because the staging of an "
+                              "earlier batch failed (that batch raised the cause)")
         return RuntimeError(f"table {name!r}: moving rows failed: {stager.device_ops.error()}")
 
     def release(self, handle: Optional[Handle], device: Optional[torch.device] = None) -> None:

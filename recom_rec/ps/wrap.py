@@ -52,6 +52,7 @@ class _Wrapped:
         for tier in tiers:
             tier.release_sync()
             tier.join()
+            tier.set_depth(self.prefetch)
         batches = iter(self.dataloader)
         queue: deque = deque()  # (batch, [(tier, pending job)]) staged or staging, in order
 

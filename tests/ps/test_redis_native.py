@@ -83,6 +83,61 @@ def test_key_slots_are_the_servers(redis_cluster):
         c.close()
 
 
+def test_cluster_rows_move_by_hash_tag_tens_of_keys_a_command(redis_cluster):
+    # a multi-key command must stay within one slot: a cluster table's keys carry one of 64 hash
+    # tags, whose slots spread over the masters, so one MSET / MGET moves a bucket's keys
+    with open_store(redis_cluster.url(prefix=_prefix())) as store:
+        ids = torch.arange(1850) * 7919
+        keys = store._keys("t", ids)
+        c = redis_cluster.servers[0].client()
+        try:
+            for key in keys[:40]:  # the tagged keys' slots as the server computes them
+                assert _slot(key) == c.execute_command("CLUSTER", "KEYSLOT", key), key
+        finally:
+            c.close()
+        slots = {_slot(key) for key in keys}
+        assert len(slots) == 64
+        owners = redis_cluster.owners()
+        per_master = [sum(owners[s] == k for s in slots) for k in range(3)]
+        assert min(per_master) >= 18, per_master  # 64 buckets over 3 even slot ranges: 21-22 each
+        rows = torch.randn(1850, 8)
+        before = store.native_stats()
+        store.put("t", ids, rows)
+        middle = store.native_stats()
+        got, found = store.get("t", ids, 8, torch.float32)
+        after = store.native_stats()
+        assert found.all() and torch.equal(got, rows)
+        assert middle["commands"] - before["commands"] == 64  # an MSET per tag (29 keys each here)
+        assert after["commands"] - middle["commands"] == 64
+        assert store._client.get(keys[5]) == rows[5].numpy().tobytes()  # the layout, as documented
+        assert sorted(store.scan_ids("t").tolist()) == sorted(ids.tolist())
+        store.delete("t", ids[:10])
+        assert not store.get("t", ids[:10], 8, torch.float32)[1].any()
+        store.clear("t")
+        assert store.scan_ids("t").numel() == 0
+
+
+def test_a_cluster_prefix_in_the_layout_without_hash_tags_is_refused(redis_cluster):
+    prefix = _prefix()
+    c = redis_cluster.servers[0].client()
+    old_key = f"{prefix}:emb:".encode() + (12345).to_bytes(8, "little")
+    server = redis_cluster.servers[redis_cluster.owners()[_slot(old_key)]]
+    c.close()
+    c = server.client()
+    try:
+        c.set(old_key, b"\0" * 16)  # a row as the layout before hash tags wrote it
+        with pytest.raises(StoreError, match="without a hash tag"):
+            open_store(redis_cluster.url(prefix=prefix))
+        c.delete(old_key)
+        with open_store(redis_cluster.url(prefix=prefix)) as store:  # an empty prefix is marked
+            store.put("emb", torch.tensor([1]), torch.ones(1, 4))
+            assert store._client.get(f"{prefix}:layout".encode()) == b"hash-tags-64"
+    finally:
+        c.close()
+    with open_store(redis_cluster.url(prefix=prefix)) as store:  # and opens again
+        assert store.get("emb", torch.tensor([1]), 4, torch.float32)[1].all()
+
+
 def test_refused_credentials_on_a_reconnect_are_not_an_outage(start_redis):
     server = start_redis()
     admin = server.client()
@@ -175,8 +230,9 @@ def test_cluster_resharded_while_training_loses_no_row(tmp_path):
         ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
         ref_outs = train(ref, data)
         # the slots of the table's keys, moved from node to node for as long as training runs
-        head = f"{prefix}:big:".encode()
-        slots = sorted({_slot(head + i.to_bytes(8, "little")) for i in range(1000)})
+        keys = m._ps.tables["big"].store._keys("big", torch.arange(1000))
+        slots = sorted({_slot(key) for key in keys})
+        assert len(slots) == 64  # the cluster layout's hash tags
         owner = cluster.owners()
         done, errors, moved = threading.Event(), [], [0]
 

@@ -103,7 +103,7 @@ def test_cached_training_matches_in_memory(store, redis_server):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
-@pytest.mark.parametrize("prefetch", [None, 1, 2])
+@pytest.mark.parametrize("prefetch", [None, 1, 2, 4])
 def test_cached_training_on_the_test_device_matches_in_memory(optimizer, prefetch):
     # RECOM_TEST_DEVICE=cuda (the GPU run) puts the cache on the GPU and runs the Triton kernels;
     # with prefetch the tier stages on its own CUDA stream while the batch before trains, so a

@@ -15,7 +15,7 @@ from .base import StoreError, StoreUnavailable, scrub_secrets
 
 #: ps_redis.c's counters, in its order (ps_redis_stats).
 STATS = ("commands", "bytes_out", "bytes_in", "rows_got", "rows_put", "exchanges", "seconds", "moved", "ask",
-         "retries")
+         "retries", "cpu_seconds", "encode_seconds")
 
 
 class NativeTable:

@@ -8,16 +8,20 @@ URL forms (query arguments ``prefix`` and ``retry_timeout`` are ours, the rest g
     redis+cluster://[user:password@]host:port[,host:port...]?prefix=NAME
 
 Layout: the row of (table, id) is the value of key ``{prefix}:{table}:`` + the id as 8 bytes
-little-endian, holding the row's raw bytes (``width * itemsize``). No other keys are written:
+little-endian, holding the row's raw bytes (``width * itemsize``). On a cluster the key starts
+with a hash tag, ``{tag}``, one of 64 (the id's bucket: the top 6 bits of id * 0x9E3779B97F4A7C15
+mod 2^64; the tags spread evenly over the slots, see csrc/ps/ps_redis.c), so that one MGET/MSET
+moves all of a batch's keys of a bucket; the key ``{prefix}:layout`` marks that layout, and a
+cluster prefix holding keys of the layout before (no tags) is refused at open. Otherwise no
+other keys are written:
 ``scan_ids``/``clear`` use SCAN with MATCH on the key head, so a put is a single MSET and needs
 no id-set bookkeeping (SCAN is O(keys in the db), acceptable for checkpoints/cold starts, which
 is when the PS tier scans).
 
 Rows: a batch's get and put are run by the C client of csrc/ps/ps_redis.c (:mod:`.redis_native`),
 which the tier's staging job also calls without the GIL: one server gets pipelined MGET/MSET
-commands of 512 keys; a cluster gets a GET/SET per key, pipelined per master, every master's
-pipeline in flight at once (no hash tags, so a table's rows spread over all shards), -MOVED and
--ASK followed. redis-py keeps the control path: PING at open, SCAN, DEL.
+commands of 512 keys; a cluster gets an MGET/MSET per hash tag, pipelined per master, every
+master's pipeline in flight at once, -MOVED and -ASK followed. redis-py keeps the control path: PING at open, SCAN, DEL.
 
 Failures: connection errors and timeouts are retried with exponential backoff until
 ``retry_timeout`` seconds have passed since the operation started, then
@@ -27,9 +31,12 @@ an unreachable server fails fast (small connect timeout + PING).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import ssl
+import threading
 import time
-from typing import Callable, List, Sequence, Tuple, TypeVar
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import numpy as np
@@ -48,6 +55,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from .. import host_lib
 from .base import RowStore, StoreError, StoreUnavailable, scrub_secrets
 from .redis_native import NativeClient, NativeTable
 from .registry import join_url, redact_url
@@ -92,10 +100,16 @@ class RedisStore(RowStore):
         redacted_url: str,
         native: NativeClient,
         secrets: Sequence[str] = (),
+        new_lane: Optional[Callable[[], NativeClient]] = None,
     ):
         super().__init__(redacted_url)
         self._client = client
         self._native = native
+        # Store lanes: a client (connections) of its own per staging I/O thread, so that several
+        # batches' I/O is in flight at once (lane 0 also serves the store's own get/put).
+        self._lanes: List[NativeClient] = [native]
+        self._new_lane = new_lane
+        self._lanes_lock = threading.Lock()
         self._cluster = cluster
         self._prefix = prefix
         self._retry_timeout = retry_timeout
@@ -118,17 +132,32 @@ class RedisStore(RowStore):
     def _put(self, table, ids, rows) -> None:
         self._table(table, rows.shape[1] * rows.element_size()).put(ids, rows)
 
-    def native_table(self, table: str, width: int) -> NativeTable:
+    def native_table(self, table: str, width: int, lane: int = 0) -> NativeTable:
         """The C table of ``table``'s float32 rows of ``width``, which the tier's staging job reads
-        and writes itself (csrc/ps/ps_redis.c)."""
+        and writes itself (csrc/ps/ps_redis.c), on store lane ``lane`` (connections of its own:
+        the staging's I/O thread ``lane`` uses them)."""
         self._check_open()
-        return self._table(table, width * 4)
+        return self._lane(lane).table(table, self._head(table), width * 4)
+
+    def _lane(self, lane: int) -> NativeClient:
+        with self._lanes_lock:
+            while len(self._lanes) <= lane:
+                if self._new_lane is None:
+                    return self._lanes[lane % len(self._lanes)]
+                self._lanes.append(self._new_lane())
+            return self._lanes[lane]
 
     def native_stats(self) -> dict:
-        """The C client's counters since the store was opened: commands, RESP bytes out and in,
-        rows got and put, exchanges and the seconds spent in them, MOVED / ASK redirections,
-        retried attempts."""
-        return self._native.stats()
+        """The C client's counters since the store was opened (every lane summed): commands, RESP
+        bytes out and in, rows got and put, exchanges and the seconds spent in them, MOVED / ASK
+        redirections, retried attempts."""
+        with self._lanes_lock:
+            lanes = list(self._lanes)
+        total: dict = {}
+        for lane in lanes:
+            for name, value in lane.stats().items():
+                total[name] = total.get(name, 0.0) + value
+        return total
 
     def server_command_usec(self) -> float:
         """Microseconds the server (every master of a cluster) has spent running commands since it
@@ -153,7 +182,7 @@ class RedisStore(RowStore):
         head = self._head(table)
 
         def scan() -> torch.Tensor:
-            suffixes = [k[len(head) :] for k in self._scan_keys(head)]
+            suffixes = [k[-8:] for k in self._scan_keys(head)]
             if not suffixes:
                 return torch.zeros(0, dtype=torch.int64)
             ids = np.frombuffer(b"".join(suffixes), dtype="<i8").astype(np.int64)
@@ -177,7 +206,10 @@ class RedisStore(RowStore):
         self._retrying("clear", clear)
 
     def _close(self) -> None:
-        self._native.close()
+        with self._lanes_lock:
+            lanes = list(self._lanes)
+        for lane in lanes:
+            lane.close()
         try:
             self._client.close()
         except RedisError:
@@ -189,15 +221,25 @@ class RedisStore(RowStore):
         return f"{self._prefix}:{table}:".encode()
 
     def _keys(self, table: str, ids: torch.Tensor) -> List[bytes]:
-        return [key.tobytes() for key in _key_array(self._head(table), ids)]
+        keys = [key.tobytes() for key in _key_array(self._head(table), ids)]
+        if self._cluster:  # the hash tag of each id's bucket in front (see the module docstring)
+            tags = _bucket_tags()
+            keys = [tags[b] + key for b, key in zip(_buckets(ids).tolist(), keys)]
+        return keys
 
     def _scan_keys(self, head: bytes):
-        """Keys of exactly ``head`` + 8 id bytes (the length check rejects foreign keys that
-        happen to match the glob)."""
-        pattern = _escape_glob(head) + b"*"
+        """Keys of exactly ``head`` + 8 id bytes, on a cluster behind one of the bucket tags (the
+        checks reject foreign keys that happen to match the glob)."""
         want = len(head) + 8
-        for key in self._client.scan_iter(match=pattern, count=1000):
-            if len(key) == want and key.startswith(head):
+        if not self._cluster:
+            for key in self._client.scan_iter(match=_escape_glob(head) + b"*", count=1000):
+                if len(key) == want and key.startswith(head):
+                    yield key
+            return
+        tags = set(_bucket_tags())
+        for key in self._client.scan_iter(match=b"{*}" + _escape_glob(head) + b"*", count=1000):
+            tag = key[:key.find(b"}") + 1]
+            if tag in tags and len(key) == len(tag) + want and key.startswith(head, len(tag)):
                 yield key
 
     # ------------------------------------------------------------------ batched commands
@@ -278,6 +320,8 @@ def open_redis_store(url: str) -> RedisStore:
         else:
             client = _single_client(parts, rest)
         client.ping()
+        if cluster:
+            check_cluster_layout(client, prefix, redacted)
     except _AUTH as exc:
         raise StoreError(
             f"cannot open {redacted}: authentication failed: "
@@ -293,6 +337,7 @@ def open_redis_store(url: str) -> RedisStore:
     native = _native_client(client, cluster, parts, redacted, retry_timeout, secrets)
     return RedisStore(
         client,
+        new_lane=lambda: _native_client(client, cluster, parts, redacted, retry_timeout, secrets),
         cluster=cluster,
         prefix=prefix,
         retry_timeout=retry_timeout,
@@ -407,6 +452,51 @@ def _key_array(head: bytes, ids: torch.Tensor) -> np.ndarray:
     keys[:, :len(head)] = np.frombuffer(head, dtype=np.uint8)
     keys[:, len(head):] = packed.view(np.uint8).reshape(-1, 8)
     return keys
+
+
+@functools.lru_cache(maxsize=None)
+def _bucket_tags() -> Tuple[bytes, ...]:
+    """The cluster layout's hash tags, ``{tag}`` of each bucket (csrc/ps/ps_redis.c computes them)."""
+    lib = host_lib.lib()
+    out = ctypes.create_string_buffer(16)
+    tags = []
+    for b in range(lib.ps_redis_buckets()):
+        n = lib.ps_redis_bucket_tag(b, out, len(out))
+        tags.append(b"{" + out.raw[:n] + b"}")
+    return tuple(tags)
+
+
+def _buckets(ids: torch.Tensor) -> np.ndarray:
+    """The bucket of each id: the top 6 bits of id * 0x9E3779B97F4A7C15 mod 2^64."""
+    with np.errstate(over="ignore"):
+        return (ids.numpy().astype(np.int64).view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(58)
+
+
+#: The cluster layout's marker key, ``{prefix}:layout``: its value names the layout.
+CLUSTER_LAYOUT = b"hash-tags-64"
+
+
+def check_cluster_layout(client, prefix: str, redacted: str) -> None:
+    """Refuse a cluster store written with the layout before hash tags (keys ``{prefix}:...``
+    without a tag: this version would not find their rows), and mark a new one. The first open
+    of a prefix scans the cluster once for such keys."""
+    marker = f"{prefix}:layout".encode()
+    value = client.get(marker)
+    if value == CLUSTER_LAYOUT:
+        return
+    if value is not None:
+        raise StoreError(f"{redacted}: prefix {prefix!r} holds rows of an unknown layout {value!r} (key {marker!r}); "
+                         f"this recom_rec writes {CLUSTER_LAYOUT!r}")
+    old = _escape_glob(f"{prefix}:".encode()) + b"*"
+    for key in client.scan_iter(match=old, count=1000):
+        if key != marker:
+            raise StoreError(
+                f"{redacted}: prefix {prefix!r} holds rows in the cluster layout without hash tags (keys "
+                f"{prefix}:<table>:<id> without a hash tag, e.g. {key[:60]!r}); this version keys a cluster's rows "
+                "by hash tag ({tag}{prefix}:<table>:<id>) and would not find them. Export the tables with the "
+                "recom_rec that wrote them and load them with this one (docs/parameter-server.md), or use another "
+                "prefix")
+    client.set(marker, CLUSTER_LAYOUT, nx=True)
 
 
 def _chunks(items: list) -> List[list]:
