@@ -7,7 +7,9 @@
  * CUDA stream (torch's stream handle) in the primary context, the one torch uses.
  *
  * Host buffers are page-locked, so copies from them are asynchronous; a buffer is reused only
- * after a stream sync (fetch_ids, sync, read_rows), and grown only after one.
+ * after a stream sync (fetch_ids, sync, read_rows), and grown only after one. write_rows,
+ * init_rows and put_ids stage their arguments in one pinned buffer each: the caller syncs before
+ * calling the same op again (RowOps, ps_host.h; ps_stage.c's sync_before).
  */
 #include "ps_host.h"
 

@@ -98,7 +98,9 @@ typedef struct {
 
 /* Moving rows between the cache (host or device memory) and the host. Each returns 0 on success.
  * The host buffers handed to write_rows, init_rows and put_ids stay untouched until the ops' next
- * sync, so a device may copy from them asynchronously. */
+ * sync, so a device may copy from them asynchronously; and a second call of write_rows, init_rows
+ * or put_ids comes after a sync (the ops may still read their own staging of the previous call's
+ * arguments: ps_cuda.c's one pinned buffer per op). */
 typedef struct RowOps {
     void *ctx;
     /* `n` ids, `id_bytes` (4 or 8) wide at `src` (where the batch's ids are), into `dst` as

@@ -141,7 +141,7 @@ static void undo_tables(Flight *F, i64 upto) {
 
 /* 1: planned; 0: failed (job->status, job->done set; nothing held); -1: a table lacks unpinned
  * slots now (nothing held; *blocked = that table's cache, *seen = its releases before the try). */
-static int plan_job(const RowOps *ops, Flight *F, Cache **blocked, i64 *seen) {
+static int plan_job(const RowOps *ops, Flight *F, int *queued, Cache **blocked, i64 *seen) {
     Job *job = F->job;
     void *ctx = ops->ctx;
     double t = ps_now();
@@ -160,6 +160,7 @@ static int plan_job(const RowOps *ops, Flight *F, Cache **blocked, i64 *seen) {
         job->status = STAGE_DEVICE_ERROR;
         return 0;
     }
+    *queued = 0; /* fetch_ids waited for everything queued */
     memcpy(F->remap, F->span, sizeof(i64) * (size_t)job->n);
     lap(F->times, T_FETCH, &t);
     i64 at = 0, bytes = 0, status = STAGE_OK;
@@ -308,24 +309,41 @@ static void io_job(Flight *F, int lane) {
     }
 }
 
+/* The row ops may read their own copy of a write_rows, init_rows or put_ids call's arguments
+ * until their next sync (ps_cuda.c stages them in one pinned buffer per op, copied to the device
+ * asynchronously): a second call of the same op waits for a sync first. *queued: the ops called
+ * since the last sync (Q_*), kept by the stager across its jobs. */
+enum { Q_WRITE = 1, Q_INIT = 2, Q_IDS = 4 };
+
+static int sync_before(const RowOps *ops, int *queued, int op) {
+    if (!(*queued & op)) return 0;
+    if (ops->sync(ops->ctx)) return -1;
+    *queued = 0;
+    return 0;
+}
+
 /* Writes a job's pulled rows and remapped ids (its store I/O succeeded). 0 on a device error. */
-static int finish_job(const RowOps *ops, Flight *F, double *times) {
+static int finish_job(const RowOps *ops, Flight *F, int *queued, double *times) {
     Job *job = F->job;
     void *ctx = ops->ctx;
     double t = ps_now();
     for (i64 k = 0; k < job->n_tables; k++) {
         TableJob *tj = &job->tables[k];
         TablePlan *P = &F->tp[k];
-        if (P->kept > 0 && ops->write_rows(ctx, tj->layout, P->kslots, P->kept, P->rows)) {
+        if (P->kept > 0 && (sync_before(ops, queued, Q_WRITE) ||
+                            ops->write_rows(ctx, tj->layout, P->kslots, P->kept, P->rows))) {
             job->done = k;
             return 0;
         }
+        if (P->kept > 0) *queued |= Q_WRITE;
         F->wrote |= P->kept > 0;
         lap(F->times, T_WRITE, &t);
-        if (P->fresh > 0 && ops->init_rows(ctx, tj->layout, P->fslots, P->fids, P->fresh)) {
+        if (P->fresh > 0 && (sync_before(ops, queued, Q_INIT) ||
+                             ops->init_rows(ctx, tj->layout, P->fslots, P->fids, P->fresh))) {
             job->done = k;
             return 0;
         }
+        if (P->fresh > 0) *queued |= Q_INIT;
         lap(F->times, T_INIT, &t);
     }
     for (i64 k = 0; k < job->n_tables; k++) {
@@ -334,10 +352,11 @@ static int finish_job(const RowOps *ops, Flight *F, double *times) {
         for (i64 g = 0, at = 0; g < tj->n_segs; g++)
             for (i64 p = tj->segs[2 * g]; p < tj->segs[2 * g + 1]; p++) F->remap[p] = P->pos_slot[at++];
     }
-    if (ops->put_ids(ctx, F->remap, job->n, job->out, (int)job->id_bytes)) {
+    if (sync_before(ops, queued, Q_IDS) || ops->put_ids(ctx, F->remap, job->n, job->out, (int)job->id_bytes)) {
         job->done = 0;
         return 0;
     }
+    *queued |= Q_IDS;
     lap(F->times, T_PUT_IDS, &t);
     for (i64 k = 0; k < job->n_tables; k++) /* acknowledged: later pulls of these ids need not wait */
         ps_cache_pushing(job->tables[k].cache, F->tp[k].pids, F->tp[k].np, F->seq, 0);
@@ -361,6 +380,7 @@ typedef struct {
     int lockers;            /* ps_stager_lock / ps_stager_run callers: nothing new is planned */
     int blocked;            /* the head lacks slots: plan it again once a flight finished */
     int aborting;           /* a failed job and those after it are being taken back */
+    int queued;             /* row ops called since their last sync (Q_*; under `run`) */
     pthread_t thread, io[MAX_FLIGHTS];
     Flight flights[MAX_FLIGHTS + 1]; /* the ring, then ps_stager_run's */
     i64 first, count, seq;
@@ -436,7 +456,7 @@ static void *worker_main(void *arg) {
             pthread_mutex_unlock(&st->queue);
             pthread_mutex_lock(&st->run);
             i64 status = old->io_status, table = old->io_table;
-            int ok = status == STAGE_OK && finish_job(st->ops, old, st->times);
+            int ok = status == STAGE_OK && finish_job(st->ops, old, &st->queued, st->times);
             if (!ok) {
                 if (status == STAGE_OK) {
                     status = STAGE_DEVICE_ERROR;
@@ -468,7 +488,7 @@ static void *worker_main(void *arg) {
             Cache *blocked = NULL;
             i64 seen = 0;
             double t = ps_now();
-            int r = plan_job(st->ops, F, &blocked, &seen);
+            int r = plan_job(st->ops, F, &st->queued, &blocked, &seen);
             if (r == 0) {
                 st->times[T_JOB] += ps_now() - t;
                 memset(F->times, 0, sizeof(F->times));
@@ -586,11 +606,11 @@ i64 ps_stager_run(Stager *st, Job *job) {
         Cache *blocked = NULL;
         i64 seen = 0;
         double t = ps_now();
-        int r = plan_job(st->ops, F, &blocked, &seen);
+        int r = plan_job(st->ops, F, &st->queued, &blocked, &seen);
         if (r == 1) {
             io_job(F, 0);
             i64 status = F->io_status, table = F->io_table;
-            if (status == STAGE_OK && !finish_job(st->ops, F, st->times)) {
+            if (status == STAGE_OK && !finish_job(st->ops, F, &st->queued, st->times)) {
                 status = STAGE_DEVICE_ERROR;
                 table = job->done;
             }
