@@ -4,6 +4,9 @@ type: kernel time table and the host's time per forward. GPU only.
     python tools/profile_quant.py --workload many-4000 --row-types int8 int4 fp16
 """
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -16,6 +19,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--workload", default="many-4000")
     p.add_argument("--row-types", nargs="+", default=["int8", "int4", "fp16"])
+    p.add_argument("--host", action="store_true", help="also a cProfile of our forward's host side")
     args = p.parse_args()
     device = torch.device("cuda")
     w = get_workload(args.workload, False)
@@ -37,6 +41,15 @@ def main():
                         peer.forward(kjt)
                     torch.cuda.synchronize()
                 print(f"== {args.workload} {t} {name}: host issue {host:.3f} ms a forward")
+                if args.host and name == "recom_rec":  # where the host's time goes, 20 forwards
+                    profiler = cProfile.Profile()
+                    profiler.enable()
+                    for _ in range(20):
+                        peer.forward(kjt)
+                    profiler.disable()
+                    text = io.StringIO()
+                    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
+                    print(text.getvalue())
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6, max_name_column_width=70))
         del peers
         torch.cuda.empty_cache()
