@@ -147,13 +147,9 @@ static void runs_clear(Cache *c) {
 /* Adds the sorted e[0..n) as a run (copied). Returns 0 when out of memory. */
 static int runs_add(Cache *c, const Entry *e, i64 n) {
     if (n == 0) return 1;
-    if (c->n_runs == c->runs_cap) {
-        i64 cap = c->runs_cap ? 2 * c->runs_cap : 64;
-        Run *grown = (Run *)realloc(c->runs, sizeof(Run) * (size_t)cap);
-        if (!grown) return 0;
-        c->runs = grown;
-        c->runs_cap = cap;
-    }
+    Run *runs = (Run *)ps_room_for_one(c->runs, &c->runs_cap, c->n_runs, sizeof(Run), 64);
+    if (!runs) return 0;
+    c->runs = runs;
     Entry *copy = (Entry *)malloc(sizeof(Entry) * (size_t)n);
     if (!copy) return 0;
     memcpy(copy, e, sizeof(Entry) * (size_t)n);

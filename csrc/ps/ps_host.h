@@ -16,6 +16,7 @@
 #define RECOM_REC_PS_HOST_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <time.h>
 
 typedef int64_t i64;
@@ -26,6 +27,17 @@ static inline double ps_now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* A growable array (`items`, n used of *cap) with room for one more item: `items` itself, or,
+ * when full, its copy at twice the capacity (`first` items at first; *cap updated). NULL when
+ * out of memory, `items` then left as it was. */
+static inline void *ps_room_for_one(void *items, i64 *cap, i64 n, size_t item_size, i64 first) {
+    if (n < *cap) return items;
+    i64 grown = *cap ? 2 * *cap : first;
+    void *p = realloc(items, item_size * (size_t)grown);
+    if (p) *cap = grown;
+    return p;
 }
 
 #define FREE_SLOT (-1)

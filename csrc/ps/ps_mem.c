@@ -76,13 +76,9 @@ static int new_row(const MemTable *t, Shard *s, i64 *r) {
         return 1;
     }
     if (s->used == s->n_chunks * t->chunk_rows) {
-        if (s->n_chunks == s->chunks_cap) {
-            i64 cap = s->chunks_cap ? 2 * s->chunks_cap : 16;
-            char **grown = (char **)realloc(s->chunks, sizeof(char *) * (size_t)cap);
-            if (!grown) return 0;
-            s->chunks = grown;
-            s->chunks_cap = cap;
-        }
+        char **chunks = (char **)ps_room_for_one(s->chunks, &s->chunks_cap, s->n_chunks, sizeof(char *), 16);
+        if (!chunks) return 0;
+        s->chunks = chunks;
         char *chunk = (char *)big_alloc((size_t)(t->chunk_rows * t->row_bytes));
         if (!chunk) return 0;
         s->chunks[s->n_chunks++] = chunk;
@@ -128,16 +124,12 @@ static void run_shard(void *ctx, int k) {
             }
             memcpy(row_at(t, s, r), b->rows + p * t->row_bytes, width);
         } else if (r >= 0) {
-            if (s->n_freed == s->freed_cap) {
-                i64 cap = s->freed_cap ? 2 * s->freed_cap : 256;
-                i64 *grown = (i64 *)realloc(s->freed, sizeof(i64) * (size_t)cap);
-                if (!grown) {
-                    __atomic_store_n(&b->failed, 1, __ATOMIC_RELAXED);
-                    break;
-                }
-                s->freed = grown;
-                s->freed_cap = cap;
+            i64 *freed = (i64 *)ps_room_for_one(s->freed, &s->freed_cap, s->n_freed, sizeof(i64), 256);
+            if (!freed) {
+                __atomic_store_n(&b->failed, 1, __ATOMIC_RELAXED);
+                break;
             }
+            s->freed = freed;
             s->freed[s->n_freed++] = r;
             map_erase(&s->map, id);
         }

@@ -252,25 +252,17 @@ static void close_all(RedisClient *c) {
 }
 
 static int add_req(Node *nd, int kind, i64 first, i64 count) {
-    if (nd->n_reqs == nd->cap_reqs) {
-        i64 cap = nd->cap_reqs ? 2 * nd->cap_reqs : 64;
-        Req *r = (Req *)realloc(nd->reqs, sizeof(Req) * (size_t)cap);
-        if (!r) return 0;
-        nd->reqs = r;
-        nd->cap_reqs = cap;
-    }
+    Req *reqs = (Req *)ps_room_for_one(nd->reqs, &nd->cap_reqs, nd->n_reqs, sizeof(Req), 64);
+    if (!reqs) return 0;
+    nd->reqs = reqs;
     nd->reqs[nd->n_reqs++] = (Req){kind, first, count};
     return 1;
 }
 
 static int add_pos(Node *nd, i64 p) {
-    if (nd->n_pos == nd->cap_pos) {
-        i64 cap = nd->cap_pos ? 2 * nd->cap_pos : 256;
-        i64 *q = (i64 *)realloc(nd->pos, sizeof(i64) * (size_t)cap);
-        if (!q) return 0;
-        nd->pos = q;
-        nd->cap_pos = cap;
-    }
+    i64 *pos = (i64 *)ps_room_for_one(nd->pos, &nd->cap_pos, nd->n_pos, sizeof(i64), 256);
+    if (!pos) return 0;
+    nd->pos = pos;
     nd->pos[nd->n_pos++] = p;
     return 1;
 }
