@@ -37,10 +37,10 @@ def cycling_batches(n, groups=4, seed=0):
 
 
 class _SlowStore(MemoryStore):
-    """memory:// whose puts take a while (a far store), and that fails while ``down`` is set, or
-    from its ``fail_put``-th put call on (after a second: the jobs after it are planned by then).
-    It counts the ids it was asked to get while a put of the same id was still running: the
-    store's answer for those is not defined."""
+    """memory:// whose puts take a while (a far store). A put or get called while ``down`` is set,
+    or a put from the ``fail_put``-th call on, fails after a second (the jobs after it are
+    planned by then). It counts the ids it was asked to get while a put of the same id was still
+    running: the store's answer for those is not defined."""
 
     def __init__(self, put_seconds):
         super().__init__()
@@ -53,16 +53,20 @@ class _SlowStore(MemoryStore):
         self.pulled_while_putting = 0
         self.lock = threading.Lock()
 
+    def _fail_later(self, what):
+        time.sleep(1.0)
+        raise StoreUnavailable(f"slow://: {what} failed (down)")
+
     def _put(self, table, ids, rows):
         with self.lock:
             self.put_calls += 1
-            failing = self.fail_put is not None and self.put_calls >= self.fail_put
+            failing = self.down or (self.fail_put is not None and self.put_calls >= self.fail_put)
             for i in ids.tolist():
                 self.putting[i] = self.putting.get(i, 0) + 1
         try:
-            time.sleep(1.0 if failing else self.put_seconds)
-            if self.down or failing:
-                raise StoreUnavailable("slow://: put failed (down)")
+            if failing:
+                self._fail_later("put")
+            time.sleep(self.put_seconds)
             self.puts += 1
             super()._put(table, ids, rows)
         finally:
@@ -74,14 +78,14 @@ class _SlowStore(MemoryStore):
         with self.lock:
             self.pulled_while_putting += sum(self.putting.get(i, 0) > 0 for i in ids.tolist())
         if self.down:
-            raise StoreUnavailable("slow://: get failed (down)")
+            self._fail_later("get")
         return super()._get(table, ids, width, dtype)
 
 
-def slow_model(put_seconds):
+def slow_model(put_seconds, cache_rows=3 * GROUP):
     stores = []
     register_store("slow", lambda url: stores.append(_SlowStore(put_seconds)) or stores[-1], replace=True)
-    m = ps_model("slow://", cache_rows=3 * GROUP)
+    m = ps_model("slow://", cache_rows=cache_rows)
     return m, stores[-1]
 
 
@@ -202,8 +206,10 @@ def test_rows_forwarded_between_jobs_in_flight_match_in_memory(where, prefetch, 
 
 
 def test_a_store_failing_with_jobs_in_flight_gives_them_all_back_and_loses_no_row():
-    data = cycling_batches(14)
-    m, store = slow_model(put_seconds=0.1)
+    # a cache of four groups, five cycling: a job's slots are free when it is submitted (three
+    # batches ahead), so every submitted job is in flight
+    data = cycling_batches(14, groups=5)
+    m, store = slow_model(put_seconds=0.1, cache_rows=4 * GROUP)
     ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
     tier, cache = m._ps, m._ps.tables["big"].cache
     tier.stager_times()
@@ -212,8 +218,9 @@ def test_a_store_failing_with_jobs_in_flight_gives_them_all_back_and_loses_no_ro
         for kjt in ps.wrap(data, m, prefetch=3):
             done.append(step(m, kjt))
             if len(done) == 5:
-                # jobs of the next three batches are submitted; the store's puts take 0.1 s each,
-                # so the oldest unfinished job fails with later ones planned on top of it
+                # jobs of the next three batches are submitted; the store's calls from now on
+                # fail after a second, so the oldest unfinished job fails with later ones planned
+                # on top of it
                 store.down = True
     times = tier.stager_times()
     assert times["jobs given back"] >= 2, times  # the failed job and at least one after it
