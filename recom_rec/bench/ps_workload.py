@@ -107,7 +107,7 @@ def _staging_ms(model, batches, device, phases: Optional[Dict[str, float]] = Non
         tier.release_sync()
         if phases is not None:
             for name, seconds in tier.stager_times().items():
-                if not name.startswith("jobs "):  # counts, not seconds
+                if not name.startswith(("jobs ", "rows ")):  # counts, not seconds
                     phases[name] = phases.get(name, 0.0) + seconds / STEPS * 1e3
     return total / STEPS * 1e3
 
@@ -259,7 +259,7 @@ def format_ps(results: List[Dict]) -> str:
             server = f"{t['server_ms']:>10.3f}" if "server_ms" in t else f"{'':>10}"
             wire = (f"{t['resp_bytes_out'] / 1e3:>12.1f}{t['resp_bytes_in'] / 1e3:>11.1f}{t['resp_commands']:>9.0f}"
                     if "resp_bytes_out" in t else f"{'':>32}")
-            wire += f"{t.get('forwarded', 0.0):>10.0f}"
+            wire += f"{t.get('forwarded', 0.0):>10.1f}"
             lines.append(f"{'':<17}{r['peer']:<50}{t['pulled_per_batch']:>8.0f}{t['pushed_per_batch']:>8.0f}"
                          f"{t['job_ms']:>8.3f}{t['store_ms']:>9.3f}{server}{wire}")
     lines.append("job ms: the staging job (ps_stage.c) per batch, from its plan to its finish (with prefetch N, up "
