@@ -261,11 +261,11 @@ static int plan_job(const RowOps *ops, Flight *F, Flight *const *earlier, int n_
     }
     /* misses that earlier jobs in flight push (their rows forwarded below); then this job's pushes
      * are in flight */
-    for (i64 k = 0; k < job->n_tables; k++) {
+    for (i64 k = 0; k < job->n_tables; k++)
+        if (F->tp[k].m > 0) ps_cache_pushing_find(job->tables[k].cache, F->tp[k].new_ids, F->tp[k].m, F->tp[k].serial);
+    for (i64 k = 0; k < job->n_tables && status == STAGE_OK; k++) {
         TablePlan *P = &F->tp[k];
-        Cache *c = job->tables[k].cache;
-        if (P->m > 0) ps_cache_pushing_find(c, P->new_ids, P->m, P->serial);
-        if (status == STAGE_OK && P->np > 0 && !ps_cache_pushing_add(c, P->pids, P->np, &P->push_first))
+        if (P->np > 0 && !ps_cache_pushing_add(job->tables[k].cache, P->pids, P->np, &P->push_first))
             status = STAGE_NO_MEMORY;
     }
     char *buf = NULL;
