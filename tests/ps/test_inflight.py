@@ -285,9 +285,12 @@ class _RandomlyFailingStore(MemoryStore):
         return super()._get(table, ids, width, dtype)
 
 
-def test_random_store_failures_with_four_jobs_in_flight_lose_no_row():
+@pytest.mark.parametrize("loop", ["wrap", "bursts"])
+def test_random_store_failures_with_four_jobs_in_flight_lose_no_row(loop):
     # every failure takes back the failed job and the ones in flight after it; training restarts
-    # at the failed batch and must end exactly where the in-memory run ends
+    # at the failed batch and must end exactly where the in-memory run ends. In bursts, a burst's
+    # third job takes the rows its first job pushes (batch k evicts batch k + 2's rows), so the
+    # failures also hit jobs whose pushes were forwarded and jobs that took forwarded rows.
     stores = []
     register_store("randfail", lambda url: stores.append(_RandomlyFailingStore(0.15)) or stores[-1], replace=True)
     data = cycling_batches(40, groups=5, seed=9)
@@ -298,14 +301,20 @@ def test_random_store_failures_with_four_jobs_in_flight_lose_no_row():
     outs, restarts = [], 0
     while len(outs) < len(data):
         try:
-            for kjt in ps.wrap(data[len(outs):], m, prefetch=4):
-                outs.append(step(m, kjt))
+            if loop == "wrap":
+                for kjt in ps.wrap(data[len(outs):], m, prefetch=4):
+                    outs.append(step(m, kjt))
+            else:
+                train_in_bursts(m, data[len(outs):], 4, outs)
         except StoreUnavailable:
             restarts += 1
             assert not tier.tables["big"].cache.pins.any() and not tier._prepared
             assert restarts < 100
     assert restarts > 0 and store.failures >= restarts
-    assert tier.stager_times()["jobs given back"] >= restarts
+    times = tier.stager_times()
+    assert times["jobs given back"] >= restarts
+    if loop == "bursts":
+        assert times["rows forwarded"] >= GROUP, times
     store.p = 0.0
     for a, b in zip(outs, train(ref, data)):
         assert torch.equal(a, b)
