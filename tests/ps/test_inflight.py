@@ -205,6 +205,26 @@ def test_rows_forwarded_between_jobs_in_flight_match_in_memory(where, prefetch, 
     assert_same_tables(m, ref)
 
 
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("depth", [2, 4])
+def test_forwarded_rows_carry_optimizer_state_on_the_test_device(optimizer, depth):
+    # a forwarded row is the pushed row whole: weights and optimizer state (a wrong state shows in
+    # the next updates). RECOM_TEST_DEVICE=cuda (the GPU run): the CUDA row ops, pinned buffers
+    from ebc_cases import DEVICE
+
+    data = [kjt.to(DEVICE) for kjt in cycling_batches(16, seed=11)]
+    m = ps_model("memory://", cache_rows=3 * GROUP, optimizer=optimizer, device=DEVICE)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone(), optimizer, device=DEVICE)
+    m._ps.stager_times()
+    for a, b in zip(train_in_bursts(m, data, depth), train(ref, data)):
+        assert torch.equal(a, b)
+    assert m._ps.stager_times()["rows forwarded"] >= GROUP
+    more = [kjt.to(DEVICE) for kjt in cycling_batches(8, seed=12)]
+    for a, b in zip(train(m, more, depth), train(ref, more)):
+        assert torch.equal(a, b)
+    assert_same_tables(m, ref)
+
+
 def test_a_store_failing_with_jobs_in_flight_gives_them_all_back_and_loses_no_row():
     # a cache of four groups, five cycling: a job's slots are free when it is submitted (three
     # batches ahead), so every submitted job is in flight
