@@ -72,7 +72,7 @@ def profile_training(args, device, batches, rows, cache_rows):
     ms = w._time_steps(model, batches, device, args.prefetch)
     (tier,) = ps_tier.tiers_of(model)
     phases = {k: v / (w.STEPS + w.WARMUP) * 1e3 for k, v in tier.stager_times().items()
-              if not k.startswith("jobs ")}  # those are counts
+              if not k.startswith(("jobs ", "rows "))}  # those are counts
     print(f"in-device step {base:.3f} ms; PS step with prefetch {args.prefetch}: {ms:.3f} ms ({base / ms:.2f}x)")
     print("staging jobs, ms per batch: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items() if v >= 0.0005))
     model = w._ps_model(device, rows, args.url, cache_rows)

@@ -76,11 +76,13 @@ struct Cache {
     Map batch;       /* a stage's distinct misses (id -> index in new_ids), kept between calls */
     i64 *batch_pos;  /* where each went in it, to empty those entries afterwards */
     i64 batch_room;  /* ids a stage may have without regrowing batch */
-    /* Ids pushed by staging jobs in flight whose store has not acknowledged them yet -> the job's
-     * sequence number (a later job pulling one waits for that job's store I/O). Only the
-     * stager's worker thread touches it. */
+    /* Ids pushed by staging jobs in flight whose store has not acknowledged them yet -> the push's
+     * serial number (a job's pushed rows of this cache get consecutive serials from push_serial),
+     * which tells a later job where the row lies in that job's push buffer (ps_stage.c forwards
+     * it from there). Only the stager's worker thread touches these. */
     Map pushing;
     int pushing_ready;
+    i64 push_serial;
 };
 
 static inline i64 score_of(const Cache *c, i64 s) {
@@ -491,34 +493,38 @@ void ps_cache_recency(Cache *c, const i64 *slots, i64 n, i64 *last, i64 *uses) {
     pthread_mutex_unlock(&c->mutex);
 }
 
-/* The largest job sequence number pushing one of ids[0..n) and not yet acknowledged, or -1. */
-i64 ps_cache_pushing_after(Cache *c, const i64 *ids, i64 n) {
-    if (!c->pushing_ready || c->pushing.size == 0) return -1;
-    i64 last = -1;
-    for (i64 i = 0; i < n; i++) {
-        i64 seq = map_get(&c->pushing, ids[i]);
-        if (seq > last) last = seq;
+/* serial[i]: the serial of the push in flight of ids[i] (ps_cache_pushing_add), or -1. */
+void ps_cache_pushing_find(Cache *c, const i64 *ids, i64 n, i64 *serial) {
+    if (!c->pushing_ready || c->pushing.size == 0) {
+        for (i64 i = 0; i < n; i++) serial[i] = -1;
+        return;
     }
-    return last;
+    for (i64 i = 0; i < n; i++) serial[i] = map_get(&c->pushing, ids[i]);
 }
 
-/* ids[0..n) are pushed by job `seq` (add) or no longer in flight (remove: acknowledged, or the
- * job taken back). 0 when out of memory. */
-int ps_cache_pushing(Cache *c, const i64 *ids, i64 n, i64 seq, int add) {
+/* ids[0..n) are pushed by a job in flight, the newest push of each: they get the serials *first,
+ * *first + 1, ... (set before any is added), replacing an older push's. 0 when out of memory (some
+ * may have been added: ps_cache_pushing_remove takes them out). */
+int ps_cache_pushing_add(Cache *c, const i64 *ids, i64 n, i64 *first) {
+    *first = c->push_serial;
+    c->push_serial += n;
     if (!c->pushing_ready) {
-        if (!add) return 1;
         if (!map_init(&c->pushing, 4096)) return 0;
         c->pushing_ready = 1;
     }
     for (i64 i = 0; i < n; i++) {
-        if (add) {
-            map_erase(&c->pushing, ids[i]);
-            if (!map_insert(&c->pushing, ids[i], seq)) return 0;
-        } else if (map_get(&c->pushing, ids[i]) == seq) {
-            map_erase(&c->pushing, ids[i]);
-        }
+        map_erase(&c->pushing, ids[i]);
+        if (!map_insert(&c->pushing, ids[i], *first + i)) return 0;
     }
     return 1;
+}
+
+/* The pushes first.. of ids[0..n) are no longer in flight (acknowledged, or their job taken
+ * back); a newer push of the same id stays. */
+void ps_cache_pushing_remove(Cache *c, const i64 *ids, i64 n, i64 first) {
+    if (!c->pushing_ready || first < 0) return;
+    for (i64 i = 0; i < n; i++)
+        if (map_get(&c->pushing, ids[i]) == first + i) map_erase(&c->pushing, ids[i]);
 }
 
 /* A batch is done with its slots (its backward has been issued): queued, never waiting for a

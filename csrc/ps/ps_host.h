@@ -61,8 +61,9 @@ void ps_cache_abort(Cache *c, const i64 *uniq_slots, i64 u);
 void ps_cache_undo(Cache *c, const i64 *uniq_slots, i64 u, const i64 *take, const i64 *new_ids, const i64 *evicted,
                    const uint8_t *push, i64 m, const i64 *old_last, const i64 *old_uses);
 void ps_cache_recency(Cache *c, const i64 *slots, i64 n, i64 *last, i64 *uses);
-i64 ps_cache_pushing_after(Cache *c, const i64 *ids, i64 n);
-int ps_cache_pushing(Cache *c, const i64 *ids, i64 n, i64 seq, int add);
+void ps_cache_pushing_find(Cache *c, const i64 *ids, i64 n, i64 *serial);
+int ps_cache_pushing_add(Cache *c, const i64 *ids, i64 n, i64 *first);
+void ps_cache_pushing_remove(Cache *c, const i64 *ids, i64 n, i64 first);
 int ps_cache_unpin(Cache *c, const i64 *slots, i64 n);
 /* Waits until a batch unpins slots of this cache after `seen` (a value of ps_cache_releases), or
  * until `timeout_ms` passed; returns the releases so far. */

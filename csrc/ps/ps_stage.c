@@ -30,9 +30,10 @@
 #include <time.h>
 
 /* Seconds spent in each phase, summed over a stager's jobs (tools/profile_ps.py prints them);
- * the last three are counts and the time a job's store I/O waited for an earlier job's pushes. */
+ * the last two are counts: rows taken from an earlier job's push in flight instead of the store,
+ * and jobs given back. */
 enum { T_FETCH, T_STAGE, T_WAIT, T_READ, T_PUT, T_GET, T_WRITE, T_INIT, T_COMMIT, T_PUT_IDS, T_JOB, T_PUT_GET,
-       T_PUSH_WAIT, N_AFTER_PUSH, N_GIVEN_BACK, N_TIMES };
+       N_FORWARDED, N_GIVEN_BACK, N_TIMES };
 
 /* Adds the time since *t to times[k] and restarts *t. */
 static inline void lap(double *times, int k, double *t) {
@@ -55,8 +56,12 @@ static inline void lap(double *times, int k, double *t) {
  * the results are the same. What keeps every row safe:
  *  - a slot's row is overwritten only in finish, after the store acknowledged the push of the
  *    row it held; until then the row is in the slot (and a copy in the job's buffer);
- *  - a job pulling an id that an earlier job in flight pushes waits for that job's store I/O
- *    (Cache.pushing), so it reads the pushed row, whatever connection each went on;
+ *  - a job missing an id that an earlier job in flight pushes (Cache.pushing: the newest push of
+ *    each id) takes the row from that job's push buffer, in its plan, and does not pull it: the
+ *    store may not have it yet, and so no job's store I/O waits for another's. The copy is what
+ *    the store would return once it acknowledged the push (rows are stored as their bytes); the
+ *    buffer is valid, as every push in flight is an earlier flight's, unfinished, and the plans
+ *    and finishes run on one thread. The earlier job still pushes the row;
  *  - a failed job is taken back with every later job in flight (ps_cache_undo, newest first):
  *    every evicted id is cached and dirty again in its slot, every new id is gone; the later
  *    jobs end with STAGE_ABORTED;
@@ -68,22 +73,23 @@ enum { IO_WAITING, IO_RUNNING, IO_DONE };
 
 typedef struct {
     i64 n, distinct, m, np, kept, fresh;
+    i64 forwarded, got; /* of the m misses: rows taken from earlier jobs' pushes, ids pulled */
+    i64 push_first;     /* the serial of pids[0] in the cache's pushing map, or -1 */
     i64 *ids, *pos_slot, *take, *new_ids, *evicted, *pids, *pslots, *old_last, *old_uses, *kslots, *fslots, *fids;
+    i64 *serial, *gids, *gslots; /* per miss: its push in flight or -1; the pulled ids, their slots */
     uint8_t *push, *found;
     float *pushed, *rows; /* in the flight's host buffer */
 } TablePlan;
 
-#define PLAN_ARRAYS 12
+#define PLAN_ARRAYS 15
 
 typedef struct {
     Job *job;
-    i64 seq;
     int buffer;      /* the row ops' host buffer of this flight */
     int wrote;       /* a finish queued row writes from the buffer (a device may still read it) */
     int io;          /* IO_* */
     i64 io_status;   /* STAGE_OK, or the store's failure at table io_table */
     i64 io_table;
-    i64 after;       /* the seq of an earlier job whose store I/O must end first, or -1 */
     double start;
     double times[N_TIMES];
     i64 cap, tcap;
@@ -116,13 +122,15 @@ static int flight_reserve(Flight *F, i64 n, i64 tables) {
 static void plan_arrays(Flight *F, TablePlan *P, i64 at, i64 n) {
     i64 *base = F->remap + F->cap;
     i64 **arrays[PLAN_ARRAYS] = {&P->ids, &P->pos_slot, &P->take, &P->new_ids, &P->evicted, &P->pids,
-                                 &P->pslots, &P->old_last, &P->old_uses, &P->kslots, &P->fslots, &P->fids};
+                                 &P->pslots, &P->old_last, &P->old_uses, &P->kslots, &P->fslots, &P->fids,
+                                 &P->serial, &P->gids, &P->gslots};
     for (int k = 0; k < PLAN_ARRAYS; k++) *arrays[k] = base + (i64)k * F->cap + at;
     uint8_t *bytes = (uint8_t *)(base + (i64)PLAN_ARRAYS * F->cap);
     P->push = bytes + at;
     P->found = bytes + F->cap + at;
     P->n = n;
-    P->distinct = P->m = P->np = P->kept = P->fresh = 0;
+    P->distinct = P->m = P->np = P->kept = P->fresh = P->forwarded = P->got = 0;
+    P->push_first = -1;
 }
 
 /* Takes back the plans of tables [0, upto) of a flight, newest first. */
@@ -132,21 +140,62 @@ static void undo_tables(Flight *F, i64 upto) {
         TableJob *tj = &job->tables[k];
         TablePlan *P = &F->tp[k];
         if (P->distinct == 0) continue;
-        ps_cache_pushing(tj->cache, P->pids, P->np, F->seq, 0);
+        ps_cache_pushing_remove(tj->cache, P->pids, P->np, P->push_first);
+        P->push_first = -1;
         ps_cache_undo(tj->cache, tj->slots, P->distinct, P->take, P->new_ids, P->evicted, P->push, P->m, P->old_last,
                       P->old_uses);
         P->distinct = 0;
     }
 }
 
+/* The row of push `serial` of cache c (id `id`) in the push buffer of an earlier flight, or NULL
+ * where none has it (every push in flight is an earlier flight's: none is not expected). */
+static const float *pushed_row(const Cache *c, i64 serial, i64 id, Flight *const *earlier, int n_earlier) {
+    for (int e = n_earlier - 1; e >= 0; e--) {
+        const Flight *E = earlier[e];
+        for (i64 k = 0; k < E->job->n_tables; k++) {
+            const TablePlan *Q = &E->tp[k];
+            if (E->job->tables[k].cache != c || Q->push_first < 0 || serial < Q->push_first ||
+                serial >= Q->push_first + Q->np)
+                continue;
+            const i64 i = serial - Q->push_first;
+            return Q->pids[i] == id ? Q->pushed + i * E->job->tables[k].layout->width : NULL;
+        }
+    }
+    return NULL;
+}
+
+/* Splits table k's misses: those an earlier job in flight pushes get that push's row, copied to
+ * the front of the rows buffer (their slots first in kslots); the others are pulled (gids,
+ * gslots), their rows after those. */
+static void forward_rows(Flight *F, i64 k, Flight *const *earlier, int n_earlier) {
+    TablePlan *P = &F->tp[k];
+    const Cache *c = F->job->tables[k].cache;
+    const i64 width = F->job->tables[k].layout->width;
+    i64 f = 0, g = 0;
+    for (i64 q = 0; q < P->m; q++) {
+        const float *row = P->serial[q] >= 0 ? pushed_row(c, P->serial[q], P->new_ids[q], earlier, n_earlier) : NULL;
+        if (row) {
+            memcpy(P->rows + f * width, row, sizeof(float) * (size_t)width);
+            P->kslots[f++] = P->take[q];
+        } else {
+            P->gids[g] = P->new_ids[q];
+            P->gslots[g++] = P->take[q];
+        }
+    }
+    P->forwarded = f;
+    P->got = g;
+    F->times[N_FORWARDED] += (double)f;
+}
+
 /* 1: planned; 0: failed (job->status, job->done set; nothing held); -1: a table lacks unpinned
  * slots now (nothing held; *blocked = that table's cache, *seen = its releases before the try). */
-static int plan_job(const RowOps *ops, Flight *F, int *queued, Cache **blocked, i64 *seen) {
+static int plan_job(const RowOps *ops, Flight *F, Flight *const *earlier, int n_earlier, int *queued, Cache **blocked,
+                    i64 *seen) {
     Job *job = F->job;
     void *ctx = ops->ctx;
     double t = ps_now();
     F->start = t;
-    F->after = -1;
     F->io_status = STAGE_OK;
     F->io_table = 0;
     job->done = 0;
@@ -210,17 +259,15 @@ static int plan_job(const RowOps *ops, Flight *F, int *queued, Cache **blocked, 
         bytes += (P->np + P->m) * tj->layout->width * (i64)sizeof(float);
         lap(F->times, T_COMMIT, &t);
     }
-    /* pulls of ids still being pushed by earlier jobs wait for them; this job's pushes are in flight */
-    for (i64 k = 0; k < job->n_tables; k++) {
+    /* misses that earlier jobs in flight push (their rows forwarded below); then this job's pushes
+     * are in flight */
+    for (i64 k = 0; k < job->n_tables; k++)
+        if (F->tp[k].m > 0) ps_cache_pushing_find(job->tables[k].cache, F->tp[k].new_ids, F->tp[k].m, F->tp[k].serial);
+    for (i64 k = 0; k < job->n_tables && status == STAGE_OK; k++) {
         TablePlan *P = &F->tp[k];
-        Cache *c = job->tables[k].cache;
-        if (P->m > 0) {
-            i64 a = ps_cache_pushing_after(c, P->new_ids, P->m);
-            if (a > F->after) F->after = a;
-        }
-        if (P->np > 0 && !ps_cache_pushing(c, P->pids, P->np, F->seq, 1)) status = STAGE_NO_MEMORY;
+        if (P->np > 0 && !ps_cache_pushing_add(job->tables[k].cache, P->pids, P->np, &P->push_first))
+            status = STAGE_NO_MEMORY;
     }
-    F->times[N_AFTER_PUSH] = F->after >= 0;
     char *buf = NULL;
     if (status == STAGE_OK && bytes > 0 && !(buf = (char *)ops->host_buffer(ctx, F->buffer, bytes)))
         status = STAGE_NO_MEMORY;
@@ -246,6 +293,7 @@ static int plan_job(const RowOps *ops, Flight *F, int *queued, Cache **blocked, 
      * fills it; a read above waited for them */
     if (status == STAGE_OK && F->wrote && !read_any && ops->sync(ctx)) status = STAGE_DEVICE_ERROR;
     F->wrote = 0;
+    for (i64 k = 0; k < job->n_tables && status == STAGE_OK; k++) forward_rows(F, k, earlier, n_earlier);
     lap(F->times, T_READ, &t);
     if (status != STAGE_OK) {
         undo_tables(F, job->n_tables);
@@ -262,19 +310,20 @@ static void io_job(Flight *F, int lane) {
     for (i64 k = 0; k < job->n_tables; k++) {
         TableJob *tj = &job->tables[k];
         TablePlan *P = &F->tp[k];
-        const i64 m = P->m, np = P->np;
+        const i64 m = P->m, np = P->np, g = P->got, f = P->forwarded;
         if (m == 0) continue;
         const StoreOps *store = &tj->store[tj->store_lanes > 1 ? lane % tj->store_lanes : 0];
         const RowLayout *L = tj->layout;
         const i64 width = L->width;
+        float *rows = P->rows, *got = rows + f * width; /* the forwarded rows first (plan) */
         int failed;
-        if (np > 0 && store->put_get) {
-            failed = store->put_get(store->ctx, P->pids, np, P->pushed, P->new_ids, m, P->rows, P->found);
+        if (np > 0 && g > 0 && store->put_get) {
+            failed = store->put_get(store->ctx, P->pids, np, P->pushed, P->gids, g, got, P->found);
             lap(F->times, T_PUT_GET, &t);
         } else {
             failed = np > 0 && store->put(store->ctx, P->pids, np, P->pushed);
             lap(F->times, T_PUT, &t);
-            if (!failed) failed = store->get(store->ctx, P->new_ids, m, P->rows, P->found);
+            if (!failed && g > 0) failed = store->get(store->ctx, P->gids, g, got, P->found);
             lap(F->times, T_GET, &t);
         }
         if (failed) {
@@ -282,15 +331,14 @@ static void io_job(Flight *F, int lane) {
             F->io_table = k;
             return;
         }
-        i64 kept = 0, fresh = 0;
-        float *rows = P->rows;
-        for (i64 q = 0; q < m; q++) {
+        i64 kept = f, fresh = 0;
+        for (i64 q = 0; q < g; q++) {
             if (P->found[q]) {
-                if (kept != q) memcpy(rows + kept * width, rows + q * width, sizeof(float) * (size_t)width);
-                P->kslots[kept++] = P->take[q];
+                if (kept != f + q) memcpy(rows + kept * width, got + q * width, sizeof(float) * (size_t)width);
+                P->kslots[kept++] = P->gslots[q];
             } else {
-                P->fslots[fresh] = P->take[q];
-                P->fids[fresh++] = P->new_ids[q];
+                P->fslots[fresh] = P->gslots[q];
+                P->fids[fresh++] = P->gids[q];
             }
         }
         if (fresh > 0 && !L->init_uniform) { /* initial rows made on the host, written with the kept ones */
@@ -358,8 +406,10 @@ static int finish_job(const RowOps *ops, Flight *F, int *queued, double *times) 
     }
     *queued |= Q_IDS;
     lap(F->times, T_PUT_IDS, &t);
-    for (i64 k = 0; k < job->n_tables; k++) /* acknowledged: later pulls of these ids need not wait */
-        ps_cache_pushing(job->tables[k].cache, F->tp[k].pids, F->tp[k].np, F->seq, 0);
+    for (i64 k = 0; k < job->n_tables; k++) { /* acknowledged: later jobs pull these ids from the store */
+        ps_cache_pushing_remove(job->tables[k].cache, F->tp[k].pids, F->tp[k].np, F->tp[k].push_first);
+        F->tp[k].push_first = -1;
+    }
     F->times[T_JOB] += t - F->start;
     for (int k = 0; k < N_TIMES; k++) times[k] += F->times[k];
     memset(F->times, 0, sizeof(F->times));
@@ -383,17 +433,11 @@ typedef struct {
     int queued;             /* row ops called since their last sync (Q_*; under `run`) */
     pthread_t thread, io[MAX_FLIGHTS];
     Flight flights[MAX_FLIGHTS + 1]; /* the ring, then ps_stager_run's */
-    i64 first, count, seq;
+    i64 first, count;
     double times[N_TIMES];
 } Stager;
 
 static inline Flight *ring(Stager *st, i64 i) { return &st->flights[(st->first + i) % MAX_FLIGHTS]; }
-
-static Flight *flight_of(Stager *st, i64 seq) {
-    for (i64 i = 0; i < st->count; i++)
-        if (ring(st, i)->seq == seq) return ring(st, i);
-    return NULL;
-}
 
 Stager *ps_stager_new(const RowOps *ops) {
     Stager *st = (Stager *)calloc(1, sizeof(Stager));
@@ -482,13 +526,15 @@ static void *worker_main(void *arg) {
             st->planning = 1;
             Flight *F = ring(st, st->count);
             F->job = job;
-            F->seq = st->seq;
+            Flight *earlier[MAX_FLIGHTS]; /* in flight before it (only this thread changes the ring) */
+            int n_earlier = 0;
+            for (i64 i = 0; i < st->count; i++) earlier[n_earlier++] = ring(st, i);
             pthread_mutex_unlock(&st->queue);
             pthread_mutex_lock(&st->run);
             Cache *blocked = NULL;
             i64 seen = 0;
             double t = ps_now();
-            int r = plan_job(st->ops, F, &st->queued, &blocked, &seen);
+            int r = plan_job(st->ops, F, earlier, n_earlier, &st->queued, &blocked, &seen);
             if (r == 0) {
                 st->times[T_JOB] += ps_now() - t;
                 memset(F->times, 0, sizeof(F->times));
@@ -500,7 +546,6 @@ static void *worker_main(void *arg) {
                 /* one job at a time: its I/O here, without handing it to an I/O thread and back */
                 F->io = IO_RUNNING;
                 st->count++;
-                st->seq++;
                 pthread_mutex_unlock(&st->queue);
                 io_job(F, 0);
                 pthread_mutex_lock(&st->queue);
@@ -508,7 +553,6 @@ static void *worker_main(void *arg) {
             } else if (r == 1) {
                 F->io = IO_WAITING;
                 st->count++;
-                st->seq++;
             } else if (r == 0) {
                 job->state = 2;
             } else { /* no slots now: batches in flight hold them; plan it again later */
@@ -558,13 +602,7 @@ static void *io_main(void *arg) {
             continue;
         }
         F->io = IO_RUNNING;
-        Flight *E;
-        double t = ps_now();
-        while (!st->aborting && F->after >= 0 && (E = flight_of(st, F->after)) != NULL && E->io != IO_DONE)
-            pthread_cond_wait(&st->changed, &st->queue);
-        F->times[T_PUSH_WAIT] += ps_now() - t;
-        E = F->after >= 0 ? flight_of(st, F->after) : NULL;
-        int skip = st->aborting || (E && E->io_status != STAGE_OK);
+        int skip = st->aborting;
         pthread_mutex_unlock(&st->queue);
         if (skip)
             F->io_status = STAGE_ABORTED;
@@ -599,14 +637,11 @@ i64 ps_stager_run(Stager *st, Job *job) {
     pthread_mutex_lock(&st->run);
     Flight *F = &st->flights[MAX_FLIGHTS];
     F->job = job;
-    pthread_mutex_lock(&st->queue);
-    F->seq = st->seq++;
-    pthread_mutex_unlock(&st->queue);
     for (;;) {
         Cache *blocked = NULL;
         i64 seen = 0;
         double t = ps_now();
-        int r = plan_job(st->ops, F, &st->queued, &blocked, &seen);
+        int r = plan_job(st->ops, F, NULL, 0, &st->queued, &blocked, &seen); /* nothing else in flight */
         if (r == 1) {
             io_job(F, 0);
             i64 status = F->io_status, table = F->io_table;

@@ -107,7 +107,7 @@ def _staging_ms(model, batches, device, phases: Optional[Dict[str, float]] = Non
         tier.release_sync()
         if phases is not None:
             for name, seconds in tier.stager_times().items():
-                if not name.startswith("jobs "):  # counts, not seconds
+                if not name.startswith(("jobs ", "rows ")):  # counts, not seconds
                     phases[name] = phases.get(name, 0.0) + seconds / STEPS * 1e3
     return total / STEPS * 1e3
 
@@ -173,8 +173,8 @@ class _StoreCounters:
                 phases[name] = phases.get(name, 0.0) + seconds
         out = {"job_ms": phases.get("job", 0.0) / batches * 1e3,
                "store_ms": sum(phases.get(k, 0.0) for k in ("store get", "store put", "store put+get")) / batches * 1e3,
-               # jobs in flight: pulls that waited for an earlier job's pushes of the same ids
-               "after_push": phases.get("jobs after earlier pushes", 0.0) / batches}
+               # jobs in flight: rows taken from an earlier job's push in flight, not pulled
+               "forwarded": phases.get("rows forwarded", 0.0) / batches}
         if "server_usec" in after:
             out["server_ms"] = (after["server_usec"] - self.before["server_usec"]) / batches * 1e-3
         if "bytes_out" in after:
@@ -252,20 +252,20 @@ def format_ps(results: List[Dict]) -> str:
         lines.append(f"cache rows {cache['cache_rows']} of {cache['touched_ids']} ids touched; staging ms: the "
                      "tier's work per batch alone, between device syncs (no training)")
     lines.append(f"per timed batch: {'peer':<50}{'pulled':>8}{'pushed':>8}{'job ms':>8}{'store ms':>9}"
-                 f"{'server ms':>10}{'RESP out kB':>12}{'RESP in kB':>11}{'commands':>9}{'after push':>11}")
+                 f"{'server ms':>10}{'RESP out kB':>12}{'RESP in kB':>11}{'commands':>9}{'forwarded':>10}")
     for r in results:
         t = r.get("timed_per_batch")
         if t:
             server = f"{t['server_ms']:>10.3f}" if "server_ms" in t else f"{'':>10}"
             wire = (f"{t['resp_bytes_out'] / 1e3:>12.1f}{t['resp_bytes_in'] / 1e3:>11.1f}{t['resp_commands']:>9.0f}"
                     if "resp_bytes_out" in t else f"{'':>32}")
-            wire += f"{t.get('after_push', 0.0):>11.3f}"
+            wire += f"{t.get('forwarded', 0.0):>10.1f}"
             lines.append(f"{'':<17}{r['peer']:<50}{t['pulled_per_batch']:>8.0f}{t['pushed_per_batch']:>8.0f}"
                          f"{t['job_ms']:>8.3f}{t['store_ms']:>9.3f}{server}{wire}")
     lines.append("job ms: the staging job (ps_stage.c) per batch, from its plan to its finish (with prefetch N, up "
                  "to N jobs are in flight at once); store ms: its store get + put; server ms: the store's own "
-                 "command time (Redis INFO commandstats, all masters summed); after push: jobs per batch whose "
-                 "pulls waited for an earlier job in flight pushing the same ids")
+                 "command time (Redis INFO commandstats, all masters summed); forwarded: rows per batch a job took "
+                 "from an earlier job in flight that pushes them, instead of pulling them from the store")
     for r in results:
         if r.get("staging_phases_ms"):
             parts = ", ".join(f"{k} {v:.3f}" for k, v in r["staging_phases_ms"].items() if v >= 0.0005)

@@ -193,12 +193,12 @@ class Stager:
 
     PHASES = ("fetch ids", "cache stage", "wait for slots", "read pushed rows", "store put", "store get",
               "write pulled rows", "init new rows", "cache commit", "remapped ids", "job", "store put+get",
-              "wait for earlier pushes", "jobs after earlier pushes", "jobs given back")
+              "rows forwarded", "jobs given back")
 
     def times(self) -> dict:
         """Seconds per phase of the jobs since the last call (ps_stage.c's timers); the last two
-        are counts: jobs whose pulls waited for an earlier job in flight pushing the same ids, and
-        jobs given back (a failed job and the jobs in flight after it)."""
+        are counts: rows a job took from an earlier job's push in flight instead of pulling them
+        from the store, and jobs given back (a failed job and the jobs in flight after it)."""
         out = (ctypes.c_double * len(self.PHASES))()
         self._lib.ps_stager_times(self._st, out)
         return dict(zip(self.PHASES, out))
