@@ -1,14 +1,16 @@
-"""Times the quantized kernel under several tile rules (BLOCK_B x BLOCK_D and warps) on the
-inference workloads, beside fbgemm's IntN TBE on the same rows: the data behind
-``quantized_triton.block_shape``. GPU only.
+"""Times the quantized kernel under several tile rules (BLOCK_B x BLOCK_D and warps) on the inference workloads, beside fbgemm's IntN TBE on the same rows: the data behind
+``quantized_triton.block_shape``. Batches of 64 or less are timed as CUDA-graph replays (as the
+benchmark's latency rows), larger ones eagerly. GPU only.
 
     python tools/quant_tiles.py [--workloads dlrm-kaggle many-500 many-4000] [--row-types int8 int4 fp16]
+                                [--batches 64 0]   (0: the workload's own batch)
 """
 import argparse
 
 import torch
 import triton
 
+from recom_rec.bench.__main__ import _graph_replay
 from recom_rec.bench.inference import ROW_TYPES, build_peers
 from recom_rec.bench.timing import time_ms
 from recom_rec.bench.workloads import get_workload
@@ -26,13 +28,16 @@ def rule(max_elems, max_b, warps_wide, warps_narrow):
     return block_shape
 
 
-RULES = {  # (the first runs of call 3 also had 8K-16K tiles with 2-8 warps: 0.5-0.9x of these)
+DEFAULT = quantized_triton.block_shape
+RULES = {  # (v14's first runs also had 8K-16K tiles with 2-8 warps: 0.5-0.9x of these)
     "4K/64 w2-4": rule(4096, 64, 2, 4),
     "2K/32 w2-2": rule(2048, 32, 2, 2),
     "1K/16 w1-2": rule(1024, 16, 1, 2),
     "512/8 w1-1": rule(512, 8, 1, 1),
     "1K/32 w1-2": rule(1024, 32, 1, 2),
     "2K/16 w2-2": rule(2048, 16, 2, 2),
+    "256/4 w1-1": rule(256, 4, 1, 1),
+    "4K/128 w4-4": rule(4096, 128, 4, 4),
 }
 
 
@@ -41,33 +46,44 @@ def main():
     p.add_argument("--workloads", nargs="+", default=["dlrm-kaggle", "many-500", "many-4000"])
     p.add_argument("--row-types", nargs="+", default=["int8", "int4", "fp16"])
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--batches", nargs="+", type=int, default=[0], help="0: the workload's own batch")
     args = p.parse_args()
     device = torch.device("cuda")
-    default = quantized_triton.block_shape
-    print(f"{'workload':<12} {'rows':<5} {'fbgemm':>8} " + " ".join(f"{r:>13}" for r in RULES))
+    print(f"{'workload':<12} {'rows':<5} {'batch':>6} {'fbgemm':>8} " + " ".join(f"{r:>13}" for r in RULES))
     for wname in args.workloads:
         w = get_workload(wname, False)
         for t in args.row_types:
             peers = build_peers(w, ROW_TYPES[t], device, ["recom_rec", "fbgemm"])
-            kjt = w.make_input(device)
-            with torch.no_grad():
-                ref = peers["fbgemm"].forward(kjt)
-                fb = time_ms(lambda: peers["fbgemm"].forward(kjt), device, warmup=5, iters=args.iters)
-                cells = []
-                for name, r in RULES.items():
-                    quantized_triton.block_shape = r
-                    try:
-                        out = peers["recom_rec"].forward(kjt)
-                        same = torch.equal(out.float(), ref.float())
-                        ms = time_ms(lambda: peers["recom_rec"].forward(kjt), device, warmup=5, iters=args.iters)
-                        cells.append(f"{ms:8.3f} {fb / ms:3.2f}{'' if same else '!'}")
-                    except Exception as e:  # noqa: BLE001 - a rule that does not compile or fit
-                        cells.append(f"{'err ' + type(e).__name__[:8]:>13}")
-                    finally:
-                        quantized_triton.block_shape = default
-            print(f"{wname:<12} {t:<5} {fb:8.3f} " + " ".join(f"{c:>13}" for c in cells), flush=True)
+            for batch in args.batches:
+                sized = get_workload(wname, False)
+                sized.batch_size = batch or w.batch_size
+                kjt = sized.make_input(device, seed=batch)
+                with torch.no_grad():
+                    ref = peers["fbgemm"].forward(kjt)
+                    fb = _time(peers["fbgemm"], kjt, device, args.iters)
+                    cells = []
+                    for name, r in RULES.items():
+                        quantized_triton.block_shape = r
+                        try:
+                            out = peers["recom_rec"].forward(kjt)
+                            same = torch.equal(out.float(), ref.float())
+                            ms = _time(peers["recom_rec"], kjt, device, args.iters)
+                            cells.append(f"{ms:8.4f} {fb / ms:3.2f}{'' if same else '!'}")
+                        except Exception as e:  # noqa: BLE001 - a rule that does not compile or fit
+                            cells.append(f"{'err ' + type(e).__name__[:8]:>13}")
+                        finally:
+                            quantized_triton.block_shape = DEFAULT
+                print(f"{wname:<12} {t:<5} {sized.batch_size:>6} {fb:8.4f} " + " ".join(f"{c:>13}" for c in cells),
+                      flush=True)
             del peers
             torch.cuda.empty_cache()
+
+
+def _time(peer, kjt, device, iters):
+    """ms: a CUDA-graph replay (as the benchmark's latency rows) at batches up to 64, else eager."""
+    if kjt.stride() <= 64:
+        return time_ms(_graph_replay(peer, kjt, device), device, warmup=5, iters=max(iters, 100))
+    return time_ms(lambda: peer.forward(kjt), device, warmup=5, iters=iters)
 
 
 if __name__ == "__main__":

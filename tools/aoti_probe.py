@@ -1,0 +1,100 @@
+"""Where an AOTInductor package fails to load in a fresh process: three packages of growing
+content, each compiled here and then loaded and run in a fresh process with faulthandler and a
+native backtrace (tools/segv_backtrace.c, LD_PRELOAD'ed when a C compiler is there).
+
+    python tools/aoti_probe.py --device cuda --out /tmp/aoti
+
+1. a plain ``nn.Linear`` (does AOTInductor load at all on this stack?);
+2. the quantized DLRM of tests/test_quant_serving.py without input validation (only the Triton
+   op, compiled into the package);
+3. the same with validation (adds the opaque custom op ``quantized_lookup_checked_offsets``).
+"""
+import argparse
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+RUN = textwrap.dedent("""
+    import importlib, sys, torch
+    before, after = sys.argv[4].split("/")  # modules imported before the load / after it
+    for m in filter(None, before.split(",")):
+        importlib.import_module(m)
+    print("loading", flush=True)
+    runner = torch._inductor.aoti_load_package(sys.argv[1])
+    print("loaded", flush=True)
+    for m in filter(None, after.split(",")):
+        importlib.import_module(m)
+    args = [t.to(sys.argv[3]) for t in torch.load(sys.argv[2])]
+    out = runner(*args)
+    print("ran", tuple(out.shape) if hasattr(out, "shape") else type(out), flush=True)
+""")
+# Which imports come before the load: does something a module loads (fbgemm_gpu's libraries,
+# through torchrec) break the package's C++ runtime?
+IMPORTS = {"linear": ["/", "fbgemm_gpu/", "recom_rec/", "/recom_rec"], "novalidate": ["recom_rec/", "/recom_rec"],
+           "validate": ["recom_rec/", "/recom_rec"]}
+
+
+def _backtrace_lib(out: pathlib.Path):
+    src = pathlib.Path(__file__).with_name("segv_backtrace.c")
+    lib = out / "segv_backtrace.so"
+    r = subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)], capture_output=True, text=True)
+    return str(lib) if r.returncode == 0 else None
+
+
+def _load_fresh(package, inputs, out, device, lib, name):
+    torch.save([t.cpu() for t in inputs], out / f"{name}-inputs.pt")
+    script = out / "run.py"
+    script.write_text(RUN)
+    env = dict(os.environ, **({"LD_PRELOAD": lib} if lib else {}))
+    for imports in IMPORTS[name]:
+        r = subprocess.run([sys.executable, "-X", "faulthandler", str(script), package, str(out / f"{name}-inputs.pt"),
+                            device, imports], capture_output=True, text=True, timeout=300, env=env)
+        tail = r.stderr[-2500:] if r.returncode else ""
+        print(f"== {name}, imports before/after the load {imports!r}: exit {r.returncode}\n{r.stdout[-300:]}{tail}",
+              flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="/tmp/aoti")
+    p.add_argument("--only", nargs="*", default=["linear", "novalidate", "validate"])
+    p.add_argument("--first-import-only", action="store_true", help="load each package once (no imports but torch's)")
+    p.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="torch._inductor.config entries for the compile, e.g. aot_inductor.precompile_headers=False")
+    args = p.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    patches = {k: {"True": True, "False": False}.get(v, v) for k, v in (c.split("=", 1) for c in args.config)}
+    torch._inductor.config.patch(patches).__enter__()  # for the whole run
+    print("config:", patches or "defaults", flush=True)
+    if args.first_import_only:
+        for name in IMPORTS:
+            IMPORTS[name] = IMPORTS[name][:1]
+    os.environ["RECOM_TEST_DEVICE"] = args.device
+    lib = _backtrace_lib(out)
+    print("native backtrace:", lib or "no (gcc failed)", flush=True)
+    if "linear" in args.only:
+        lin = torch.nn.Linear(16, 4).to(device)
+        x = torch.randn(8, 16, device=device)
+        ep = torch.export.export(lin, (x,))
+        pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(out / "linear.pt2"))
+        _load_fresh(pkg, [x], out, args.device, lib, "linear")
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+    import recom_rec
+    import test_quant_serving as t
+
+    for name in [n for n in ("novalidate", "validate") if n in args.only]:
+        model = recom_rec.quantize(t._trained_dlrm(True), torch.qint8, validate_inputs=name == "validate")
+        ep = t._exported(model, t._batches(1, seed=7)[0])
+        pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(out / f"{name}.pt2"))
+        _load_fresh(pkg, t._inputs(t._batches(1, batch_size=16, seed=3)[0]), out, args.device, lib, name)
+
+
+if __name__ == "__main__":
+    main()
