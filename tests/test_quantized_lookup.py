@@ -181,15 +181,19 @@ def test_equals_fbgemm_cpu_intn_tbe_bit_for_bit(seed, weighted, pooling, output_
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("pooling", [0, 1])
 @pytest.mark.parametrize("output_dtype", [torch.float32, torch.float16])
-def test_equals_fbgemm_cuda_intn_tbe_bit_for_bit(request, seed, weighted, pooling, output_dtype):
+def test_equals_fbgemm_cuda_intn_tbe_bit_for_bit(seed, weighted, pooling, output_dtype):
     """On a GPU, the kernel gives fbgemm's CUDA IntN TBE's numbers (rows padded to 16 bytes, as
-    fbgemm's GPU kernels need)."""
-    if pooling == 0 and output_dtype == torch.float32:
-        # H100, fbgemm 1.6: fp16 output (both poolings) and MEAN fp32 output match bit for bit,
-        # SUM with fp32 output does not (whole values differ, not a rounding); not yet explained
-        # (docs/quantized.md, "Known gaps").
-        request.applymarker(pytest.mark.xfail(strict=True, reason="fbgemm CUDA SUM fp32 output differs"))
+    fbgemm's GPU kernels need), and the reference's everywhere. Except INT2 rows with fp32 output:
+    there fbgemm 1.6's CUDA TBE gives other sums, nonzero ones for empty bags among them, the same
+    on every call (H100; fp16 output matches; docs/quantized.md, "Known gaps")."""
     case = random_case(500 + seed, weighted, pooling=pooling, batch_size=33, max_len=9, row_alignment=16)
     expected = _fbgemm_tbe_output(case, output_dtype, pooling, device="cuda")
     out = _run(_on_gpu(case), output_dtype, "triton").cpu()
-    assert torch.equal(_bits(out), _bits(expected))
+    assert torch.equal(_bits(out), _bits(_reference(case, output_dtype, "cuda")))
+    compared = torch.ones(case.total_dim, dtype=torch.bool)
+    if output_dtype == torch.float32:
+        for f in range(case.meta.shape[0]):
+            if int(case.meta[f, 6]) == int(RowType.INT2):
+                compared[int(case.meta[f, 2]):int(case.meta[f, 2]) + int(case.meta[f, 0])] = False
+    assert compared.any()
+    assert torch.equal(_bits(out)[:, compared], _bits(expected)[:, compared])

@@ -59,9 +59,10 @@ def _variants():
 def _quantized_variants(ptr):
     from . import quantized_triton as q
 
+    # CUDA_ARITHMETIC 2 (a GPU) and 0; 1 is the interpreter's emulation, never compiled
     shapes = [(16, 2048), (64, 2048), (256, 2048), (32, 1), (32, 16), (128, 64)]  # (max_dim, batch)
     for out, idx, has_w, (max_dim, batch), cuda in itertools.product(("fp32", "fp16", "bf16"), ("i32", "i64"),
-                                                                     (False, True), shapes, (True, False)):
+                                                                     (False, True), shapes, (2, 0)):
         block_b, block_d, num_warps = q.block_shape(max_dim, batch)
         yield q._quantized_forward_kernel, {
             "flat_u8": "*u8", "flat_i32": "*i32", "flat_f16": "*fp16", "flat_f32": "*fp32", "values_ptr": ptr[idx],

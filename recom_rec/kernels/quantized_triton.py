@@ -13,6 +13,7 @@ is written once, in the output dtype.
 Tables start on 128-byte lines and row strides are multiples of 16 bytes (quant/layout.py), so
 every row starts on a 16-byte boundary, an INT row's data one word after its scale-and-bias word.
 """
+import os
 from typing import Optional
 
 import torch
@@ -24,8 +25,13 @@ from .pooled_triton import _bag_block
 
 
 @triton.jit
+def _fp16(bits16):
+    return bits16.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _fp16_to_float(bits16):
-    return bits16.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _fp16(bits16).to(tl.float32)
 
 
 @triton.jit
@@ -67,9 +73,10 @@ def _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start,
 
     Each lane loads its own elements (a byte, or the byte holding its 4 or 2 bits; an fp16 or fp32
     element): no reshuffle of packed words between lanes. An INT row's fp16 scale and bias are its
-    first word. CUDA_ARITHMETIC: INT rows dequantize as fbgemm's CUDA kernels do (each element
-    rounded to fp16, then ``fma(w, v, acc)``); otherwise as its CPU kernels (``fma(scale * w, q,
-    acc + bias * w)``)."""
+    first word. CUDA_ARITHMETIC (1 or 2): INT rows dequantize as fbgemm's CUDA kernels do (``v =
+    q * scale + bias`` rounded once to fp16, then ``fma(w, v, acc)``): 2 with the GPU's fp16 fma,
+    1 emulated exactly in fp32 (the interpreter's numpy has no single-rounding fp16 fma; ~4x the
+    instructions); 0: as its CPU kernels (``fma(scale * w, q, acc + bias * w)``)."""
     BITS: tl.constexpr = 32 if KIND == 0 else (16 if KIND == 1 else (8 if KIND <= 3 else (4 if KIND == 4 else 2)))
     PER_BYTE: tl.constexpr = 8 // BITS if BITS < 8 else 1
     HEADER_BYTES: tl.constexpr = 4 if KIND >= 3 else 0
@@ -111,7 +118,11 @@ def _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start,
                 header = tl.load(flat_i32 + row // 4, mask=live, other=0)  # fp16 scale, fp16 bias
                 scale = _fp16_to_float(header & 0xFFFF)
                 bias = _fp16_to_float((header >> 16) & 0xFFFF)
-                if CUDA_ARITHMETIC:
+                if CUDA_ARITHMETIC == 2:  # compiled for a GPU: the fp16 fma itself (fma.rn.f16)
+                    v = tl.fma(codes.to(tl.float16), _fp16(header & 0xFFFF)[:, None],
+                               _fp16((header >> 16) & 0xFFFF)[:, None]).to(tl.float32)
+                    acc = tl.fma(wt[:, None], v, acc)
+                elif CUDA_ARITHMETIC == 1:
                     v = _half_of_exact_sum(codes.to(tl.float32) * scale[:, None], bias[:, None])
                     acc = tl.fma(wt[:, None], v, acc)
                 else:
@@ -183,6 +194,14 @@ def block_shape(max_dim: int, batch_size: int):
     return block_b, block_d, num_warps
 
 
+def _rounding(cuda_arithmetic: bool) -> int:
+    """The kernel's CUDA_ARITHMETIC: fbgemm's CUDA rounding with the fp16 fma when compiled (2),
+    emulated in fp32 under the interpreter (1); its CPU rounding (0)."""
+    if not cuda_arithmetic:
+        return 0
+    return 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2
+
+
 def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per_sample_weights, feature_meta: torch.Tensor,
             key_index: torch.Tensor, batch_size: int, total_dim: int, max_dim: int, output_dtype: torch.dtype,
             wrap=None, cuda_arithmetic: Optional[bool] = None) -> torch.Tensor:
@@ -201,7 +220,7 @@ def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per
     kernel[(num_features, triton.cdiv(batch_size, block_b))](
         flat, words, halves, floats, values, offsets, weights, feature_meta, key_index,
         out, batch_size, total_dim,
-        META_W=QMETA_WIDTH, CUDA_ARITHMETIC=flat.is_cuda if cuda_arithmetic is None else cuda_arithmetic,
+        META_W=QMETA_WIDTH, CUDA_ARITHMETIC=_rounding(flat.is_cuda if cuda_arithmetic is None else cuda_arithmetic),
         HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d, num_warps=num_warps,
     )
     return out
