@@ -30,6 +30,7 @@ not a private memory://).
 """
 import argparse
 import copy
+import itertools
 import time
 import warnings
 from pathlib import Path
@@ -117,6 +118,8 @@ def main(argv=None):
                    help="parameter-server store for the large tables, e.g. memory://criteo or redis://host:6379/0")
     p.add_argument("--ps-min-rows", type=int, default=10_000, help="tables with at least this many rows go to --ps")
     p.add_argument("--ps-cache-rows", type=int, default=4096, help="rows of each PS-backed table cached in the module")
+    p.add_argument("--ps-prefetch", type=int, default=0, metavar="N",
+                   help="stage the PS rows of the next N batches (up to 4) while one trains (recom_rec.ps.wrap)")
     p.add_argument("--quantize", nargs="+", default=[], choices=list(QUANTIZED_DTYPES),
                    help="also evaluate copies of the trained model with quantized tables")
     args = p.parse_args(argv)
@@ -165,8 +168,10 @@ def main(argv=None):
     train_curve, eval_curve = [], [(0, evaluate(model, held_out, predict, loss_fn))]
     start = time.perf_counter()
     bar = tqdm(total=args.steps, desc="train")
-    for step in range(1, args.steps + 1):
-        batch = next(train_batches)
+    steps = itertools.islice(train_batches, args.steps)
+    if ps and args.ps_prefetch:  # the next batches' rows are staged while this one trains
+        steps = recom_rec.ps.wrap(steps, model, prefetch=args.ps_prefetch)
+    for step, batch in enumerate(steps, start=1):
         bar.update()
         train_curve.append((step, train_step(model, opt, batch)))
         if step % args.eval_every == 0 or step == args.steps:
