@@ -168,15 +168,22 @@ def main(argv=None):
     train_curve, eval_curve = [], [(0, evaluate(model, held_out, predict, loss_fn))]
     start = time.perf_counter()
     bar = tqdm(total=args.steps, desc="train")
-    steps = itertools.islice(train_batches, args.steps)
-    if ps and args.ps_prefetch:  # the next batches' rows are staged while this one trains
-        steps = recom_rec.ps.wrap(steps, model, prefetch=args.ps_prefetch)
-    for step, batch in enumerate(steps, start=1):
-        bar.update()
-        train_curve.append((step, train_step(model, opt, batch)))
-        if step % args.eval_every == 0 or step == args.steps:
-            eval_curve.append((step, evaluate(model, held_out, predict, loss_fn)))
-            bar.set_postfix(eval_loss=f"{eval_curve[-1][1]['loss']:.4f}", auc=f"{eval_curve[-1][1]['auc']:.4f}")
+    step = 0
+    while step < args.steps:  # an evaluation after every eval_every steps and after the last
+        interval = itertools.islice(train_batches, min(args.eval_every, args.steps - step))
+        if ps and args.ps_prefetch:
+            # The next batches' rows are staged while one trains; only the loop's own batches may go
+            # through the model inside it, so each interval is a loop and evaluation comes between.
+            interval = recom_rec.ps.wrap(interval, model, prefetch=args.ps_prefetch)
+        before = step
+        for batch in interval:
+            step += 1
+            bar.update()
+            train_curve.append((step, train_step(model, opt, batch)))
+        if step == before:
+            break  # the batches ran out
+        eval_curve.append((step, evaluate(model, held_out, predict, loss_fn)))
+        bar.set_postfix(eval_loss=f"{eval_curve[-1][1]['loss']:.4f}", auc=f"{eval_curve[-1][1]['auc']:.4f}")
     elapsed = time.perf_counter() - start
     bar.close()
     final = eval_curve[-1][1]

@@ -194,6 +194,7 @@ class PSTier:
         self._flush_lock = threading.RLock()
         self._load_prefix: Optional[str] = None
         self.prefetched = 0  # batches whose rows wrap() staged ahead of the forward
+        self.wrap_loops = 0  # wrap() loops running over this tier (their batches pin cache slots)
         module._register_state_dict_hook(_drop_ps_keys_hook)
         module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
         module.register_load_state_dict_post_hook(_load_post_hook)
@@ -347,6 +348,15 @@ class PSTier:
             remapped, handle = entry[1], entry[2]  # staged by wrap(); wrap() releases it
             self.prefetched += 1
         else:
+            if self.wrap_loops:
+                # The batches wrap() handed out or staged ahead pin their slots until its loop
+                # moves on, which it cannot while this forward waits: staging here could wait for
+                # those slots forever.
+                raise RuntimeError(
+                    f"PS tables {sorted(self.tables)}: this batch was not staged by recom_rec.ps.wrap(), whose "
+                    "loop is running with batches staged ahead; only the batches it hands out can go through "
+                    "the module until the loop ends. Evaluate between wrap() loops (e.g. a loop per epoch "
+                    "or per evaluation interval).")
             self.release_sync(device)  # the previous batch is done
             remapped, handle = self.stage(kjt, device)
             self._sync_handle = handle

@@ -88,6 +88,8 @@ class _Wrapped:
                 tier.release(handle)
 
         current: list = []
+        for tier in tiers:  # batches not handed out by this loop are refused until it ends
+            tier.wrap_loops += 1
         try:
             for _ in range(self.prefetch):
                 stage_next()
@@ -112,6 +114,8 @@ class _Wrapped:
             release(current)
             while queue:
                 drop(queue.popleft()[1])
+            for tier in tiers:
+                tier.wrap_loops -= 1
 
 
 def wrap(dataloader: Iterable, model, prefetch: int = 1) -> _Wrapped:

@@ -167,6 +167,27 @@ def test_wrap_stopped_early_releases_everything():
     train(m, data[3:])  # and training goes on without wrap
 
 
+def test_a_batch_wrap_did_not_stage_is_refused_inside_its_loop_not_waited_for():
+    # The cache holds about one batch: the batch wrap() staged ahead waits for the running one's
+    # slots, so staging any other batch inside the loop (an evaluation) could only wait forever.
+    data = batches(6, seed=12, big=120)
+    other = batches(1, seed=13, big=120)[0]
+    per_batch = max(int(torch.unique(kjt["f_big"].values()).numel()) for kjt in data + [other])
+    m = ps_model("memory://", cache_rows=per_batch + 2)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
+    outs = []
+    for i, kjt in enumerate(ps.wrap(data, m, prefetch=2)):
+        outs.append(step(m, kjt))
+        if i == 1:
+            with torch.no_grad(), pytest.raises(RuntimeError, match="not staged by recom_rec.ps.wrap"):
+                m(other)
+    for a, b in zip(outs, train(ref, data)):  # the refusal changed nothing
+        assert torch.equal(a, b)
+    assert not m._ps.tables["big"].cache.pins.any() and m._ps.wrap_loops == 0
+    with torch.no_grad():  # after the loop, any batch goes through
+        torch.testing.assert_close(m(other).values(), ref(other).values(), rtol=0, atol=0)
+
+
 def test_restart_from_store_continues_exactly(redis_server):
     url = redis_url(redis_server)
     data = batches(10, seed=3)
