@@ -332,6 +332,64 @@ def test_hot_rows_fused_update_matches_torch_backend(optimizer):
             torch.testing.assert_close(results[backend][key], value, atol=tol, rtol=tol)
 
 
+def _exact_grad(shape, seed: int) -> torch.Tensor:
+    """Output gradients in sixteenths from -1/4 to 1/4: a row's sum of a few thousand of them is
+    exact in fp32 in any order, so backends that sum in different orders give the same bits."""
+    return torch.randint(-4, 5, shape, generator=torch.Generator().manual_seed(seed)).float() / 16
+
+
+def _hot_row_batch(seed: int) -> KeyedJaggedTensor:
+    """64 bags of a cold feature (5000 rows, 0-6 ids a bag) and a hot one whose 6 rows are read
+    2100, 1024, 1025, 33, 1 and 0 times, shuffled over ragged bags (some empty)."""
+    g = torch.Generator().manual_seed(seed)
+    batch, reads = 64, (2100, 1024, 1025, 33, 1, 0)
+    hot = torch.repeat_interleave(torch.arange(len(reads)), torch.tensor(reads))
+    hot = hot[torch.randperm(hot.numel(), generator=g)]
+    cuts = torch.sort(torch.randint(0, hot.numel() + 1, (batch - 1,), generator=g)).values
+    hot_lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([hot.numel()])]))
+    cold_lengths = torch.randint(0, 7, (batch,), generator=g)
+    cold = torch.randint(0, 5000, (int(cold_lengths.sum()),), generator=g)
+    return KeyedJaggedTensor.from_lengths_sync(keys=["c", "h"], values=torch.cat([cold, hot]),
+                                               lengths=torch.cat([cold_lengths, hot_lengths]))
+
+
+@pytest.mark.parametrize("optimizer", [None, "sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("dims", [(8, 33), (100, 256), (12, 516)])
+def test_rows_of_many_pieces_match_torch_backend_and_repeat_bit_for_bit(optimizer, dims):
+    # The backward cuts a row's lookups into pieces of 32; a row of more than 32 pieces (here
+    # 2100 and 1025 lookups) has its pieces' sums added by a block of lanes on the CUDA backend,
+    # one of 32 pieces (1024 lookups) and fewer by one group. The hot rows' run starts after the
+    # cold table's lookups, at a position that is no multiple of 32. dims: 1, 4 and 8 float4
+    # accumulators a lane on the CUDA backend, unaligned and aligned rows.
+    tables = [EmbeddingBagConfig(name="cold", embedding_dim=dims[0], num_embeddings=5000, feature_names=["c"]),
+              EmbeddingBagConfig(name="hot", embedding_dim=dims[1], num_embeddings=6, feature_names=["h"])]
+    kjts = [_hot_row_batch(seed).to(DEVICE) for seed in range(2)]
+
+    def train(backend):
+        torch.manual_seed(0)
+        m = recom_rec.EmbeddingBagCollection([EmbeddingBagConfig(**{**vars(t), "feature_names": list(t.feature_names)})
+                                              for t in tables], device=DEVICE, backend=backend)
+        if optimizer is not None:
+            m.enable_fused_optimizer(optimizer, lr=0.01)
+        for step, kjt in enumerate(kjts):
+            out = m(kjt).values()
+            (out * _exact_grad(out.shape, step).to(DEVICE)).sum().backward()
+        grads = {f"{n}.grad": b.weight.grad.clone() for n, b in m.embedding_bags.items() if b.weight.grad is not None}
+        return {k: v.detach().clone() for k, v in m.state_dict().items()} | grads
+
+    reference = train("torch")
+    assert any(k.endswith(".grad") for k in reference) == (optimizer is None)
+    # The rows' gradients are exact whatever the order of summation (_exact_grad), so the dense
+    # ones must match bit for bit and the optimizers' results to their own formulas' rounding.
+    tol = 0 if optimizer is None else 1e-5
+    for backend in KERNEL_BACKENDS[1:]:
+        first, again = train(backend), train(backend)
+        assert first.keys() == reference.keys()
+        for key, value in reference.items():
+            torch.testing.assert_close(first[key], value, atol=tol, rtol=tol, msg=lambda m: f"{backend} {key}: {m}")
+            assert torch.equal(first[key], again[key]), (backend, key)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_two_dtype_groups_share_one_step(optimizer):
     # fp32 and fp16 tables live in two groups (two launches, two backward nodes); one training
