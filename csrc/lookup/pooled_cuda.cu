@@ -604,22 +604,41 @@ __device__ __forceinline__ const float* partial_of(const PieceArgs& a, int64_t s
   return a.partials + (2 * ((start + j * PIECE) / PIECE) + (j == 0 ? 1 : 0)) * a.partial_stride;
 }
 
-// Adds partials j0 .. j1 - 1 of a split row to acc, in piece order. A row read 20k times
-// (dlrm-kaggle's 3-row tables) has 700 of them, so UNROLL partials are loaded before they are added.
-template <int V>
+// Adds partials j0 .. j1 - 1 of a split row to acc, in piece order; the per-component order of
+// the additions is the same in both forms. A row read 20k times (dlrm-kaggle's 3-row tables) has
+// 700 of them, so several are loaded before they are added:
+// - HOIST false (split_row_kernel): UNROLL partials a chunk, chunk after chunk (V round trips a
+//   step at V > 1; few registers, so many rows a SM);
+// - HOIST true (long_row_kernel): all V chunks of UNROLL partials, then the adds (one round trip
+//   a step; V * UNROLL float4 in flight a lane).
+template <int V, bool HOIST>
 __device__ __forceinline__ void add_partials(float4 (&acc)[V], const RowLanes& L, const PieceArgs& a, int64_t start,
                                              int64_t j0, int64_t j1) {
-  constexpr int UNROLL = V == 1 ? 8 : 2;
+  constexpr int UNROLL = V == 1 ? 8 : (HOIST && V == 8) ? 1 : 2;
   int64_t j = j0;
   for (; j + UNROLL <= j1; j += UNROLL) {
+    if (HOIST) {
+      float4 v[UNROLL][V];
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      float4 v[UNROLL];
+      for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) v[u] = L.load_rw(partial_of(a, start, j + u), k);
+        for (int k = 0; k < V; ++k) v[u][k] = L.load_rw(partial_of(a, start, j + u), k);
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        acc[k].x += v[u].x; acc[k].y += v[u].y; acc[k].z += v[u].z; acc[k].w += v[u].w;
+      for (int k = 0; k < V; ++k)
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          acc[k].x += v[u][k].x; acc[k].y += v[u][k].y; acc[k].z += v[u][k].z; acc[k].w += v[u][k].w;
+        }
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        float4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) v[u] = L.load_rw(partial_of(a, start, j + u), k);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          acc[k].x += v[u].x; acc[k].y += v[u].y; acc[k].z += v[u].z; acc[k].w += v[u].w;
+        }
       }
     }
   }
@@ -633,10 +652,11 @@ __device__ __forceinline__ void add_partials(float4 (&acc)[V], const RowLanes& L
 }
 
 // Split rows of more pieces than this go to long_row_kernel (a block a row). One group adding a
-// row's partials makes a chain of pieces / UNROLL dependent loads: up to 32 pieces that is at most
-// 16 round trips (V >= 4; 4 at V = 1), below the ~20 of the binary search every split row pays
-// first, so a block would only idle its other groups there. Zipf's hottest rows have hundreds of
-// pieces (tens of thousands of lookups): one group's chain ran ~0.9 ms while the GPU idled (v15).
+// row's partials makes a chain of dependent loads: up to 32 pieces, 16 steps of two partials (4 of
+// eight at V = 1), about the ~20 loads of the binary search every split row pays first, so a
+// block would mostly idle its other groups there (and hold a block's registers for a short row).
+// Zipf's hottest rows have hundreds of pieces (tens of thousands of lookups): one group's chain
+// of ~1,700 round trips ran 0.9 ms while the rest of the GPU idled (v15 in docs/perf-notes.md).
 constexpr int LONG_ROW_PIECES = 32;
 
 // One row's view of the feature it belongs to: lanes, and where its weights start.
@@ -690,7 +710,7 @@ __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ ro
       acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
       w[k] = (OPT >= 0 && active) ? row.L.load_rw(out + row.row_at, k) : acc[k];
     }
-    add_partials<V>(acc, row.L, a, start, 0, active ? count : 0);
+    add_partials<V, false>(acc, row.L, a, start, 0, active ? count : 0);
     finish_row<W, OPT, V>(acc, w, row.L, active, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
   }
 }
@@ -723,7 +743,7 @@ __global__ void __launch_bounds__(256) long_row_kernel(const K* __restrict__ row
     }
     const int64_t per = (count + groups - 1) / groups;
     const int64_t j0 = min(count, (int64_t)grp * per), j1 = min(count, j0 + per);
-    add_partials<V>(acc, row.L, a, start, j0, j1);
+    add_partials<V, true>(acc, row.L, a, start, j0, j1);
 #pragma unroll
     for (int k = 0; k < V; ++k) sums[k][threadIdx.x] = acc[k];
     __syncthreads();
@@ -1059,10 +1079,12 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
     return (unsigned)std::max<int64_t>(1, std::min<int64_t>(sms * waves, (items + groups_per_block - 1) / groups_per_block));
   };
   TORCH_CHECK(counts.numel() >= 3, "piece_update takes plan_backward's three counts");
-  // The long rows' list: each has more than LONG_ROW_PIECES * PIECE lookups.
+  // The long rows' list (each has more than LONG_ROW_PIECES * PIECE lookups) and its count,
+  // counts[2], emptied here: a plan run through twice must not append its long rows twice.
   const int64_t most_long = n / (LONG_ROW_PIECES * PIECE + 1) + 1;
   auto long_rows = at::empty({2 * most_long}, pieces.options());
   auto stream = at::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr<int32_t>() + 2, 0, sizeof(int32_t), stream));
   TORCH_CHECK(packed_batch >= 0 && packed_batch < (int64_t)INT32_MAX, "packed_batch out of range");
   const bool grad_vec = reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0 && grad.size(1) % 4 == 0;
   const Payload pay{(int32_t)packed_batch, grad_vec, grad.size(1), meta.data_ptr<int64_t>(), bag_scale.data_ptr<float>(),
