@@ -338,11 +338,11 @@ def _exact_grad(shape, seed: int) -> torch.Tensor:
     return torch.randint(-4, 5, shape, generator=torch.Generator().manual_seed(seed)).float() / 16
 
 
-def _hot_row_batch(seed: int) -> KeyedJaggedTensor:
-    """64 bags of a cold feature (5000 rows, 0-6 ids a bag) and a hot one whose 6 rows are read
-    2100, 1024, 1025, 33, 1 and 0 times, shuffled over ragged bags (some empty)."""
+def _hot_row_batch(seed: int, reads) -> KeyedJaggedTensor:
+    """64 bags of a cold feature (5000 rows, 0-6 ids a bag) and a hot one whose rows are read
+    `reads` times, shuffled over ragged bags (some empty)."""
     g = torch.Generator().manual_seed(seed)
-    batch, reads = 64, (2100, 1024, 1025, 33, 1, 0)
+    batch = 64
     hot = torch.repeat_interleave(torch.arange(len(reads)), torch.tensor(reads))
     hot = hot[torch.randperm(hot.numel(), generator=g)]
     cuts = torch.sort(torch.randint(0, hot.numel() + 1, (batch - 1,), generator=g)).values
@@ -353,17 +353,28 @@ def _hot_row_batch(seed: int) -> KeyedJaggedTensor:
                                                lengths=torch.cat([cold_lengths, hot_lengths]))
 
 
+# (cold dim, hot dim) and how often each hot row is read. The backward cuts a row's lookups into
+# pieces of 32; on the CUDA backend a row whose pieces one group would add in a chain of more than
+# 64 loads (more than 512 pieces at dims <= 128, 32 at <= 512, 16 above) has them added by a block
+# (long_row_kernel), shorter ones by one group: each case has rows just over and at that bound.
+MANY_PIECES = [
+    ((8, 33), (2100, 1024, 1025, 33, 1, 0)),  # 1 float4 a lane, unaligned rows: every row by one group
+    ((100, 256), (2100, 1024, 1025, 33, 1, 0)),  # 4 float4: 66 and 33 pieces by a block, 32 by a group
+    ((12, 516), (1100, 512, 513, 33, 1, 0)),  # 8 float4: 35 and 17 pieces by a block, 16 by a group
+    pytest.param((8, 32), (20000, 16384, 16385, 33, 1), marks=pytest.mark.skipif(
+        DEVICE.type != "cuda", reason="1 float4 a lane: rows of 513+ pieces, ~50k lookups, too slow for the "
+        "Triton interpreter; the CUDA backend's block path (RECOM_TEST_DEVICE=cuda)")),
+]
+
+
 @pytest.mark.parametrize("optimizer", [None, "sgd", "rowwise_adagrad", "adam"])
-@pytest.mark.parametrize("dims", [(8, 33), (100, 256), (12, 516)])
-def test_rows_of_many_pieces_match_torch_backend_and_repeat_bit_for_bit(optimizer, dims):
-    # The backward cuts a row's lookups into pieces of 32; a row of more than 32 pieces (here
-    # 2100 and 1025 lookups) has its pieces' sums added by a block of lanes on the CUDA backend,
-    # one of 32 pieces (1024 lookups) and fewer by one group. The hot rows' run starts after the
-    # cold table's lookups, at a position that is no multiple of 32. dims: 1, 4 and 8 float4
-    # accumulators a lane on the CUDA backend, unaligned and aligned rows.
+@pytest.mark.parametrize("dims,reads", MANY_PIECES)
+def test_rows_of_many_pieces_match_torch_backend_and_repeat_bit_for_bit(optimizer, dims, reads):
+    # The hot rows' run starts after the cold table's lookups, at a position that is no multiple
+    # of 32 (the partial sums' slots). Two steps: Adam's second reads the states of the first.
     tables = [EmbeddingBagConfig(name="cold", embedding_dim=dims[0], num_embeddings=5000, feature_names=["c"]),
-              EmbeddingBagConfig(name="hot", embedding_dim=dims[1], num_embeddings=6, feature_names=["h"])]
-    kjts = [_hot_row_batch(seed).to(DEVICE) for seed in range(2)]
+              EmbeddingBagConfig(name="hot", embedding_dim=dims[1], num_embeddings=len(reads), feature_names=["h"])]
+    kjts = [_hot_row_batch(seed, reads).to(DEVICE) for seed in range(2)]
 
     def train(backend):
         torch.manual_seed(0)

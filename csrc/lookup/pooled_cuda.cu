@@ -397,7 +397,7 @@ struct Payload {
 struct PieceArgs {
   const int64_t* pieces;  // (start << 2 | split << 1 | first)
   const int64_t* split_rows;
-  int64_t* long_rows;  // (start, pieces) of the split rows of more than LONG_ROW_PIECES pieces
+  int64_t* long_rows;  // (start, pieces) of the split rows for long_row_kernel (see LONG_ROW_LOADS)
   int32_t* counts;     // pieces, split rows, long rows (on the device; the last bumped by split_row_kernel)
   int64_t n;
   float* partials;
@@ -608,37 +608,42 @@ __device__ __forceinline__ const float* partial_of(const PieceArgs& a, int64_t s
 // the additions is the same in both forms. A row read 20k times (dlrm-kaggle's 3-row tables) has
 // 700 of them, so several are loaded before they are added:
 // - HOIST false (split_row_kernel): UNROLL partials a chunk, chunk after chunk (V round trips a
-//   step at V > 1; few registers, so many rows a SM);
-// - HOIST true (long_row_kernel): all V chunks of UNROLL partials, then the adds (one round trip
-//   a step; V * UNROLL float4 in flight a lane).
+//   step at V > 1; few registers, so many rows a SM), the last ones one by one;
+// - HOIST true (long_row_kernel): all V chunks of UNROLL partials, the last step's predicated,
+//   then the adds (one round trip a step; V * UNROLL float4 in flight a lane).
 template <int V, bool HOIST>
 __device__ __forceinline__ void add_partials(float4 (&acc)[V], const RowLanes& L, const PieceArgs& a, int64_t start,
                                              int64_t j0, int64_t j1) {
   constexpr int UNROLL = V == 1 ? 8 : (HOIST && V == 8) ? 1 : 2;
   int64_t j = j0;
-  for (; j + UNROLL <= j1; j += UNROLL) {
-    if (HOIST) {
+  if (HOIST) {
+    for (; j < j1; j += UNROLL) {
       float4 v[UNROLL][V];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
-        for (int k = 0; k < V; ++k) v[u][k] = L.load_rw(partial_of(a, start, j + u), k);
+        for (int k = 0; k < V; ++k)
+          v[u][k] = j + u < j1 ? L.load_rw(partial_of(a, start, j + u), k) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int k = 0; k < V; ++k)
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-          acc[k].x += v[u][k].x; acc[k].y += v[u][k].y; acc[k].z += v[u][k].z; acc[k].w += v[u][k].w;
+          if (j + u < j1) {
+            acc[k].x += v[u][k].x; acc[k].y += v[u][k].y; acc[k].z += v[u][k].z; acc[k].w += v[u][k].w;
+          }
         }
-    } else {
+    }
+    return;
+  }
+  for (; j + UNROLL <= j1; j += UNROLL) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        float4 v[UNROLL];
+    for (int k = 0; k < V; ++k) {
+      float4 v[UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) v[u] = L.load_rw(partial_of(a, start, j + u), k);
+      for (int u = 0; u < UNROLL; ++u) v[u] = L.load_rw(partial_of(a, start, j + u), k);
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          acc[k].x += v[u].x; acc[k].y += v[u].y; acc[k].z += v[u].z; acc[k].w += v[u].w;
-        }
+      for (int u = 0; u < UNROLL; ++u) {
+        acc[k].x += v[u].x; acc[k].y += v[u].y; acc[k].z += v[u].z; acc[k].w += v[u].w;
       }
     }
   }
@@ -651,13 +656,21 @@ __device__ __forceinline__ void add_partials(float4 (&acc)[V], const RowLanes& L
   }
 }
 
-// Split rows of more pieces than this go to long_row_kernel (a block a row). One group adding a
-// row's partials makes a chain of dependent loads: up to 32 pieces, 16 steps of two partials (4 of
-// eight at V = 1), about the ~20 loads of the binary search every split row pays first, so a
-// block would mostly idle its other groups there (and hold a block's registers for a short row).
-// Zipf's hottest rows have hundreds of pieces (tens of thousands of lookups): one group's chain
-// of ~1,700 round trips ran 0.9 ms while the rest of the GPU idled (v15 in docs/perf-notes.md).
-constexpr int LONG_ROW_PIECES = 32;
+// A split row goes to long_row_kernel (a block a row) when one group adding its partials in
+// split_row_kernel would make a chain of more than LONG_ROW_LOADS dependent loads (~30 us at a
+// loaded HBM round trip, ~0.5 us): more than 512 pieces at V = 1 (eight partials a round trip),
+// 32 at V = 4, 16 at V = 8 (two partials a step, a round trip a chunk). Shorter chains cost about
+// the ~20 loads of the binary search every split row pays first, and a block would idle most of
+// its groups for them and hold a block's registers (one or two blocks a SM at V >= 4); the extra
+// launch and block rounds cost more than they save (zipf's rows of ~50 pieces at D=32). Zipf's
+// hottest rows at D=256 have hundreds of pieces: one group's chain of ~1,700 loads ran 0.9 ms
+// while the rest of the GPU idled (v15 in docs/perf-notes.md).
+constexpr int64_t LONG_ROW_LOADS = 64;
+template <int V>
+__host__ __device__ constexpr int64_t one_group_loads(int64_t pieces) {
+  return V == 1 ? (pieces + 7) / 8 : (pieces + 1) / 2 * V;
+}
+constexpr int64_t MIN_LONG_ROW_LOOKUPS = 16 * PIECE + 1;  // the shortest long row (V = 8)
 
 // One row's view of the feature it belongs to: lanes, and where its weights start.
 struct SplitRow {
@@ -673,7 +686,7 @@ __device__ __forceinline__ SplitRow split_row_of(const Payload& pay, const Piece
   return SplitRow{L, m[1] + ((int64_t)key - m[5]) * L.dim};
 }
 
-// Split rows of at most LONG_ROW_PIECES pieces: one group of G lanes per row adds the row's
+// Split rows of short chains (see LONG_ROW_LOADS): one group of G lanes per row adds the row's
 // pieces' partial sums in piece order (deterministic) and finishes the row. Longer rows are
 // appended to the long-row list (start, pieces; counts[2]) for long_row_kernel. The Triton
 // backend's pooled_triton._split_row_kernel adds the same partials in tiles of BLOCK_K.
@@ -697,7 +710,7 @@ __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ ro
       if (row_key[mid] <= key) lo = mid + 1; else hi = mid;
     }
     const int64_t count = listed ? (lo - start + PIECE - 1) / PIECE : 0;
-    const bool active = listed && count <= LONG_ROW_PIECES;
+    const bool active = listed && one_group_loads<V>(count) <= LONG_ROW_LOADS;
     if (listed && !active && lg.sl == 0) {
       const int64_t at = atomicAdd(a.counts + 2, 1);  // list order is arbitrary; each row's sum is not
       a.long_rows[2 * at] = start;
@@ -715,7 +728,7 @@ __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ ro
   }
 }
 
-// Split rows of more than LONG_ROW_PIECES pieces (split_row_kernel's long-row list, its length on
+// Split rows of long chains (split_row_kernel's long-row list, its length on
 // the device), a block each: group g of the block's blockDim / G groups adds the g-th contiguous
 // range of the row's pieces in piece order, the groups' sums meet in shared memory, and group 0
 // adds them in group order and finishes the row. The ranges depend only on the row's piece count
@@ -1079,9 +1092,9 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
     return (unsigned)std::max<int64_t>(1, std::min<int64_t>(sms * waves, (items + groups_per_block - 1) / groups_per_block));
   };
   TORCH_CHECK(counts.numel() >= 3, "piece_update takes plan_backward's three counts");
-  // The long rows' list (each has more than LONG_ROW_PIECES * PIECE lookups) and its count,
-  // counts[2], emptied here: a plan run through twice must not append its long rows twice.
-  const int64_t most_long = n / (LONG_ROW_PIECES * PIECE + 1) + 1;
+  // The long rows' list and its count, counts[2], emptied here: a plan run through twice must not
+  // append its long rows twice.
+  const int64_t most_long = n / MIN_LONG_ROW_LOOKUPS + 1;
   auto long_rows = at::empty({2 * most_long}, pieces.options());
   auto stream = at::cuda::getCurrentCUDAStream();
   C10_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr<int32_t>() + 2, 0, sizeof(int32_t), stream));
