@@ -616,7 +616,7 @@ __device__ __forceinline__ void add_partials(float4 (&acc)[V], const RowLanes& L
                                              int64_t j0, int64_t j1) {
   constexpr int UNROLL = V == 1 ? 8 : (HOIST && V == 8) ? 1 : 2;
   int64_t j = j0;
-  if (HOIST) {
+  if constexpr (HOIST) {
     for (; j < j1; j += UNROLL) {
       float4 v[UNROLL][V];
 #pragma unroll
@@ -633,25 +633,25 @@ __device__ __forceinline__ void add_partials(float4 (&acc)[V], const RowLanes& L
           }
         }
     }
-    return;
-  }
-  for (; j + UNROLL <= j1; j += UNROLL) {
+  } else {
+    for (; j + UNROLL <= j1; j += UNROLL) {
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      float4 v[UNROLL];
+      for (int k = 0; k < V; ++k) {
+        float4 v[UNROLL];
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) v[u] = L.load_rw(partial_of(a, start, j + u), k);
+        for (int u = 0; u < UNROLL; ++u) v[u] = L.load_rw(partial_of(a, start, j + u), k);
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        acc[k].x += v[u].x; acc[k].y += v[u].y; acc[k].z += v[u].z; acc[k].w += v[u].w;
+        for (int u = 0; u < UNROLL; ++u) {
+          acc[k].x += v[u].x; acc[k].y += v[u].y; acc[k].z += v[u].z; acc[k].w += v[u].w;
+        }
       }
     }
-  }
-  for (; j < j1; ++j) {
+    for (; j < j1; ++j) {
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float4 v = L.load_rw(partial_of(a, start, j), k);
-      acc[k].x += v.x; acc[k].y += v.y; acc[k].z += v.z; acc[k].w += v.w;
+      for (int k = 0; k < V; ++k) {
+        const float4 v = L.load_rw(partial_of(a, start, j), k);
+        acc[k].x += v.x; acc[k].y += v.y; acc[k].z += v.z; acc[k].w += v.w;
+      }
     }
   }
 }
