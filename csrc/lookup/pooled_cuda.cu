@@ -1093,11 +1093,11 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
   };
   TORCH_CHECK(counts.numel() >= 3, "piece_update takes plan_backward's three counts");
   // The long rows' list and its count, counts[2], emptied here: a plan run through twice must not
-  // append its long rows twice.
-  const int64_t most_long = n / MIN_LONG_ROW_LOOKUPS + 1;
-  auto long_rows = at::empty({2 * most_long}, pieces.options());
+  // append its long rows twice. Fewer lookups than a long row needs: no list, no long-row launch.
+  const int64_t most_long = n / MIN_LONG_ROW_LOOKUPS;
+  auto long_rows = at::empty({2 * std::max<int64_t>(1, most_long)}, pieces.options());
   auto stream = at::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr<int32_t>() + 2, 0, sizeof(int32_t), stream));
+  if (most_long > 0) C10_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr<int32_t>() + 2, 0, sizeof(int32_t), stream));
   TORCH_CHECK(packed_batch >= 0 && packed_batch < (int64_t)INT32_MAX, "packed_batch out of range");
   const bool grad_vec = reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0 && grad.size(1) % 4 == 0;
   const Payload pay{(int32_t)packed_batch, grad_vec, grad.size(1), meta.data_ptr<int64_t>(), bag_scale.data_ptr<float>(),
@@ -1125,11 +1125,13 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
       sk<<<grid_for(split_rows.numel()), threads, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args,
                                                                 wptr<W>(out));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      auto lk = eight ? long_row_kernel<W, K, OPT, 8>
-                      : four ? long_row_kernel<W, K, OPT, 4> : long_row_kernel<W, K, OPT, 1>;
-      const unsigned long_grid = (unsigned)std::max<int64_t>(1, std::min<int64_t>(sms * waves, most_long));
-      lk<<<long_grid, threads, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args, wptr<W>(out));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (most_long > 0) {
+        auto lk = eight ? long_row_kernel<W, K, OPT, 8>
+                        : four ? long_row_kernel<W, K, OPT, 4> : long_row_kernel<W, K, OPT, 1>;
+        const unsigned long_grid = (unsigned)std::min<int64_t>(sms * waves, most_long);
+        lk<<<long_grid, threads, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args, wptr<W>(out));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     };
     auto with_key = [&](auto opt_c) {
       if (row_key.scalar_type() == at::kInt) launch(int32_t{}, opt_c);
