@@ -332,6 +332,75 @@ def test_hot_rows_fused_update_matches_torch_backend(optimizer):
             torch.testing.assert_close(results[backend][key], value, atol=tol, rtol=tol)
 
 
+def _exact_grad(shape, seed: int) -> torch.Tensor:
+    """Output gradients in sixteenths from -1/4 to 1/4: a row's sum of a few thousand of them is
+    exact in fp32 in any order, so backends that sum in different orders give the same bits."""
+    return torch.randint(-4, 5, shape, generator=torch.Generator().manual_seed(seed)).float() / 16
+
+
+def _hot_row_batch(seed: int, reads) -> KeyedJaggedTensor:
+    """64 bags of a cold feature (5000 rows, 0-6 ids a bag) and a hot one whose rows are read
+    `reads` times, shuffled over ragged bags (some empty)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = 64
+    hot = torch.repeat_interleave(torch.arange(len(reads)), torch.tensor(reads))
+    hot = hot[torch.randperm(hot.numel(), generator=g)]
+    cuts = torch.sort(torch.randint(0, hot.numel() + 1, (batch - 1,), generator=g)).values
+    hot_lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([hot.numel()])]))
+    cold_lengths = torch.randint(0, 7, (batch,), generator=g)
+    cold = torch.randint(0, 5000, (int(cold_lengths.sum()),), generator=g)
+    return KeyedJaggedTensor.from_lengths_sync(keys=["c", "h"], values=torch.cat([cold, hot]),
+                                               lengths=torch.cat([cold_lengths, hot_lengths]))
+
+
+# (cold dim, hot dim) and how often each hot row is read. The backward cuts a row's lookups into
+# pieces of 32; on the CUDA backend a row whose pieces one group would add in a chain of more than
+# 64 loads (more than 512 pieces at dims <= 128, 32 at <= 512, 16 above) has them added by a block
+# (long_row_kernel), shorter ones by one group: each case has rows just over and at that bound.
+MANY_PIECES = [
+    ((8, 33), (2100, 1024, 1025, 33, 1, 0)),  # 1 float4 a lane, unaligned rows: every row by one group
+    ((100, 256), (2100, 1024, 1025, 33, 1, 0)),  # 4 float4: 66 and 33 pieces by a block, 32 by a group
+    ((12, 516), (1100, 512, 513, 33, 1, 0)),  # 8 float4: 35 and 17 pieces by a block, 16 by a group
+    pytest.param((8, 32), (20000, 16384, 16385, 33, 1), marks=pytest.mark.skipif(
+        DEVICE.type != "cuda", reason="1 float4 a lane: rows of 513+ pieces, ~50k lookups, too slow for the "
+        "Triton interpreter; the CUDA backend's block path (RECOM_TEST_DEVICE=cuda)")),
+]
+
+
+@pytest.mark.parametrize("optimizer", [None, "sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("dims,reads", MANY_PIECES)
+def test_rows_of_many_pieces_match_torch_backend_and_repeat_bit_for_bit(optimizer, dims, reads):
+    # The hot rows' run starts after the cold table's lookups, at a position that is no multiple
+    # of 32 (the partial sums' slots). Two steps: Adam's second reads the states of the first.
+    tables = [EmbeddingBagConfig(name="cold", embedding_dim=dims[0], num_embeddings=5000, feature_names=["c"]),
+              EmbeddingBagConfig(name="hot", embedding_dim=dims[1], num_embeddings=len(reads), feature_names=["h"])]
+    kjts = [_hot_row_batch(seed, reads).to(DEVICE) for seed in range(2)]
+
+    def train(backend):
+        torch.manual_seed(0)
+        m = recom_rec.EmbeddingBagCollection([EmbeddingBagConfig(**{**vars(t), "feature_names": list(t.feature_names)})
+                                              for t in tables], device=DEVICE, backend=backend)
+        if optimizer is not None:
+            m.enable_fused_optimizer(optimizer, lr=0.01)
+        for step, kjt in enumerate(kjts):
+            out = m(kjt).values()
+            (out * _exact_grad(out.shape, step).to(DEVICE)).sum().backward()
+        grads = {f"{n}.grad": b.weight.grad.clone() for n, b in m.embedding_bags.items() if b.weight.grad is not None}
+        return {k: v.detach().clone() for k, v in m.state_dict().items()} | grads
+
+    reference = train("torch")
+    assert any(k.endswith(".grad") for k in reference) == (optimizer is None)
+    # The rows' gradients are exact whatever the order of summation (_exact_grad), so the dense
+    # ones must match bit for bit and the optimizers' results to their own formulas' rounding.
+    tol = 0 if optimizer is None else 1e-5
+    for backend in KERNEL_BACKENDS[1:]:
+        first, again = train(backend), train(backend)
+        assert first.keys() == reference.keys()
+        for key, value in reference.items():
+            torch.testing.assert_close(first[key], value, atol=tol, rtol=tol, msg=lambda m: f"{backend} {key}: {m}")
+            assert torch.equal(first[key], again[key]), (backend, key)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_two_dtype_groups_share_one_step(optimizer):
     # fp32 and fp16 tables live in two groups (two launches, two backward nodes); one training

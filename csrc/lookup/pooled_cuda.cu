@@ -397,7 +397,8 @@ struct Payload {
 struct PieceArgs {
   const int64_t* pieces;  // (start << 2 | split << 1 | first)
   const int64_t* split_rows;
-  const int32_t* counts;  // pieces, split rows (on the device)
+  int64_t* long_rows;  // (start, pieces) of the split rows for long_row_kernel (see LONG_ROW_LOADS)
+  int32_t* counts;     // pieces, split rows, long rows (on the device; the last bumped by split_row_kernel)
   int64_t n;
   float* partials;
   int64_t partial_stride;
@@ -596,8 +597,98 @@ __global__ void __launch_bounds__(256) singleton_kernel(
   }
 }
 
-// Rows of more than PIECE lookups (hot ids, tiny tables): one group of G lanes per row adds the
-// row's pieces' partial sums in piece order (deterministic) and finishes the row. The Triton
+// Rows of more than PIECE lookups (hot ids, tiny tables) leave one partial sum per piece. Piece j
+// of the row starting at sorted position `start` has its slot at 2 * ((start + j * PIECE) / PIECE)
+// (+ 1 for the first piece, which may share its PIECE-block with an earlier row's piece).
+__device__ __forceinline__ const float* partial_of(const PieceArgs& a, int64_t start, int64_t j) {
+  return a.partials + (2 * ((start + j * PIECE) / PIECE) + (j == 0 ? 1 : 0)) * a.partial_stride;
+}
+
+// Adds partials j0 .. j1 - 1 of a split row to acc, in piece order; the per-component order of
+// the additions is the same in both forms. A row read 20k times (dlrm-kaggle's 3-row tables) has
+// 700 of them, so several are loaded before they are added:
+// - HOIST false (split_row_kernel): UNROLL partials a chunk, chunk after chunk (V round trips a
+//   step at V > 1; few registers, so many rows a SM), the last ones one by one;
+// - HOIST true (long_row_kernel): all V chunks of UNROLL partials, the last step's predicated,
+//   then the adds (one round trip a step; V * UNROLL float4 in flight a lane).
+template <int V, bool HOIST>
+__device__ __forceinline__ void add_partials(float4 (&acc)[V], const RowLanes& L, const PieceArgs& a, int64_t start,
+                                             int64_t j0, int64_t j1) {
+  constexpr int UNROLL = V == 1 ? 8 : (HOIST && V == 8) ? 1 : 2;
+  int64_t j = j0;
+  if constexpr (HOIST) {
+    for (; j < j1; j += UNROLL) {
+      float4 v[UNROLL][V];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          v[u][k] = j + u < j1 ? L.load_rw(partial_of(a, start, j + u), k) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          if (j + u < j1) {
+            acc[k].x += v[u][k].x; acc[k].y += v[u][k].y; acc[k].z += v[u][k].z; acc[k].w += v[u][k].w;
+          }
+        }
+    }
+  } else {
+    for (; j + UNROLL <= j1; j += UNROLL) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        float4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) v[u] = L.load_rw(partial_of(a, start, j + u), k);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          acc[k].x += v[u].x; acc[k].y += v[u].y; acc[k].z += v[u].z; acc[k].w += v[u].w;
+        }
+      }
+    }
+    for (; j < j1; ++j) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float4 v = L.load_rw(partial_of(a, start, j), k);
+        acc[k].x += v.x; acc[k].y += v.y; acc[k].z += v.z; acc[k].w += v.w;
+      }
+    }
+  }
+}
+
+// A split row goes to long_row_kernel (a block a row) when one group adding its partials in
+// split_row_kernel would make a chain of more than LONG_ROW_LOADS dependent loads (~30 us at a
+// loaded HBM round trip, ~0.5 us): more than 512 pieces at V = 1 (eight partials a round trip),
+// 32 at V = 4, 16 at V = 8 (two partials a step, a round trip a chunk). Shorter chains cost about
+// the ~20 loads of the binary search every split row pays first, and a block would idle most of
+// its groups for them and hold a block's registers (one or two blocks a SM at V >= 4); the extra
+// launch and block rounds cost more than they save (zipf's rows of ~50 pieces at D=32). Zipf's
+// hottest rows at D=256 have hundreds of pieces: one group's chain of ~1,700 loads ran 0.9 ms
+// while the rest of the GPU idled (v15 in docs/perf-notes.md).
+constexpr int64_t LONG_ROW_LOADS = 64;
+template <int V>
+__host__ __device__ constexpr int64_t one_group_loads(int64_t pieces) {
+  return V == 1 ? (pieces + 7) / 8 : (pieces + 1) / 2 * V;
+}
+constexpr int64_t MIN_LONG_ROW_LOOKUPS = 16 * PIECE + 1;  // the shortest long row (V = 8)
+
+// One row's view of the feature it belongs to: lanes, and where its weights start.
+struct SplitRow {
+  RowLanes L;
+  int64_t row_at;
+};
+template <typename K>
+__device__ __forceinline__ SplitRow split_row_of(const Payload& pay, const PieceArgs& a, const int32_t* order,
+                                                 int64_t start, K key, bool active, int sl, int G) {
+  const int32_t f = active ? pay.feature_of(order[start]) : 0;
+  const int64_t* m = a.meta + (int64_t)f * META_W;
+  const RowLanes L = row_lanes(active ? m[0] : 1, m[1], true, sl, G);
+  return SplitRow{L, m[1] + ((int64_t)key - m[5]) * L.dim};
+}
+
+// Split rows of short chains (see LONG_ROW_LOADS): one group of G lanes per row adds the row's
+// pieces' partial sums in piece order (deterministic) and finishes the row. Longer rows are
+// appended to the long-row list (start, pieces; counts[2]) for long_row_kernel. The Triton
 // backend's pooled_triton._split_row_kernel adds the same partials in tiles of BLOCK_K.
 template <typename W, typename K, int OPT, int V>
 __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ row_key,
@@ -609,53 +700,79 @@ __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ ro
   const Hyper h = read_hyper<OPT>(a, t);
   for (int64_t r0 = lg.first; r0 < num; r0 += lg.stride) {
     const int64_t r = r0 + lg.sub;
-    const bool active = r < num;
-    const int64_t start = active ? a.split_rows[r] : 0;
+    const bool listed = r < num;
+    const int64_t start = listed ? a.split_rows[r] : 0;
     const K key = row_key[start];
     // The row's end: the upper bound of key in (start + PIECE, n].
     int64_t lo = start + PIECE + 1, hi = a.n;
-    while (active && lo < hi) {
+    while (listed && lo < hi) {
       const int64_t mid = (lo + hi) >> 1;
       if (row_key[mid] <= key) lo = mid + 1; else hi = mid;
     }
-    const int64_t count = active ? (lo - start + PIECE - 1) / PIECE : 0;
-    const int32_t f = active ? pay.feature_of(order[start]) : 0;
-    const int64_t* m = a.meta + (int64_t)f * META_W;
-    const RowLanes L = row_lanes(active ? m[0] : 1, m[1], true, lg.sl, lg.G);
-    const int64_t row_at = m[1] + ((int64_t)key - m[5]) * L.dim;
+    const int64_t count = listed ? (lo - start + PIECE - 1) / PIECE : 0;
+    const bool active = listed && one_group_loads<V>(count) <= LONG_ROW_LOADS;
+    if (listed && !active && lg.sl == 0) {
+      const int64_t at = atomicAdd(a.counts + 2, 1);  // list order is arbitrary; each row's sum is not
+      a.long_rows[2 * at] = start;
+      a.long_rows[2 * at + 1] = count;
+    }
+    const SplitRow row = split_row_of(pay, a, order, start, key, active, lg.sl, lg.G);
     float4 acc[V], w[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-      w[k] = (OPT >= 0 && active) ? L.load_rw(out + row_at, k) : acc[k];
+      w[k] = (OPT >= 0 && active) ? row.L.load_rw(out + row.row_at, k) : acc[k];
     }
-    // Partial j of the row; a row read 20k times (dlrm-kaggle's 3-row tables) has 700 of them, so
-    // UNROLL partials are loaded before they are added (in order).
-    auto partial = [&](int64_t j) {
-      return a.partials + (2 * ((start + j * PIECE) / PIECE) + (j == 0 ? 1 : 0)) * a.partial_stride;
-    };
-    constexpr int UNROLL = V == 1 ? 8 : 2;
-    int64_t j = 0;
-    for (; j + UNROLL <= count; j += UNROLL) {
+    add_partials<V, false>(acc, row.L, a, start, 0, active ? count : 0);
+    finish_row<W, OPT, V>(acc, w, row.L, active, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
+  }
+}
+
+// Split rows of long chains (split_row_kernel's long-row list, its length on
+// the device), a block each: group g of the block's blockDim / G groups adds the g-th contiguous
+// range of the row's pieces in piece order, the groups' sums meet in shared memory, and group 0
+// adds them in group order and finishes the row. The ranges depend only on the row's piece count
+// and the group width, so the bits are the same from run to run (not those of one group adding
+// every piece in order: the Triton backend and split_row_kernel group the sums differently).
+template <typename W, typename K, int OPT, int V>
+__global__ void __launch_bounds__(256) long_row_kernel(const K* __restrict__ row_key,
+                                                       const int32_t* __restrict__ order, Payload pay, PieceArgs a,
+                                                       W* __restrict__ out) {
+  __shared__ float4 sums[V][256];  // chunk k of every thread's sum
+  const int64_t num = a.counts[2];
+  const int G = a.G, groups = blockDim.x / G, grp = threadIdx.x / G, sl = threadIdx.x % G;
+  float t;
+  const Hyper h = read_hyper<OPT>(a, t);
+  for (int64_t r = blockIdx.x; r < num; r += gridDim.x) {  // block-uniform: __syncthreads below
+    const int64_t start = a.long_rows[2 * r], count = a.long_rows[2 * r + 1];
+    const K key = row_key[start];
+    const SplitRow row = split_row_of(pay, a, order, start, key, true, sl, G);
+    const bool first = grp == 0;  // the group that finishes the row
+    float4 acc[V], w[V];
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        float4 v[UNROLL];
+    for (int k = 0; k < V; ++k) {
+      acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      w[k] = (OPT >= 0 && first) ? row.L.load_rw(out + row.row_at, k) : acc[k];
+    }
+    const int64_t per = (count + groups - 1) / groups;
+    const int64_t j0 = min(count, (int64_t)grp * per), j1 = min(count, j0 + per);
+    add_partials<V, true>(acc, row.L, a, start, j0, j1);
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) v[u] = L.load_rw(partial(j + u), k);
+    for (int k = 0; k < V; ++k) sums[k][threadIdx.x] = acc[k];
+    __syncthreads();
+    if (threadIdx.x < 32) {  // warp 0: finish_row's shuffles want the whole warp
+      if (first) {
+        for (int g = 1; g < groups; ++g) {
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          acc[k].x += v[u].x; acc[k].y += v[u].y; acc[k].z += v[u].z; acc[k].w += v[u].w;
+          for (int k = 0; k < V; ++k) {
+            const float4 v = sums[k][g * G + sl];
+            acc[k].x += v.x; acc[k].y += v.y; acc[k].z += v.z; acc[k].w += v.w;
+          }
         }
       }
+      finish_row<W, OPT, V>(acc, w, row.L, first, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
     }
-    for (; j < count; ++j) {
-#pragma unroll
-      for (int k = 0; k < V; ++k) {
-        const float4 v = L.load_rw(partial(j), k);
-        acc[k].x += v.x; acc[k].y += v.y; acc[k].z += v.z; acc[k].w += v.w;
-      }
-    }
-    finish_row<W, OPT, V>(acc, w, L, active, out, row_at, (int64_t)key, a.s1, a.s2, h, t);
+    __syncthreads();  // the next row's sums overwrite these
   }
 }
 
@@ -903,7 +1020,7 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
   auto order = at::empty({n}, dev.dtype(at::kInt));
   auto pieces = at::empty({n}, dev.dtype(at::kLong));
   auto split_rows = at::empty({n / (PIECE + 1) + 1}, dev.dtype(at::kLong));
-  auto counts = at::zeros({2}, dev.dtype(at::kInt));
+  auto counts = at::zeros({3}, dev.dtype(at::kInt));  // pieces, split rows, long rows (piece_update's)
   auto multi = multi_words > 0 ? at::zeros({multi_words}, dev.dtype(at::kInt)) : at::empty({0}, dev.dtype(at::kInt));
   std::vector<at::Tensor> result{sorted_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi};
   if (n == 0 || F == 0 || batch_size == 0) return result;
@@ -974,12 +1091,19 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
   auto grid_for = [&](int64_t items) {
     return (unsigned)std::max<int64_t>(1, std::min<int64_t>(sms * waves, (items + groups_per_block - 1) / groups_per_block));
   };
+  TORCH_CHECK(counts.numel() >= 3, "piece_update takes plan_backward's three counts");
+  // The long rows' list and its count, counts[2], emptied here: a plan run through twice must not
+  // append its long rows twice. Fewer lookups than a long row needs: no list, no long-row launch.
+  const int64_t most_long = n / MIN_LONG_ROW_LOOKUPS;
+  auto long_rows = at::empty({2 * std::max<int64_t>(1, most_long)}, pieces.options());
   auto stream = at::cuda::getCurrentCUDAStream();
+  if (most_long > 0) C10_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr<int32_t>() + 2, 0, sizeof(int32_t), stream));
   TORCH_CHECK(packed_batch >= 0 && packed_batch < (int64_t)INT32_MAX, "packed_batch out of range");
   const bool grad_vec = reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0 && grad.size(1) % 4 == 0;
   const Payload pay{(int32_t)packed_batch, grad_vec, grad.size(1), meta.data_ptr<int64_t>(), bag_scale.data_ptr<float>(),
                     src.data_ptr<int64_t>(), scale.data_ptr<float>(), feature.data_ptr<int32_t>()};
-  const PieceArgs args{pieces.data_ptr<int64_t>(), split_rows.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), n,
+  const PieceArgs args{pieces.data_ptr<int64_t>(), split_rows.data_ptr<int64_t>(), long_rows.data_ptr<int64_t>(),
+                       counts.data_ptr<int32_t>(), n,
                        partials.data_ptr<float>(), partial_stride,
                        state1.scalar_type() == at::kFloat ? state1.data_ptr<float>() : nullptr,
                        state2.scalar_type() == at::kFloat ? state2.data_ptr<float>() : nullptr,
@@ -1001,6 +1125,13 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
       sk<<<grid_for(split_rows.numel()), threads, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args,
                                                                 wptr<W>(out));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (most_long > 0) {
+        auto lk = eight ? long_row_kernel<W, K, OPT, 8>
+                        : four ? long_row_kernel<W, K, OPT, 4> : long_row_kernel<W, K, OPT, 1>;
+        const unsigned long_grid = (unsigned)std::min<int64_t>(sms * waves, most_long);
+        lk<<<long_grid, threads, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args, wptr<W>(out));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     };
     auto with_key = [&](auto opt_c) {
       if (row_key.scalar_type() == at::kInt) launch(int32_t{}, opt_c);
@@ -1036,7 +1167,7 @@ void singleton_update(const at::Tensor& values, const at::Tensor& offsets, const
   const dim3 grid((unsigned)std::min<int64_t>((batch_size + bags_per_block - 1) / bags_per_block, INT32_MAX),
                   (unsigned)F);
   const bool grad_vec = reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0 && grad.size(1) % 4 == 0;
-  const PieceArgs args{nullptr, nullptr, nullptr, 0, nullptr, 0,
+  const PieceArgs args{nullptr, nullptr, nullptr, nullptr, 0, nullptr, 0,
                        state1.scalar_type() == at::kFloat ? state1.data_ptr<float>() : nullptr,
                        state2.scalar_type() == at::kFloat ? state2.data_ptr<float>() : nullptr,
                        hyper.scalar_type() == at::kFloat ? hyper.data_ptr<float>() : nullptr,
