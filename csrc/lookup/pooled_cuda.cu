@@ -664,7 +664,7 @@ __device__ __forceinline__ void add_partials(float4 (&acc)[V], const RowLanes& L
 // its groups for them and hold a block's registers (one or two blocks a SM at V >= 4); the extra
 // launch and block rounds cost more than they save (zipf's rows of ~50 pieces at D=32). Zipf's
 // hottest rows at D=256 have hundreds of pieces: one group's chain of ~1,700 loads ran 0.9 ms
-// while the rest of the GPU idled (v15 in docs/perf-notes.md).
+// while the rest of the GPU idled (v16 in docs/perf-notes.md).
 constexpr int64_t LONG_ROW_LOADS = 64;
 template <int V>
 __host__ __device__ constexpr int64_t one_group_loads(int64_t pieces) {

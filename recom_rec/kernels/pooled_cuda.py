@@ -5,10 +5,12 @@ Forward: the CUDA kernel, launched feature-major or bag-major, whichever measure
 launch's shape (launch_tuner.LaunchOrderTuner). Backward: the planning (expand, a CUB sort, plan:
 the Triton backend's kernels ported, one host call), then the CUDA piece and split-row kernels.
 Both backends cut a row's lookups into the same pieces and sum each piece in input order
-(deterministic). A row of up to 32 pieces has its partial sums added in piece order here, one of
-more (hot ids) by a block whose groups add fixed ranges of its pieces, then their sums in group
-order (still the same bits from run to run); the Triton kernel adds them in tiles. So the two
-backends agree on such rows to rounding, not bit for bit.
+(deterministic). A split row's partial sums are added in piece order here, except a hot row whose
+chain of dependent loads for one group would pass LONG_ROW_LOADS (csrc/lookup/pooled_cuda.cu:
+more than 512 / 32 / 16 pieces at 1 / 4 / 8 float4 a lane): a block adds it, its groups fixed
+ranges of the pieces, then their sums in group order (still the same bits from run to run); the
+Triton kernel adds them in tiles. So the two backends agree on such rows to rounding, not bit for
+bit.
 
 A group the CUDA kernels do not cover (a dim above ``MAX_DIM``, a weight buffer that is not
 16-byte aligned) runs on the Triton backend instead.

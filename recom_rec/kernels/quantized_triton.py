@@ -13,13 +13,13 @@ is written once, in the output dtype.
 Tables start on 128-byte lines and row strides are multiples of 16 bytes (quant/layout.py), so
 every row starts on a 16-byte boundary, an INT row's data one word after its scale-and-bias word.
 """
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from ..ops.backends import triton_interpreting
 from ..quant.layout import QMETA_WIDTH
 from .pooled_triton import _bag_block
 
@@ -27,11 +27,6 @@ from .pooled_triton import _bag_block
 @triton.jit
 def _fp16(bits16):
     return bits16.to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _fp16_to_float(bits16):
-    return _fp16(bits16).to(tl.float32)
 
 
 @triton.jit
@@ -116,11 +111,12 @@ def _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start,
                 acc = tl.fma(wt[:, None], _fp8_to_float(codes), acc)
             else:
                 header = tl.load(flat_i32 + row // 4, mask=live, other=0)  # fp16 scale, fp16 bias
-                scale = _fp16_to_float(header & 0xFFFF)
-                bias = _fp16_to_float((header >> 16) & 0xFFFF)
+                scale16 = _fp16(header & 0xFFFF)
+                bias16 = _fp16((header >> 16) & 0xFFFF)
+                scale = scale16.to(tl.float32)
+                bias = bias16.to(tl.float32)
                 if CUDA_ARITHMETIC == 2:  # compiled for a GPU: the fp16 fma itself (fma.rn.f16)
-                    v = tl.fma(codes.to(tl.float16), _fp16(header & 0xFFFF)[:, None],
-                               _fp16((header >> 16) & 0xFFFF)[:, None]).to(tl.float32)
+                    v = tl.fma(codes.to(tl.float16), scale16[:, None], bias16[:, None]).to(tl.float32)
                     acc = tl.fma(wt[:, None], v, acc)
                 elif CUDA_ARITHMETIC == 1:
                     v = _half_of_exact_sum(codes.to(tl.float32) * scale[:, None], bias[:, None])
@@ -199,7 +195,7 @@ def _rounding(cuda_arithmetic: bool) -> int:
     emulated in fp32 under the interpreter (1); its CPU rounding (0)."""
     if not cuda_arithmetic:
         return 0
-    return 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2
+    return 1 if triton_interpreting() else 2
 
 
 def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per_sample_weights, feature_meta: torch.Tensor,
