@@ -21,7 +21,9 @@ _INSTANTIATE = r'''
 #define RECOM_REC_KERNELS_ONLY
 #include "{source}"
 namespace {{
-template __global__ void pooled_forward_kernel<{w}, {i}>(const {w}*, const {i}*, const {i}*, const float*,
+template __global__ void pooled_forward_kernel<{w}, {i}, {maxv}, {rows}>(const {w}*, const {i}*, const {i}*, const float*,
+    const int64_t*, const int64_t*, float*, int64_t, int64_t, bool);
+template __global__ void pooled_forward_kernel<{w}, {i}, 1, 4>(const {w}*, const {i}*, const {i}*, const float*,
     const int64_t*, const int64_t*, float*, int64_t, int64_t, bool);
 template __global__ void piece_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const int32_t*, Payload, const float*,
     PieceArgs, {w}*);
@@ -55,7 +57,7 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path, weight, index):
     for opt in (-1, 0, 1, 2, 3):
         for v in (1, 4, 8):
             cu = tmp_path / f"k_{opt}_{v}.cu"
-            cu.write_text(_INSTANTIATE.format(source=source, w=weight, i=index, opt=opt, v=v))
+            cu.write_text(_INSTANTIATE.format(source=source, w=weight, i=index, opt=opt, v=v, maxv={1: 1, 4: 2, 8: 4}[v], rows=8))
             result = subprocess.run([nvcc, "-c", "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90",
                                      "-Xptxas=-v", str(cu), "-o", str(tmp_path / "k.o")],
                                     capture_output=True, text=True, timeout=600)

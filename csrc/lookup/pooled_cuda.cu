@@ -144,8 +144,16 @@ __device__ __forceinline__ void pool_vec(const W* __restrict__ table, const I* _
 // repeated rows are read while they are in L2). Every group of G lanes pools one bag: G = lanes
 // for the feature's dim, so narrow tables pack several bags per warp. A bag's ids are summed in
 // input order in fp32 (the same order as the Triton kernel: equal results in fp32).
-template <typename W, typename I>
-__global__ void __launch_bounds__(256) pooled_forward_kernel(
+// MAXV: the most 16-byte chunks a lane holds in one pass, from the group's widest dim (1 up to 128,
+// 2 up to 256, else 4). A kernel holding only the paths its group needs keeps to 64 registers, so
+// 4 blocks (32 warps) fit an SM: the gather is latency-bound, and the kernel with every path (99
+// registers, 2 blocks) ran the 4000-table forward at 1.84 ms against 1.21 (perf-notes v17).
+// ROWS: rows in flight a lane on the one-chunk path. 4 instead of 8 fits 6 blocks an SM (40
+// registers; 5 blocks with int32 ids, which spill 72 bytes at 40): faster on short bags, slower
+// on long bags of narrow rows (few lanes a bag), so the launch tuner measures both where the
+// group's rows take one chunk a lane.
+template <typename W, typename I, int MAXV, int ROWS>
+__global__ void __launch_bounds__(256, ROWS == 4 ? (sizeof(I) == 8 ? 6 : 5) : 4) pooled_forward_kernel(
     const W* __restrict__ flat, const I* __restrict__ values, const I* __restrict__ offsets,
     const float* __restrict__ psw, const int64_t* __restrict__ meta, const int64_t* __restrict__ key_index,
     float* __restrict__ out, int64_t batch_size, int64_t total_dim, bool bag_major) {
@@ -174,14 +182,14 @@ __global__ void __launch_bounds__(256) pooled_forward_kernel(
       // wider rows take more passes) and walks the bag once per pass: 4 to 8 rows' loads in flight
       // a lane, the bag's ids read once rather than once per chunk (v13, perf-notes).
       const int per_lane = (chunks + G - 1) / G;
-      for (int c0 = sl; c0 < chunks; c0 += 4 * G) {
+      for (int c0 = sl; c0 < chunks; c0 += MAXV * G) {
         const int left = per_lane - (c0 - sl) / G;  // this lane's chunks from c0 on
-        if (left >= 3) {
+        if (MAXV >= 4 && left >= 3) {
           pool_vec<W, I, 4, 2>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o);
-        } else if (left == 2) {
+        } else if (MAXV >= 2 && left >= 2) {
           pool_vec<W, I, 2, 4>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o);
         } else {
-          pool_vec<W, I, 1, 8>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o);
+          pool_vec<W, I, 1, ROWS>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o);
         }
       }
     } else {
@@ -951,10 +959,12 @@ W* wptr(const at::Tensor& t) { return reinterpret_cast<W*>(t.data_ptr()); }
 
 #ifndef RECOM_REC_KERNELS_ONLY
 // Pooled forward of a group: out [batch_size, total_dim] fp32, any dim. The caller has converted
-// offsets to values' dtype and per-sample weights to fp32.
+// offsets to values' dtype and per-sample weights to fp32. `bag_major` and `rows_in_flight` (8, or
+// 4 where max_dim <= 128) choose among launches that give the same bits (the launch tuner's).
 at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, const at::Tensor& offsets,
                           const c10::optional<at::Tensor>& psw, const at::Tensor& meta, const at::Tensor& key_index,
-                          int64_t batch_size, int64_t total_dim, int64_t max_dim, bool bag_major) {
+                          int64_t batch_size, int64_t total_dim, int64_t max_dim, bool bag_major,
+                          int64_t rows_in_flight) {
   c10::cuda::CUDAGuard guard(flat.device());
   auto out = at::empty({batch_size, total_dim}, flat.options().dtype(at::kFloat));
   const int64_t F = meta.size(0);
@@ -970,18 +980,30 @@ at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, cons
                               : dim3((unsigned)F, (unsigned)std::min<int64_t>(bag_blocks, 65535));
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
+  TORCH_CHECK(values.scalar_type() == at::kLong || values.scalar_type() == at::kInt, "values must be int32 or int64");
+  const int lane_chunks = (int)((((max_dim + 3) / 4) + g - 1) / g);  // the widest feature's, vectorised
+  TORCH_CHECK(rows_in_flight == 8 || (rows_in_flight == 4 && lane_chunks <= 1),
+              "recom_rec cuda backend: the forward keeps 8 rows in flight a lane, or 4 where rows take one "
+              "chunk a lane");
   dispatch_weight(flat.scalar_type(), [&](auto wt) {
     using W = decltype(wt);
-    if (values.scalar_type() == at::kLong) {
-      pooled_forward_kernel<W, int64_t><<<grid, threads, 0, stream>>>(
-          wptr<W>(flat), values.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), w, meta.data_ptr<int64_t>(),
+    auto launch = [&](auto index, auto maxv, auto rows) {
+      using I = decltype(index);
+      pooled_forward_kernel<W, I, decltype(maxv)::value, decltype(rows)::value><<<grid, threads, 0, stream>>>(
+          wptr<W>(flat), values.data_ptr<I>(), offsets.data_ptr<I>(), w, meta.data_ptr<int64_t>(),
           key_index.data_ptr<int64_t>(), out.data_ptr<float>(), batch_size, total_dim, bag_major);
-    } else {
-      TORCH_CHECK(values.scalar_type() == at::kInt, "values must be int32 or int64");
-      pooled_forward_kernel<W, int32_t><<<grid, threads, 0, stream>>>(
-          wptr<W>(flat), values.data_ptr<int32_t>(), offsets.data_ptr<int32_t>(), w, meta.data_ptr<int64_t>(),
-          key_index.data_ptr<int64_t>(), out.data_ptr<float>(), batch_size, total_dim, bag_major);
-    }
+    };
+    auto by_width = [&](auto index) {
+      using Eight = std::integral_constant<int, 8>;
+      using One = std::integral_constant<int, 1>;
+      using Four = std::integral_constant<int, 4>;
+      if (lane_chunks <= 1 && rows_in_flight == 4) launch(index, One{}, Four{});
+      else if (lane_chunks <= 1) launch(index, One{}, Eight{});
+      else if (lane_chunks == 2) launch(index, std::integral_constant<int, 2>{}, Eight{});
+      else launch(index, Four{}, Eight{});
+    };
+    if (values.scalar_type() == at::kLong) by_width(int64_t{});
+    else by_width(int32_t{});
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

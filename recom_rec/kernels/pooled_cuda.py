@@ -1,9 +1,11 @@
 """The CUDA C++ backend (``backend="cuda"``): the kernels of csrc/lookup/pooled_cuda.cu, through
 the extension cuda_ext loads (built at install time, else on first use).
 
-Forward: the CUDA kernel, launched feature-major or bag-major, whichever measured faster for the
-launch's shape (launch_tuner.LaunchOrderTuner). Backward: the planning (expand, a CUB sort, plan:
-the Triton backend's kernels ported, one host call), then the CUDA piece and split-row kernels.
+Forward: the CUDA kernel, launched feature-major or bag-major, with 8 or (rows of at most 128
+columns) 4 rows in flight a lane, whichever measured faster for the launch's shape
+(launch_tuner.LaunchOrderTuner; every launch gives the same bits). Backward: the planning
+(expand, a CUB sort, plan: the Triton backend's kernels ported, one host call), then the CUDA
+piece and split-row kernels.
 Both backends cut a row's lookups into the same pieces and sum each piece in input order
 (deterministic). A split row's partial sums are added in piece order here, except a hot row whose
 chain of dependent loads for one group would pass LONG_ROW_LOADS (csrc/lookup/pooled_cuda.cu:
@@ -21,7 +23,7 @@ import functools
 import torch
 
 from . import cuda_ext, pooled_triton
-from .launch_tuner import ForwardLaunchShape, LaunchOrderTuner
+from .launch_tuner import MAX_BAG_MAJOR_FEATURES, ForwardLaunchShape, LaunchOrderTuner
 
 build_error = cuda_ext.build_error  # the ops ask the backend whether it can run here
 MAX_DIM = 1024  # the backward kernels' widest variant: 8 float4 accumulators per lane x 32 lanes
@@ -33,9 +35,26 @@ MAX_DIM = 1024  # the backward kernels' widest variant: 8 float4 accumulators pe
 # BACKWARD_PATH_TUNER.force). Singletons need a bitmap of the group's rows: at most SINGLETON_MAX_ROWS.
 SINGLETON_MAX_ROWS = 1 << 29
 BACKWARD_PATH_TUNER = LaunchOrderTuner(names={False: "pieces", True: "singletons"})
-# The forward's launch order per shape, measured on its first launches (see pooled_forward_kernel in
-# the source for the two orders).
-FORWARD_ORDER_TUNER = LaunchOrderTuner()
+# The forward's launches by name: (bag_major, rows in flight a lane). See pooled_forward_kernel in
+# the source: the two orders, and 4 rows in flight (more blocks an SM) where rows take one 16-byte
+# chunk a lane, which wins on short bags and loses on long bags of narrow rows.
+FORWARD_LAUNCHES = {"features": (False, 8), "bags": (True, 8), "features/4 rows": (False, 4),
+                    "bags/4 rows": (True, 4)}
+FOUR_ROWS_MAX_DIM = 128  # one float4 chunk a lane at 32 lanes
+
+
+def forward_launches(shape) -> tuple:
+    """The forward launches worth measuring for a ForwardLaunchShape: bag-major only where the
+    features fit the grid's y axis, 4 rows in flight only where it builds a different kernel."""
+    names = ("features", "bags") if shape.num_features <= MAX_BAG_MAJOR_FEATURES else ("features",)
+    if shape.max_dim <= FOUR_ROWS_MAX_DIM:
+        names += tuple(f"{n}/4 rows" for n in names)
+    return names
+
+
+# The forward's launch per shape, measured on its first launches.
+FORWARD_ORDER_TUNER = LaunchOrderTuner(names={n: n for n in FORWARD_LAUNCHES}, candidates=forward_launches,
+                                       default="features")
 
 
 def supports(flat: torch.Tensor, max_dim: int) -> bool:
@@ -60,10 +79,11 @@ def forward_args(values, offsets, per_sample_weights, feature_meta, key_index):
             key_index.to(torch.int64).contiguous())
 
 
-def forward_launch(flat, values, offsets, psw, feature_meta, key_index, batch_size, total_dim, max_dim, bag_major):
-    """One forward launch in the given order, on forward_args' inputs."""
+def forward_launch(flat, values, offsets, psw, feature_meta, key_index, batch_size, total_dim, max_dim, launch):
+    """One forward launch (a FORWARD_LAUNCHES name), on forward_args' inputs."""
+    bag_major, rows = FORWARD_LAUNCHES[launch]
     return cuda_ext.extension().pooled_forward(flat, values, offsets, psw, feature_meta, key_index, batch_size,
-                                               total_dim, max_dim, bag_major)
+                                               total_dim, max_dim, bag_major, rows)
 
 
 def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim):
@@ -74,7 +94,7 @@ def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
     args = forward_args(values, offsets, per_sample_weights, feature_meta, key_index)
     shape = ForwardLaunchShape.of(flat, values, per_sample_weights, feature_meta, batch_size, total_dim, max_dim)
     return FORWARD_ORDER_TUNER.launch(
-        shape, lambda bag_major: forward_launch(flat, *args, batch_size, total_dim, max_dim, bag_major), flat.device)
+        shape, lambda launch: forward_launch(flat, *args, batch_size, total_dim, max_dim, launch), flat.device)
 
 
 # What a backward's timing depends on (BACKWARD_PATH_TUNER's key): a forward's shape and the optimizer.

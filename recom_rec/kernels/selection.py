@@ -1,9 +1,9 @@
 """``backend="auto"`` on a GPU: which kernels run a group's forward, chosen per shape by measuring
 them (issue 18), rather than by a rule on dims.
 
-The candidates compute the same pooled output: the Triton kernel, and the CUDA kernel in either
-launch order (feature-major, bag-major; see launch_tuner). The first launches of a shape run each
-once untimed, then in A B B A order timed with CUDA events; the shape keeps the default (CUDA
+The candidates compute the same pooled output: the Triton kernel, and the CUDA kernel's launches
+(feature-major or bag-major, 8 or 4 rows in flight a lane: pooled_cuda.FORWARD_LAUNCHES). The
+first launches of a shape run each once untimed, then in A B B A order timed with CUDA events; the shape keeps the default (CUDA
 feature-major) unless another is clearly faster, by launch_tuner.MARGIN beyond the samples'
 spread (launch_tuner.LaunchOrderTuner, whose key includes the weights' address, so two models of
 one shape tune apart). Where the CUDA extension is unavailable or does not cover the
@@ -14,16 +14,18 @@ every workload measured, docs/perf-notes.md v6-v12); pooled_cuda measures its pa
 """
 from typing import Optional
 
-from .launch_tuner import MAX_BAG_MAJOR_FEATURES, ForwardLaunchShape, LaunchOrderTuner
+from . import pooled_cuda
+from .launch_tuner import ForwardLaunchShape, LaunchOrderTuner
 
-TRITON, CUDA_FEATURES, CUDA_BAGS = "triton", "cuda:features", "cuda:bags"
-CHOICES = (CUDA_FEATURES, CUDA_BAGS, TRITON)
+TRITON, CUDA = "triton", "cuda:"
+CUDA_FEATURES = CUDA + "features"  # the default
+CHOICES = tuple(CUDA + name for name in pooled_cuda.FORWARD_LAUNCHES) + (TRITON,)
 
 
 def _candidates(shape: ForwardLaunchShape):
     if not shape.cuda_ok:
         return (TRITON,)
-    return CHOICES if shape.num_features <= MAX_BAG_MAJOR_FEATURES else (CUDA_FEATURES, TRITON)
+    return tuple(CUDA + name for name in pooled_cuda.forward_launches(shape.launch)) + (TRITON,)
 
 
 # The tuner's key: the forward's launch shape and whether the CUDA kernels cover it.
@@ -50,7 +52,7 @@ def force_forward(choice: Optional[str]) -> None:
 
 
 def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim):
-    from . import cuda_ext, pooled_cuda, pooled_triton
+    from . import cuda_ext, pooled_triton
 
     cuda_ok = cuda_ext.build_error() is None and pooled_cuda.supports_forward(flat)
     shape = ForwardChoiceShape(ForwardLaunchShape.of(flat, values, per_sample_weights, feature_meta, batch_size,
@@ -62,14 +64,12 @@ def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
         if choice == TRITON or not cuda_ok:
             return pooled_triton.forward(flat, values, offsets, per_sample_weights, feature_meta, key_index,
                                          batch_size, total_dim, max_dim)
-        return pooled_cuda.forward_launch(flat, *args, batch_size, total_dim, max_dim, choice == CUDA_BAGS)
+        return pooled_cuda.forward_launch(flat, *args, batch_size, total_dim, max_dim, choice[len(CUDA):])
 
     return FORWARD.launch(shape, run, flat.device)
 
 
 def _tuners():
-    from . import pooled_cuda
-
     return (FORWARD, pooled_cuda.FORWARD_ORDER_TUNER, pooled_cuda.BACKWARD_PATH_TUNER)
 
 
