@@ -1,6 +1,7 @@
 """A trained DLRM quantized by recom_rec.quantize: equal to torchrec's quantize_embeddings, under
 torch.compile(fullgraph=True), torch.export (saved and loaded) and AOTInductor (a package loaded
 and run in a fresh process)."""
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -133,7 +134,12 @@ _RUN_PACKAGE = textwrap.dedent("""
 def test_aot_inductor_package_runs_in_a_fresh_process(tmp_path):
     model = recom_rec.quantize(_trained_dlrm(True), torch.qint8)
     ep = _exported(model, _batches(1, seed=7)[0])
-    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "qdlrm.pt2"))
+    # The package's C++ wrapper must share the loading process's libstdc++. A compiler that links
+    # its own copy in statically (our GPU image's CXX=/opt/gcc/bin/g++) gives the wrapper a second,
+    # uninitialised std::locale, and the load crashes in std::regex (docs/quantized.md); the
+    # system's g++ links the shared one.
+    with torch._inductor.config.patch({"cpp.cxx": (shutil.which("g++") or "g++",)}):
+        package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "qdlrm.pt2"))
     batches = [_batches(1, batch_size=size, seed=size)[0] for size in (4, 16, 40)]
     torch.save([tuple(t.cpu() for t in _inputs(b)) for b in batches], tmp_path / "inputs.pt")
     script = tmp_path / "run.py"

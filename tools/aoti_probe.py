@@ -2,7 +2,13 @@
 content, each compiled here and then loaded and run in a fresh process with faulthandler and a
 native backtrace (tools/segv_backtrace.c, LD_PRELOAD'ed when a C compiler is there).
 
-    python tools/aoti_probe.py --device cuda --out /tmp/aoti
+    python tools/aoti_probe.py --device cuda --out /tmp/aoti [--no-caches]
+    python tools/aoti_probe.py --device cuda --only linear --inductor-compiler /usr/bin/g++
+
+Prints inductor's compiler and, for the nn.Linear package, its wrapper library's linking (ldd,
+NEEDED entries, the std:: symbols it defines): a wrapper that carries its own libstdc++ crashes at
+load (docs/perf-notes.md v17). ``--inductor-compiler`` swaps the compiler (through a script that
+logs every command; ``--cxx-extra`` appends flags to its links).
 
 1. a plain ``nn.Linear`` (does AOTInductor load at all on this stack?);
 2. the quantized DLRM of tests/test_quant_serving.py without input validation (only the Triton
@@ -12,9 +18,11 @@ native backtrace (tools/segv_backtrace.c, LD_PRELOAD'ed when a C compiler is the
 import argparse
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import torch
 
@@ -23,6 +31,7 @@ RUN = textwrap.dedent("""
     before, after = sys.argv[4].split("/")  # modules imported before the load / after it
     for m in filter(None, before.split(",")):
         importlib.import_module(m)
+    print("libstdc++ mapped:", sorted({l.split()[-1] for l in open("/proc/self/maps") if "libstdc++" in l}), flush=True)
     print("loading", flush=True)
     runner = torch._inductor.aoti_load_package(sys.argv[1])
     print("loaded", flush=True)
@@ -45,6 +54,21 @@ def _backtrace_lib(out: pathlib.Path):
     return str(lib) if r.returncode == 0 else None
 
 
+def _describe(package, out):
+    """The package's wrapper library: what it links, where it looks, which C++ runtime symbols it
+    defines itself (instantiations that could bind to another copy at load time)."""
+    folder = out / "unzipped"
+    shutil.rmtree(folder, ignore_errors=True)
+    zipfile.ZipFile(package).extractall(folder)
+    for so in folder.rglob("*.so"):
+        for cmd in (["ldd", str(so)], ["readelf", "-d", str(so)], ["g++", "--version"]):
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            print(f"$ {' '.join(cmd[:2])}\n{r.stdout[-1500:]}{r.stderr[-300:]}", flush=True)
+        r = subprocess.run(f"nm -DC --defined-only {so} | grep -c 'std::'; nm -DC --defined-only {so} | grep 'regex\\|locale' | head -8",
+                           shell=True, capture_output=True, text=True)
+        print(f"std:: symbols the wrapper exports (count, then regex/locale ones):\n{r.stdout}", flush=True)
+
+
 def _load_fresh(package, inputs, out, device, lib, name):
     torch.save([t.cpu() for t in inputs], out / f"{name}-inputs.pt")
     script = out / "run.py"
@@ -64,6 +88,12 @@ def main():
     p.add_argument("--out", default="/tmp/aoti")
     p.add_argument("--only", nargs="*", default=["linear", "novalidate", "validate"])
     p.add_argument("--first-import-only", action="store_true", help="load each package once (no imports but torch's)")
+    p.add_argument("--inductor-compiler", default="",
+                   help="inductor's C++ compiler for the packages (through a logging script), e.g. /usr/bin/g++")
+    p.add_argument("--no-caches", action="store_true", help="torch._inductor.config.force_disable_caches")
+    p.add_argument("--cxx-extra", default="",
+                   help="with --inductor-compiler: flags appended to its link commands")
+    p.add_argument("--preload", default="", help="LD_PRELOAD (besides the backtrace library) of the loading process")
     p.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
                    help="torch._inductor.config entries for the compile, e.g. aot_inductor.precompile_headers=False")
     args = p.parse_args()
@@ -79,11 +109,38 @@ def main():
     os.environ["RECOM_TEST_DEVICE"] = args.device
     lib = _backtrace_lib(out)
     print("native backtrace:", lib or "no (gcc failed)", flush=True)
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    print("inductor's compiler:", get_cpp_compiler(), "| CXX:", os.environ.get("CXX"), flush=True)
+    if args.no_caches:  # every package compiled here (no precompiled header or library from an earlier run)
+        torch._inductor.config.force_disable_caches = True
+    if args.inductor_compiler:
+        main_wrapped(args, out)
+    lib = ":".join(filter(None, [lib, args.preload]))
+    _packages(args, out, device, lib)
+
+
+def main_wrapped(args, out):
+    """inductor's compiler through a script that logs every command (and appends --cxx-extra to
+    links); the script's name must say g++ for inductor's flag choices."""
+    wrap = out / "bin" / "g++"
+    wrap.parent.mkdir(exist_ok=True)
+    wrap.write_text(f'#!/bin/sh\nextra=""\ncase " $* " in *" -shared "*) extra="{args.cxx_extra}";; esac  # links only\n'
+                    f'echo "g++ $* $extra" >> {out}/cxx.log\nexec {args.inductor_compiler} "$@" $extra\n')
+    wrap.chmod(0o755)
+    torch._inductor.config.cpp.cxx = (str(wrap),)
+    print("compiler:", wrap.read_text().strip(), flush=True)
+
+
+def _packages(args, out, device, lib):
     if "linear" in args.only:
         lin = torch.nn.Linear(16, 4).to(device)
         x = torch.randn(8, 16, device=device)
         ep = torch.export.export(lin, (x,))
         pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(out / "linear.pt2"))
+        _describe(pkg, out)
+        if (out / "cxx.log").exists():
+            print("compiler commands (the link last):", *open(out / "cxx.log").read().splitlines()[-2:], sep="\n",
+                  flush=True)
         _load_fresh(pkg, [x], out, args.device, lib, "linear")
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
     import recom_rec
