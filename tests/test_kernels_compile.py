@@ -57,7 +57,8 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path, weight, index):
     for opt in (-1, 0, 1, 2, 3):
         for v in (1, 4, 8):
             cu = tmp_path / f"k_{opt}_{v}.cu"
-            cu.write_text(_INSTANTIATE.format(source=source, w=weight, i=index, opt=opt, v=v, maxv={1: 1, 4: 2, 8: 4}[v], rows=8))
+            maxv = {1: 1, 4: 2, 8: 4}[v]  # the forward's chunks a lane at the same widths
+            cu.write_text(_INSTANTIATE.format(source=source, w=weight, i=index, opt=opt, v=v, maxv=maxv, rows=8))
             result = subprocess.run([nvcc, "-c", "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90",
                                      "-Xptxas=-v", str(cu), "-o", str(tmp_path / "k.o")],
                                     capture_output=True, text=True, timeout=600)

@@ -67,24 +67,19 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(dmeta, meta.data(), sizeof(int64_t) * meta.size(), cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(dkey, key_index.data(), sizeof(int64_t) * T, cudaMemcpyHostToDevice));
 
-  // The product's launch shape (pooled_forward in the same source).
-  const int threads = 256;
-  const int g = group_lanes((int)((D + 3) / 4));
-  const int64_t bags_per_block = (32 / g) * (threads / 32);
-  const int64_t bag_blocks = (B + bags_per_block - 1) / bags_per_block;
-  const dim3 grid = bag_major ? dim3((unsigned)bag_blocks, (unsigned)T) : dim3((unsigned)T, (unsigned)std::min<int64_t>(bag_blocks, 65535));
+  const ForwardShape shape = forward_shape(T, B, D, bag_major);  // the product's (pooled_forward's)
 #ifndef FORWARD_ROWS
 #define FORWARD_ROWS 8  // rows in flight a lane on the one-chunk path (4: the tuner's other launch)
 #endif
 #ifdef FORWARD_MAXV  // one kernel for every dim (the product before v17 held every path)
   auto kernel = pooled_forward_kernel<float, int64_t, FORWARD_MAXV, 8>;
 #else  // the product's choice: the most chunks a lane of the widest feature holds
-  const int64_t lane_chunks = ((D + 3) / 4 + g - 1) / g;
-  auto kernel = lane_chunks <= 1 ? pooled_forward_kernel<float, int64_t, 1, FORWARD_ROWS>
-              : lane_chunks == 2 ? pooled_forward_kernel<float, int64_t, 2, 8> : pooled_forward_kernel<float, int64_t, 4, 8>;
+  auto kernel = shape.lane_chunks <= 1 ? pooled_forward_kernel<float, int64_t, 1, FORWARD_ROWS>
+              : shape.lane_chunks == 2 ? pooled_forward_kernel<float, int64_t, 2, 8>
+                                       : pooled_forward_kernel<float, int64_t, 4, 8>;
 #endif
   auto launch = [&] {
-    kernel<<<grid, threads>>>(flat, dv, doff, nullptr, dmeta, dkey, out, B, total_dim, bag_major);
+    kernel<<<shape.grid, FORWARD_THREADS>>>(flat, dv, doff, nullptr, dmeta, dkey, out, B, total_dim, bag_major);
   };
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a)); CHECK(cudaEventCreate(&b));
@@ -111,7 +106,7 @@ int main(int argc, char** argv) {
   cudaFuncAttributes attr;
   CHECK(cudaFuncGetAttributes(&attr, kernel));
   int blocks_per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, 0));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, FORWARD_THREADS, 0));
   std::printf("T=%lld rows=%lld D=%lld B=%lld ids=%d zipf=%d bag_major=%d: %.4f ms, %.0f GB/s, %.2f of copy (%.0f GB/s); "
               "%d regs, %d blocks/SM\n", (long long)T, (long long)rows, (long long)D, (long long)B, ids, (int)zipf,
               (int)bag_major, ms, bytes / (ms * 1e6), bytes / (ms * 1e6) / copy_gbs, copy_gbs, attr.numRegs, blocks_per_sm);

@@ -18,6 +18,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <cub/block/block_scan.cuh>
@@ -212,6 +213,23 @@ __global__ void __launch_bounds__(256, ROWS == 4 ? (sizeof(I) == 8 ? 6 : 5) : 4)
       }
     }
   }
+}
+
+// The forward's launch shape (pooled_forward's, and tools/forward_kernel_bench.cu's): blocks of
+// FORWARD_THREADS, bags per block for the group's widest table (narrower features stride over
+// more bags a block), and the most 16-byte chunks a lane of that table holds (the kernel's MAXV).
+constexpr int FORWARD_THREADS = 256;
+struct ForwardShape {
+  dim3 grid;
+  int lane_chunks;
+};
+inline ForwardShape forward_shape(int64_t features, int64_t batch_size, int64_t max_dim, bool bag_major) {
+  const int g = group_lanes((int)((max_dim + 3) / 4));
+  const int64_t bags_per_block = (32 / g) * (FORWARD_THREADS / 32);
+  const int64_t bag_blocks = (batch_size + bags_per_block - 1) / bags_per_block;
+  const dim3 grid = bag_major ? dim3((unsigned)std::min<int64_t>(bag_blocks, INT32_MAX), (unsigned)features)
+                              : dim3((unsigned)features, (unsigned)std::min<int64_t>(bag_blocks, 65535));
+  return ForwardShape{grid, (int)(((max_dim + 3) / 4 + g - 1) / g)};
 }
 
 // ---- backward: the piece and split-row kernels ----------------------------------------------
@@ -970,18 +988,13 @@ at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, cons
   const int64_t F = meta.size(0);
   if (F == 0 || batch_size == 0) return out.zero_();
   TORCH_CHECK(values.scalar_type() == offsets.scalar_type(), "values and offsets must share a dtype");
-  const int threads = 256;
-  // Bags per block for the widest table; narrower features stride over more bags per block.
-  const int g = group_lanes((int)((max_dim + 3) / 4));
-  const int64_t bags_per_block = (32 / g) * (threads / 32);
-  const int64_t bag_blocks = (batch_size + bags_per_block - 1) / bags_per_block;
   TORCH_CHECK(!bag_major || F <= 65535, "bag-major forward takes at most 65535 features a group");
-  const dim3 grid = bag_major ? dim3((unsigned)std::min<int64_t>(bag_blocks, INT32_MAX), (unsigned)F)
-                              : dim3((unsigned)F, (unsigned)std::min<int64_t>(bag_blocks, 65535));
+  const ForwardShape shape = forward_shape(F, batch_size, max_dim, bag_major);
+  const dim3 grid = shape.grid;
+  const int lane_chunks = shape.lane_chunks;
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
   TORCH_CHECK(values.scalar_type() == at::kLong || values.scalar_type() == at::kInt, "values must be int32 or int64");
-  const int lane_chunks = (int)((((max_dim + 3) / 4) + g - 1) / g);  // the widest feature's, vectorised
   TORCH_CHECK(rows_in_flight == 8 || (rows_in_flight == 4 && lane_chunks <= 1),
               "recom_rec cuda backend: the forward keeps 8 rows in flight a lane, or 4 where rows take one "
               "chunk a lane");
@@ -989,7 +1002,7 @@ at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, cons
     using W = decltype(wt);
     auto launch = [&](auto index, auto maxv, auto rows) {
       using I = decltype(index);
-      pooled_forward_kernel<W, I, decltype(maxv)::value, decltype(rows)::value><<<grid, threads, 0, stream>>>(
+      pooled_forward_kernel<W, I, decltype(maxv)::value, decltype(rows)::value><<<grid, FORWARD_THREADS, 0, stream>>>(
           wptr<W>(flat), values.data_ptr<I>(), offsets.data_ptr<I>(), w, meta.data_ptr<int64_t>(),
           key_index.data_ptr<int64_t>(), out.data_ptr<float>(), batch_size, total_dim, bag_major);
     };

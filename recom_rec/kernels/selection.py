@@ -3,11 +3,12 @@ them (issue 18), rather than by a rule on dims.
 
 The candidates compute the same pooled output: the Triton kernel, and the CUDA kernel's launches
 (feature-major or bag-major, 8 or 4 rows in flight a lane: pooled_cuda.FORWARD_LAUNCHES). The
-first launches of a shape run each once untimed, then in A B B A order timed with CUDA events; the shape keeps the default (CUDA
-feature-major) unless another is clearly faster, by launch_tuner.MARGIN beyond the samples'
-spread (launch_tuner.LaunchOrderTuner, whose key includes the weights' address, so two models of
-one shape tune apart). Where the CUDA extension is unavailable or does not cover the
-group (a weight buffer that is not 16-byte aligned), Triton runs.
+first launches of a shape run each once untimed, then in A B B A order timed with CUDA events;
+the shape keeps the default (CUDA feature-major) unless another is clearly faster, by
+launch_tuner.MARGIN beyond the samples' spread (launch_tuner.LaunchOrderTuner, whose key includes
+the weights' address, so two models of one shape tune apart). Where the CUDA extension is
+unavailable or does not cover the group (a weight buffer that is not 16-byte aligned), Triton
+runs.
 
 The backward always takes the CUDA kernels where they build and cover the group (they won on
 every workload measured, docs/perf-notes.md v6-v12); pooled_cuda measures its path per shape.
