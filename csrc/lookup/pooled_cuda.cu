@@ -466,18 +466,21 @@ struct LaneGroups {
 // flight; a piece that is a whole row applies the optimizer (OPT >= 0) or writes the row's
 // gradient (OPT < 0); a piece of a split row leaves its sum in its partial slot for the split-row
 // kernel. The row's weights are read before its gradient rows, so both loads are in flight
-// together (the chain is piece -> key and payload -> gradient and weight rows). Control flow stays
-// warp-uniform around the shuffles (row-wise Adagrad's row sum).
+// together (the chain is piece -> key and payload -> gradient and weight rows), except at V = 8
+// (rows of 513-1024 columns): there weights, sum and gradient rows held together took 180-236
+// registers, one block a SM; read after the sum they fit 128, two blocks a SM, no spill.
+// Control flow stays warp-uniform around the shuffles (row-wise Adagrad's row sum).
 template <typename W, typename K, int OPT, int V>
-__global__ void __launch_bounds__(256) piece_kernel(const K* __restrict__ row_key, const int32_t* __restrict__ order,
-                                                    Payload pay, const float* __restrict__ grad, PieceArgs a,
-                                                    W* __restrict__ out) {
+__global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 1 ? 4 : 0)
+    piece_kernel(const K* __restrict__ row_key, const int32_t* __restrict__ order, Payload pay,
+                 const float* __restrict__ grad, PieceArgs a, W* __restrict__ out) {
   const int64_t num = a.counts[0], n = a.n;
   const LaneGroups lg(a.G);
   const int G = lg.G, sl = lg.sl;
   const unsigned gmask = G == 32 ? 0xffffffffu : (((1u << G) - 1u) << (lg.sub * G));
   float t;
   const Hyper h = read_hyper<OPT>(a, t);
+  constexpr bool LATE_WEIGHTS = V >= 8;
   for (int64_t r0 = lg.first; r0 < num; r0 += lg.stride) {
     const int64_t r = r0 + lg.sub;
     const bool active = r < num;
@@ -504,36 +507,61 @@ __global__ void __launch_bounds__(256) piece_kernel(const K* __restrict__ row_ke
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-      w[k] = (OPT >= 0 && finish) ? L.load_rw(out + row_at, k) : acc[k];
+      w[k] = (OPT >= 0 && finish && !LATE_WEIGHTS) ? L.load_rw(out + row_at, k) : acc[k];
     }
-    // Sum the piece in sorted order. Where the rows are 16-byte aligned, U lookups' sources are
-    // resolved and all their chunks loaded (predicated past the piece's end) before any is added:
-    // V * U loads in flight a lane. U shrinks as V grows to bound the registers.
+    // Sum the piece in sorted order. Where the rows are 16-byte aligned, U lookups' chunks are
+    // all loaded (predicated past the piece's end) before any is added: V * U loads in flight a
+    // lane; U shrinks as V grows to bound the registers. Their sources come through the sort's
+    // payload (order -> source, a round trip before the gradient rows): with G >= 2U lanes the
+    // group resolves G lookups' sources at once, lane i the i-th, and hands them out by shuffles
+    // (one payload round trip per G lookups instead of per U: ~200-id bags at dims 64 and 128
+    // ran 10-12% faster, v18). Narrower groups (dims up to 16 at V = 1) resolve U lookups, each lane all of
+    // them: there one round trip would serve a single batch of U anyway (at G < U fewer loads in
+    // flight: dim 4 with ~200 ids ran 18% slower). The shuffles take the group's mask: its lanes
+    // share the piece, so they run this loop together.
     constexpr int U = V >= 8 ? 1 : 4;
+    const bool together = U == 1 || G >= 2 * U;
+    const int span = together ? G : U;
     int j = 0;
     if (L.vec) {
-      for (; j < len; j += U) {
-        int64_t q[U];
-        float cs[U];
-        bool aligned = true;
+      for (int j0 = 0; j0 < len; j0 += span) {
+        float my_c = 0.f;
+        const int64_t my_q = together && j0 + sl < len ? pay.source(order[start + j0 + sl], my_c) : 0;
+        const int here = min(span, len - j0);
+        int jj = 0;
+        for (; jj < here; jj += U) {
+          int64_t q[U];
+          float cs[U];
+          bool aligned = true;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          cs[u] = 0.f;
-          q[u] = j + u < len ? pay.source(j + u == 0 ? o_first : order[start + j + u], cs[u]) : 0;
-          aligned = aligned && (q[u] & 3) == 0;
+          for (int u = 0; u < U; ++u) {
+            cs[u] = 0.f;
+            q[u] = 0;
+            if (together) {
+              const int64_t qs = __shfl_sync(gmask, my_q, jj + u, G);
+              const float c = __shfl_sync(gmask, my_c, jj + u, G);
+              if (jj + u < here) q[u] = qs, cs[u] = c;
+            } else if (jj + u < here) {
+              q[u] = pay.source(order[start + j0 + jj + u], cs[u]);
+            }
+            aligned = aligned && (q[u] & 3) == 0;
+          }
+          if (!aligned) break;  // a feature at an unaligned column: the loop below takes the rest
+          float4 g[U][V];
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int k = 0; k < V; ++k)
+              g[u][k] = jj + u < here && L.at(k, 0) >= 0 ? load4(grad + q[u] + L.at(k, 0))
+                                                         : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int k = 0; k < V; ++k)
+              if (jj + u < here && L.at(k, 0) >= 0) acc[k] = fma4(g[u][k], cs[u], acc[k]);
         }
-        if (!aligned) break;  // a feature at an unaligned column: the loop below takes the rest
-        float4 g[U][V];
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int k = 0; k < V; ++k)
-            g[u][k] = j + u < len && L.at(k, 0) >= 0 ? load4(grad + q[u] + L.at(k, 0)) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int k = 0; k < V; ++k)
-            if (j + u < len && L.at(k, 0) >= 0) acc[k] = fma4(g[u][k], cs[u], acc[k]);
+        j = j0 + min(jj, here);
+        if (jj < here) break;
       }
     }
     for (; j < len; ++j) {
@@ -546,6 +574,10 @@ __global__ void __launch_bounds__(256) piece_kernel(const K* __restrict__ row_ke
       float* dst = a.partials + (2 * (start / PIECE) + (packed & 1)) * a.partial_stride;
 #pragma unroll
       for (int k = 0; k < V; ++k) L.store(dst, k, acc[k]);
+    }
+    if (OPT >= 0 && finish && LATE_WEIGHTS) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) w[k] = L.load_rw(out + row_at, k);
     }
     finish_row<W, OPT, V>(acc, w, L, finish, out, row_at, (int64_t)key, a.s1, a.s2, h, t);
   }
