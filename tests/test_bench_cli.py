@@ -56,8 +56,8 @@ def test_bench_pinned_backend_and_sharded_dlrm_on_gloo(tmp_path):
 
 
 def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
-    """``--workloads sweep --small``: every point's forward agrees with fbgemm's, each phase has a
-    ratio, the summary and the heatmap are written."""
+    """``--workloads sweep --small``: every point's forward and first training steps agree with
+    fbgemm's, each phase has a ratio, the summary and the heatmap are written."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "sweep"
     result = subprocess.run(
@@ -69,6 +69,11 @@ def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
     forward = [r for r in data["results"] if r["phase"] == "forward"]
     compared = [r for r in forward if r["fbgemm"]]
     assert compared and all(r["agree"] for r in compared), [(r["point"], r.get("max_rel_diff")) for r in compared]
+    # each training phase's first step, from the same weights: the updated tables agree too
+    trained = [r for r in data["results"] if r["phase"] != "forward" and r["fbgemm"]]
+    assert len(trained) == 2 * len(compared)
+    assert all(r["agree"] and r["update_max_rel_diff"] <= 1e-4 for r in trained), \
+        [(r["point"], r["phase"], r.get("update_max_rel_diff")) for r in trained]
     assert {"grid", "zipf", "weighted", "mean", "dtype", "odd dim"} <= {r["axis"] for r in forward}
     assert set(data["summary"]) >= {"forward", "sgd", "rowwise_adagrad"}
     assert data["summary"]["forward"]["points"] == len(compared)
@@ -104,3 +109,26 @@ def test_bench_inference_phase_on_the_cpu(tmp_path):
         for phase in ("int8 B=64", "int4 B=1 eager", "int4 B=16 eager", "int8 B=64 eager"):
             assert (peer, phase) in timed, (peer, phase, timed)
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_update_check_flags_a_step_that_drops_one_lookup():
+    """The sweep's training check compares the updated tables of ours and fbgemm after one step
+    from the same weights: the same step agrees, a step that loses one lookup's gradient (one
+    row off by lr x its gradient) does not."""
+    import torch
+
+    from recom_rec.bench import sweep
+
+    dev = torch.device("cpu")
+    p = sweep.Point("probe", tables=2, rows=50, dim=8, batch=8, ids=3)
+    kjt = sweep.make_kjt(p, dev)
+    before = [torch.rand(p.rows, p.dim, generator=torch.Generator().manual_seed(i)) - 0.5 for i in range(p.tables)]
+    grad = torch.ones(p.batch, p.tables * p.dim)
+    ours, theirs = sweep._Ours(p, dev, "sgd", before, "auto"), sweep._Fbgemm(p, dev, "sgd", before)
+    ours.train_step(kjt, grad)
+    theirs.train_step(kjt, grad)
+    assert sweep._update_agreement(p, before, ours.tables(), theirs.tables()) <= sweep.UPDATE_TOLERANCE["fp32"]
+    lost = [t.clone() for t in ours.tables()]
+    row = int(kjt.values()[0])
+    lost[0][row] += 0.01  # lr x a gradient of ones: that lookup's update undone
+    assert sweep._update_agreement(p, before, lost, theirs.tables()) > 0.01

@@ -11,7 +11,10 @@ and the printed point says so.
 
 Each point builds ours and fbgemm with the same weights, checks their forward outputs agree on
 the same KJT, then times the forward (no_grad), a fused SGD step and a fused row-wise Adagrad
-step (forward + backward with the optimizer inside, for both). Ratios are fbgemm ms / ours ms.
+step (forward + backward with the optimizer inside, for both). Each training phase's first step
+runs from the same weights for both and their updated tables are checked to agree too (the
+update's difference over its size: what a backward that drops or doubles a lookup changes).
+Ratios are fbgemm ms / ours ms.
 
 A phase builds both peers, warms each up until the product's tuners have decided every shape it
 runs (timing.settle), records what ours chose ("choices": the forward's kernels, the backward's
@@ -141,6 +144,9 @@ class _Ours:
     def train_step(self, kjt, grad):
         self.module(kjt).values().backward(grad)
 
+    def tables(self) -> List[torch.Tensor]:
+        return [self.module.embedding_bags[f"t{i}"].weight.detach() for i in range(len(self.module.embedding_bags))]
+
 
 class _Fbgemm:
     def __init__(self, p: Point, device, optimizer: Optional[str], weights: List[torch.Tensor]):
@@ -170,6 +176,9 @@ class _Fbgemm:
     def train_step(self, kjt, grad):
         self.tbe(kjt.values(), kjt.offsets(), per_sample_weights=kjt.weights_or_none()).backward(grad)
 
+    def tables(self) -> List[torch.Tensor]:
+        return [w.detach() for w in self.tbe.split_embedding_weights()]
+
 
 def _step(peer, kjt, grad, phase):
     if phase == "forward":
@@ -186,6 +195,27 @@ def _agree(p: Point, ours: torch.Tensor, theirs: torch.Tensor) -> float:
     """Max relative difference of the two forwards (normalised by the output's scale)."""
     scale = theirs.abs().max().item() or 1.0
     return (ours - theirs).abs().max().item() / scale
+
+
+def _update_agreement(p: Point, before: List[torch.Tensor], ours: List[torch.Tensor],
+                      theirs: List[torch.Tensor]) -> float:
+    """How far two peers' tables after one training step from the same ``before`` differ, over
+    the size of the update (fbgemm's largest change of an element), less what the tables' own
+    precision allows: fp16/bf16 rows round the updated weight (fbgemm rounds stochastically),
+    so a difference of up to two of their ulps at the table's largest weight is no
+    disagreement. 0 means the same tables."""
+    diff = update = top = 0.0
+    for b, o, t in zip(before, ours, theirs):
+        diff = max(diff, (o.float() - t.float()).abs().max().item())
+        update = max(update, (t.float() - b.float()).abs().max().item())
+        top = max(top, b.float().abs().max().item())
+    allowed = 0.0 if p.dtype == "fp32" else 2 * torch.finfo(_DATA_TYPES[p.dtype][1]).eps * top
+    return max(0.0, diff - allowed) / (update or 1.0)
+
+
+# Largest update agreement (above) taken as the same step: fp32 sums in another order and the
+# optimizers' formulas in another order of operations differ by a few ulps of the weights.
+UPDATE_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 1e-2}
 
 
 def run_point(p: Point, device: torch.device, warmup: int, iters: int, backend: str = "auto",
@@ -214,7 +244,8 @@ def run_point(p: Point, device: torch.device, warmup: int, iters: int, backend: 
         base["max_rel_diff"] = _agree(p, out["recom_rec"], out["fbgemm"])
         base["agree"] = base["max_rel_diff"] <= (1e-5 if p.dtype == "fp32" else 1e-2)
     del out
-    rows = [_run_phase(p, phase, peers, base, kjt, grad, device, warmup, iters, min_ms) for phase in PHASES]
+    rows = [_run_phase(p, phase, peers, base, kjt, grad, device, warmup, iters, min_ms, weights)
+            for phase in PHASES]
     del weights, kjt, grad
     gc.collect()
     if device.type == "cuda":
@@ -223,16 +254,18 @@ def run_point(p: Point, device: torch.device, warmup: int, iters: int, backend: 
 
 
 def _run_phase(p: Point, phase: str, peers: dict, base: dict, kjt, grad, device, warmup: int, iters: int,
-               min_ms: float) -> dict:
-    """One phase of a point: both peers built, each warmed up (ours until its tuners decided),
-    ours' choices recorded, then both timed interleaved."""
+               min_ms: float, weights: List[torch.Tensor]) -> dict:
+    """One phase of a point: both peers built, a first step of each (training: from the same
+    weights, the updated tables compared), each warmed up (ours until its tuners decided), ours'
+    choices recorded, then both timed interleaved."""
     row = {**base, "phase": phase}
     if device.type == "cuda":
         _forget_choices()  # this phase's model tunes afresh, and its choices are this phase's alone
-    steps = {}
+    made, steps = {}, {}
     for name, make in peers.items():
         try:
-            steps[name] = _step(make("sgd" if phase == "forward" else phase), kjt, grad, phase)
+            made[name] = make("sgd" if phase == "forward" else phase)
+            steps[name] = _step(made[name], kjt, grad, phase)
         except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
             row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
     for name in list(steps):  # a peer that cannot run this phase is dropped, the other still timed
@@ -241,6 +274,11 @@ def _run_phase(p: Point, phase: str, peers: dict, base: dict, kjt, grad, device,
         except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
             row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
             del steps[name]
+    if phase != "forward" and {"recom_rec", "fbgemm"} <= set(steps):
+        row["update_max_rel_diff"] = _update_agreement(p, weights, made["recom_rec"].tables(),
+                                                       made["fbgemm"].tables())
+        row["agree"] = row.get("agree", True) and row["update_max_rel_diff"] <= UPDATE_TOLERANCE[p.dtype]
+    del made
     try:
         samples = time_interleaved(steps, device, warmup=warmup, min_iters=iters, min_ms=min_ms)
         for name, times in samples.items():
@@ -328,7 +366,8 @@ def format_results(meta: dict, results: List[dict], summary: Dict[str, dict]) ->
         ours = f"{r['recom_rec_ms']:.3f}" if r.get("recom_rec_ms") else "error"
         theirs = f"{r['fbgemm_ms']:.3f}" if r.get("fbgemm_ms") else "-"
         ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
-        flag = "" if r.get("agree", True) else f"  MISMATCH {r.get('max_rel_diff'):.1e}"
+        diff = r.get("update_max_rel_diff", r.get("max_rel_diff"))
+        flag = "" if r.get("agree", True) else f"  MISMATCH {diff:.1e}"
         if r.get("errors"):
             flag += "  " + "; ".join(f"{k}: {v[:60]}" for k, v in r["errors"].items())
         lines.append(f"{r['point']:52} {r['phase']:16} {ours:>9} {theirs:>9} {ratio:>6} {share:>6} "
