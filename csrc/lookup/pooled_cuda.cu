@@ -468,7 +468,9 @@ struct LaneGroups {
 // kernel. The row's weights are read before its gradient rows, so both loads are in flight
 // together (the chain is piece -> key and payload -> gradient and weight rows), except at V = 8
 // (rows of 513-1024 columns): there weights, sum and gradient rows held together took 180-236
-// registers, one block a SM; read after the sum they fit 128, two blocks a SM, no spill.
+// registers, one block a SM; read after the sum they fit 128, two blocks a SM, no spill. At
+// V = 1 the bounds hold the 64 registers (four blocks a SM) the kernel had before the narrow
+// groups' path below joined it.
 // Control flow stays warp-uniform around the shuffles (row-wise Adagrad's row sum).
 template <typename W, typename K, int OPT, int V>
 __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 1 ? 4 : 0)
@@ -512,13 +514,13 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 1 ? 4 : 0)
     // Sum the piece in sorted order. Where the rows are 16-byte aligned, U lookups' chunks are
     // all loaded (predicated past the piece's end) before any is added: V * U loads in flight a
     // lane; U shrinks as V grows to bound the registers. Their sources come through the sort's
-    // payload (order -> source, a round trip before the gradient rows): with G >= 2U lanes the
-    // group resolves G lookups' sources at once, lane i the i-th, and hands them out by shuffles
-    // (one payload round trip per G lookups instead of per U: ~200-id bags at dims 64 and 128
-    // ran 10-12% faster, v18). Narrower groups (dims up to 16 at V = 1) resolve U lookups, each lane all of
-    // them: there one round trip would serve a single batch of U anyway (at G < U fewer loads in
-    // flight: dim 4 with ~200 ids ran 18% slower). The shuffles take the group's mask: its lanes
-    // share the piece, so they run this loop together.
+    // payload (order -> source, a round trip before the gradient rows). With G >= 2U lanes the
+    // group resolves G lookups' sources at once, lane i the i-th, and hands them out by shuffles:
+    // one payload round trip per G lookups instead of per U (~200-id bags at dims 64 and 128 ran
+    // 10-15% faster, v18). Narrower groups (dims up to 16 at V = 1) resolve U lookups, each lane
+    // all of them: one round trip serves one batch of U either way, and at G < U sharing would
+    // leave fewer loads in flight (dim 4 with ~200 ids ran 9-18% slower). The shuffles take the
+    // group's mask: its lanes share the piece, so they run this loop together.
     constexpr int U = V >= 8 ? 1 : 4;
     const bool together = U == 1 || G >= 2 * U;
     const int span = together ? G : U;
