@@ -7,13 +7,9 @@ nvcc defines (rows in flight; one kernel with every path, as before v17), compil
 sweep's bandwidth-bound layouts. Prints ms, share of the copy ceiling, registers and blocks per SM.
 """
 import argparse
-import concurrent.futures
-import pathlib
-import re
-import subprocess
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "csrc" / "lookup" / "pooled_cuda.cu"
+from kernel_variants import ROOT, SOURCE, compare
+
 BENCH = ROOT / "tools" / "forward_kernel_bench.cu"
 
 # T ROWS DIM BATCH IDS ZIPF BAG_MAJOR: the sweep's forward points under 85% of the copy ceiling
@@ -47,45 +43,15 @@ VARIANTS = {
 }
 
 
-def build(name, out):
-    src = out / f"pooled_{name}.cu"
-    change, defines = VARIANTS[name]
-    src.write_text(change(SOURCE.read_text()))
-    exe = out / f"fwd_{name}"
-    r = subprocess.run(["nvcc", "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-Xptxas=-v",
-                        f'-DKERNEL_SOURCE="{src}"', *defines, str(BENCH), "-o", str(exe)], capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"{name}: nvcc failed\n{r.stderr[-3000:]}")
-    fw, current = [], None  # (instance, registers, spill stores) of each forward kernel
-    for line in r.stderr.splitlines():
-        m = re.search(r"Compiling entry function '(\S*pooled_forward_kernel\S*)'", line)
-        current = m.group(1)[-40:] if m else current
-        m = re.search(r"(\d+) bytes spill stores", line)
-        spill = int(m.group(1)) if m else spill if current else 0
-        m = re.search(r"Used (\d+) registers", line)
-        if m and current:
-            fw.append((current, int(m.group(1)), spill))
-            current = None
-    return name, exe, fw
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/fwd")
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
     p.add_argument("--iters", type=int, default=50)
     args = p.parse_args()
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        built = list(pool.map(lambda n: build(n, out), args.variants))
-    for name, _, fw in built:
-        print(f"{name}: spill stores / registers {fw}", flush=True)
-    for shape in SHAPES:  # variants of one shape back to back, twice (A B B A), so drift shows
-        order = [b for b in built] + [b for b in reversed(built)]
-        for name, exe, _ in order:
-            r = subprocess.run([str(exe), *map(str, shape), str(args.iters)], capture_output=True, text=True)
-            print(f"{name:16s} {(r.stdout or r.stderr).strip()}", flush=True)
+    text = SOURCE.read_text()
+    chosen = {name: (VARIANTS[name][0](text), VARIANTS[name][1]) for name in args.variants}
+    compare(chosen, BENCH, args.out, "pooled_forward_kernel", SHAPES, args.iters)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 # GPU), then the benchmarks. Each stage has its own time limit; logs under $OUT. A fresh build comes
 # back as $OUT/_lookup_cuda.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that
 # folder, so the next machine loads it instead of building while the source is unchanged.
-#   STAGES="tests nccl dlrm bench sweep ps quant profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests nccl dlrm bench sweep ps quant bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
 set -o pipefail
 source .gpu/setup.sh
@@ -83,6 +83,11 @@ if [[ " $STAGES " == *" psprof "* ]]; then
   stage psprof
   timeout ${PSPROF_TIMEOUT:-150} python3 tools/profile_ps.py --prefetch 1 --top 25 2>&1 \
     | grep -v "Warning\|warn\|^ *$\|is_fx_tracing" > "$OUT/psprof.log"; head -12 "$OUT/psprof.log"
+fi
+if [[ " $STAGES " == *" bwdvar "* ]]; then
+  stage bwdvar  # backward kernel variants by nvcc alone (tools/backward_kernel_variants.py; --old-source F to carry)
+  timeout ${BWDVAR_TIMEOUT:-300} python3 tools/backward_kernel_variants.py --out /tmp/bwdvar ${BWDVAR_ARGS:-} \
+    > "$OUT/bwdvar.log" 2>&1; tail -40 "$OUT/bwdvar.log"
 fi
 if [[ " $STAGES " == *" profile "* ]]; then
   stage profile

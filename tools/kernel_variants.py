@@ -1,0 +1,55 @@
+"""Shared by tools/forward_kernel_variants.py and tools/backward_kernel_variants.py: source variants
+of csrc/lookup/pooled_cuda.cu compiled by nvcc into a bench (no torch: seconds, not a ~5 min
+extension build), their registers and spills from ptxas, and runs of every variant on every shape
+in A B B A order, so a drift of the machine shows instead of passing for a difference."""
+import concurrent.futures
+import pathlib
+import re
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "csrc" / "lookup" / "pooled_cuda.cu"
+
+
+def source_at(revision: str) -> str:
+    """pooled_cuda.cu as it was at a git revision (a variant "as it was")."""
+    return subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:csrc/lookup/pooled_cuda.cu"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def build(name, text, defines, bench, out, kernel_pattern):
+    """Compiles `bench` with `text` as its kernel source; returns (name, executable, [(kernel,
+    registers, spill store bytes)]) for the kernels whose mangled names match `kernel_pattern`."""
+    src = out / f"pooled_{name}.cu"
+    src.write_text(text)
+    exe = out / f"{bench.stem}_{name}"
+    r = subprocess.run(["nvcc", "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-Xptxas=-v",
+                        f'-DKERNEL_SOURCE="{src}"', *defines, str(bench), "-o", str(exe)], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{name}: nvcc failed\n{r.stderr[-3000:]}")
+    kernels, current, spill = [], None, 0
+    for line in r.stderr.splitlines():
+        m = re.search(r"Compiling entry function '\S*?(%s)I(\w*?)EE\w*'" % kernel_pattern, line)
+        current = f"{m.group(1)}<{m.group(2)}>" if m else current  # the template arguments, mangled
+        m = re.search(r"(\d+) bytes spill stores", line)
+        spill = int(m.group(1)) if m else spill
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            kernels.append((current, int(m.group(1)), spill))
+            current = None
+    return name, exe, kernels
+
+
+def compare(variants, bench, out, kernel_pattern, shapes, iters):
+    """Builds every variant (name: (source text, nvcc defines)) in parallel, prints their kernels'
+    registers, then runs each shape on every variant, A B B A."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        built = list(pool.map(lambda item: build(item[0], *item[1], bench, out, kernel_pattern), variants.items()))
+    for name, _, kernels in built:
+        print(f"{name}: (kernel, registers, spill stores) {kernels}", flush=True)
+    for shape in shapes:
+        for name, exe, _ in built + built[::-1]:
+            r = subprocess.run([str(exe), *map(str, shape), str(iters)], capture_output=True, text=True)
+            print(f"{name:18s} {(r.stdout or r.stderr).strip()}", flush=True)
