@@ -59,6 +59,7 @@ def cuda_extension():
     return cpp_extension.CUDAExtension(
         spec["LOOKUP_EXTENSION"],
         sources=[f"csrc/lookup/{name}" for name in spec["LOOKUP_SOURCES"]],
+        depends=[f"csrc/lookup/{name}" for name in spec["LOOKUP_HEADERS"]],
         extra_compile_args={"cxx": ["-O3", *defines], "nvcc": [*spec["LOOKUP_NVCC_FLAGS"], *defines]},
     )
 

@@ -15,7 +15,7 @@ def test_kernel_bench_compiles_for_sm90(tmp_path, bench):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not installed (CI machines have it)")
-    source = ROOT / "csrc" / "lookup" / "pooled_cuda.cu"
+    source = ROOT / "csrc" / "lookup" / "kernels.cuh"
     result = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90",
                              f'-DKERNEL_SOURCE="{source}"', str(ROOT / "tools" / bench), "-o", str(tmp_path / "bench")],
                             capture_output=True, text=True, timeout=900)

@@ -50,9 +50,9 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path, weight, index):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not installed (CI machines have it)")
-    from recom_rec.native_build import LOOKUP_SOURCES, csrc_dir
+    from recom_rec.native_build import LOOKUP_KERNELS, csrc_dir
 
-    source = csrc_dir() / "lookup" / LOOKUP_SOURCES[0]
+    source = csrc_dir() / "lookup" / LOOKUP_KERNELS
 
     for opt in (-1, 0, 1, 2, 3):
         for v in (1, 4, 8):

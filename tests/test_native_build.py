@@ -102,3 +102,23 @@ def test_changed_ps_sources_are_compiled_on_first_use_with_progress(monkeypatch,
         assert "compiling" not in capfd.readouterr().err
     finally:
         host_lib._loaded.cache_clear()
+
+
+def test_the_cuda_build_hash_covers_the_kernel_headers(tmp_path):
+    """The kernels live in headers (kernels.cuh) that every translation unit includes: changing one
+    must make an installed build stale, as changing a .cu file does."""
+    import shutil
+
+    shutil.copytree(native_build.csrc_dir() / "lookup", tmp_path / "lookup")
+    before = native_build.lookup_sha256(tmp_path)
+    for header in native_build.LOOKUP_HEADERS:
+        path = tmp_path / "lookup" / header
+        text = path.read_text()
+        path.write_text(text + "\n// changed\n")
+        assert native_build.lookup_sha256(tmp_path) != before, header
+        path.write_text(text)
+    assert native_build.lookup_sha256(tmp_path) == before
+    # every source and header the build names is in the package's csrc/
+    names = native_build.LOOKUP_SOURCES + native_build.LOOKUP_HEADERS
+    assert all((native_build.csrc_dir() / "lookup" / n).is_file() for n in names)
+    assert sorted(p.name for p in (native_build.csrc_dir() / "lookup").iterdir()) == sorted(names)

@@ -1,4 +1,4 @@
-// The CUDA backward alone (csrc/lookup/pooled_cuda.cu, without torch) on the sweep's synthetic
+// The CUDA backward alone (csrc/lookup/kernels.cuh, without torch) on the sweep's synthetic
 // layouts: the plan (expand, CUB sort, plan kernel) as plan_backward runs it, then the piece,
 // split-row and long-row kernels as piece_update launches them, timed apart with CUDA events.
 // Built by tools/backward_kernel_variants.py, which compiles source variants (launch bounds,

@@ -3,7 +3,7 @@ run (GPU), each checked first (one update against its exact value, tools/backwar
 
     python tools/backward_kernel_variants.py --out $OUT/bwd [--variants product old ...] [--old-source F]
 
-Each variant is csrc/lookup/pooled_cuda.cu with a textual change (launch bounds, where the row's
+Each variant is csrc/lookup/kernels.cuh with a textual change (launch bounds, where the row's
 weights are read, which groups share their sources) or as it was at a git revision, compiled
 into tools/backward_kernel_bench.cu by nvcc (seconds, no torch), then run on the sweep's training
 layouts that fbgemm wins (docs/perf-notes.md v18). Prints the plan's and the update's ms, the

@@ -1,4 +1,4 @@
-// The CUDA forward kernel alone (csrc/lookup/pooled_cuda.cu, without torch), on synthetic shapes:
+// The CUDA forward kernel alone (csrc/lookup/kernels.cuh, without torch), on synthetic shapes:
 // the sweep's table layouts, timed with CUDA events, with the device-to-device copy rate as the
 // ceiling. Built by tools/forward_kernel_variants.py, which compiles source variants of the kernel
 // (launch bounds, rewrites) and runs each on the same shapes, so variants compare in one process

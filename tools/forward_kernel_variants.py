@@ -2,7 +2,7 @@
 
     python tools/forward_kernel_variants.py --out $OUT/fwd [--variants product all-paths ...]
 
-Each variant is csrc/lookup/pooled_cuda.cu with a textual change (launch bounds) and
+Each variant is csrc/lookup/kernels.cuh with a textual change (launch bounds) and
 nvcc defines (rows in flight; one kernel with every path, as before v17), compiled into tools/forward_kernel_bench.cu by nvcc (seconds, no torch), then run on the
 sweep's bandwidth-bound layouts. Prints ms, share of the copy ceiling, registers and blocks per SM.
 """

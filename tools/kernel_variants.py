@@ -1,5 +1,5 @@
 """Shared by tools/forward_kernel_variants.py and tools/backward_kernel_variants.py: source variants
-of csrc/lookup/pooled_cuda.cu compiled by nvcc into a bench (no torch: seconds, not a ~5 min
+of csrc/lookup/kernels.cuh compiled by nvcc into a bench (no torch: seconds, not a ~5 min
 extension build), their registers and spills from ptxas, and runs of every variant on every shape
 in A B B A order, so a drift of the machine shows instead of passing for a difference."""
 import concurrent.futures
@@ -8,13 +8,17 @@ import re
 import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "csrc" / "lookup" / "pooled_cuda.cu"
+SOURCE = ROOT / "csrc" / "lookup" / "kernels.cuh"
 
 
 def source_at(revision: str) -> str:
-    """pooled_cuda.cu as it was at a git revision (a variant "as it was")."""
-    return subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:csrc/lookup/pooled_cuda.cu"],
-                          capture_output=True, text=True, check=True).stdout
+    """The kernels as they were at a git revision (a variant "as it was"): kernels.cuh, or before
+    the split into translation units the one pooled_cuda.cu (included the same way)."""
+    for path in ("csrc/lookup/kernels.cuh", "csrc/lookup/pooled_cuda.cu"):
+        r = subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:{path}"], capture_output=True, text=True)
+        if r.returncode == 0:
+            return r.stdout
+    raise SystemExit(f"no kernel source at {revision}: {r.stderr.strip()}")
 
 
 def build(name, text, defines, bench, out, kernel_pattern):

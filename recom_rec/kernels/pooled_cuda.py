@@ -1,4 +1,4 @@
-"""The CUDA C++ backend (``backend="cuda"``): the kernels of csrc/lookup/pooled_cuda.cu, through
+"""The CUDA C++ backend (``backend="cuda"``): the kernels of csrc/lookup/kernels.cuh, through
 the extension cuda_ext loads (built at install time, else on first use).
 
 Forward: the CUDA kernel, launched feature-major or bag-major, with 8 or (rows of at most 128
@@ -8,7 +8,7 @@ columns) 4 rows in flight a lane, whichever measured faster for the launch's sha
 piece and split-row kernels.
 Both backends cut a row's lookups into the same pieces and sum each piece in input order
 (deterministic). A split row's partial sums are added in piece order here, except a hot row whose
-chain of dependent loads for one group would pass LONG_ROW_LOADS (csrc/lookup/pooled_cuda.cu:
+chain of dependent loads for one group would pass LONG_ROW_LOADS (csrc/lookup/kernels.cuh:
 more than 512 / 32 / 16 pieces at 1 / 4 / 8 float4 a lane): a block adds it, its groups fixed
 ranges of the pieces, then their sums in group order (still the same bits from run to run); the
 Triton kernel adds them in tiles. So the two backends agree on such rows to rounding, not bit for

@@ -1,0 +1,49 @@
+// The pooled forward's host entry point (kernels.cuh: pooled_forward_kernel).
+#include "kernels.cuh"
+#include "lookup.h"
+
+// Pooled forward of a group: out [batch_size, total_dim] fp32, any dim. The caller has converted
+// offsets to values' dtype and per-sample weights to fp32. `bag_major` and `rows_in_flight` (8, or
+// 4 where max_dim <= 128) choose among launches that give the same bits (the launch tuner's).
+at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, const at::Tensor& offsets,
+                          const c10::optional<at::Tensor>& psw, const at::Tensor& meta, const at::Tensor& key_index,
+                          int64_t batch_size, int64_t total_dim, int64_t max_dim, bool bag_major,
+                          int64_t rows_in_flight) {
+  c10::cuda::CUDAGuard guard(flat.device());
+  auto out = at::empty({batch_size, total_dim}, flat.options().dtype(at::kFloat));
+  const int64_t F = meta.size(0);
+  if (F == 0 || batch_size == 0) return out.zero_();
+  TORCH_CHECK(values.scalar_type() == offsets.scalar_type(), "values and offsets must share a dtype");
+  TORCH_CHECK(!bag_major || F <= 65535, "bag-major forward takes at most 65535 features a group");
+  const ForwardShape shape = forward_shape(F, batch_size, max_dim, bag_major);
+  const dim3 grid = shape.grid;
+  const int lane_chunks = shape.lane_chunks;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
+  TORCH_CHECK(values.scalar_type() == at::kLong || values.scalar_type() == at::kInt, "values must be int32 or int64");
+  TORCH_CHECK(rows_in_flight == 8 || (rows_in_flight == 4 && lane_chunks <= 1),
+              "recom_rec cuda backend: the forward keeps 8 rows in flight a lane, or 4 where rows take one "
+              "chunk a lane");
+  dispatch_weight(flat.scalar_type(), [&](auto wt) {
+    using W = decltype(wt);
+    auto launch = [&](auto index, auto maxv, auto rows) {
+      using I = decltype(index);
+      pooled_forward_kernel<W, I, decltype(maxv)::value, decltype(rows)::value><<<grid, FORWARD_THREADS, 0, stream>>>(
+          wptr<W>(flat), values.data_ptr<I>(), offsets.data_ptr<I>(), w, meta.data_ptr<int64_t>(),
+          key_index.data_ptr<int64_t>(), out.data_ptr<float>(), batch_size, total_dim, bag_major);
+    };
+    auto by_width = [&](auto index) {
+      using Eight = std::integral_constant<int, 8>;
+      using One = std::integral_constant<int, 1>;
+      using Four = std::integral_constant<int, 4>;
+      if (lane_chunks <= 1 && rows_in_flight == 4) launch(index, One{}, Four{});
+      else if (lane_chunks <= 1) launch(index, One{}, Eight{});
+      else if (lane_chunks == 2) launch(index, std::integral_constant<int, 2>{}, Eight{});
+      else launch(index, Four{}, Eight{});
+    };
+    if (values.scalar_type() == at::kLong) by_width(int64_t{});
+    else by_width(int32_t{});
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}

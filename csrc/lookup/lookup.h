@@ -1,0 +1,39 @@
+// The CUDA lookup extension's host entry points (torch tensors in, kernels launched on the current
+// stream), bound to Python in module.cpp; kernels.cuh explains what they compute.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <vector>
+
+at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, const at::Tensor& offsets,
+                          const c10::optional<at::Tensor>& psw, const at::Tensor& meta, const at::Tensor& key_index,
+                          int64_t batch_size, int64_t total_dim, int64_t max_dim, bool bag_major,
+                          int64_t rows_in_flight);
+
+std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor& offsets,
+                                      const c10::optional<at::Tensor>& psw, const at::Tensor& meta,
+                                      const at::Tensor& key_index, const c10::optional<at::Tensor>& feature_base,
+                                      int64_t batch_size, int64_t total_dim, int64_t n, int64_t key_bits, bool key64,
+                                      bool packed, int64_t multi_words);
+
+void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::Tensor& src, const at::Tensor& scale,
+                  const at::Tensor& feature, const at::Tensor& bag_scale, int64_t packed_batch, const at::Tensor& grad,
+                  const at::Tensor& meta, const at::Tensor& pieces, const at::Tensor& split_rows,
+                  const at::Tensor& counts, int64_t n, const at::Tensor& partials, int64_t partial_stride,
+                  const at::Tensor& out, const at::Tensor& state1, const at::Tensor& state2, const at::Tensor& hyper,
+                  const at::Tensor& step, int64_t opt, int64_t max_dim, int64_t lanes);
+
+void singleton_update(const at::Tensor& values, const at::Tensor& offsets, const c10::optional<at::Tensor>& psw,
+                      const at::Tensor& meta, const at::Tensor& key_index, const at::Tensor& multi,
+                      const at::Tensor& grad, int64_t batch_size, const at::Tensor& out, const at::Tensor& state1,
+                      const at::Tensor& state2, const at::Tensor& hyper, const at::Tensor& step, int64_t opt,
+                      int64_t max_dim);
+
+// One optimizer's backward updates (backward_<optimizer>.cu): piece_update and singleton_update
+// with the kernels of that optimizer only.
+struct BackwardKernels {
+  decltype(&piece_update) pieces;
+  decltype(&singleton_update) singletons;
+};
+extern const BackwardKernels kBackwardNone, kBackwardSgd, kBackwardAdagrad, kBackwardRowwiseAdagrad, kBackwardAdam;

@@ -1,0 +1,24 @@
+// The Python bindings of the CUDA lookup extension (lookup.h).
+#include <torch/extension.h>
+
+#include "lookup.h"
+
+// What the build was made from and for, as bare tokens (setup.py, recom_rec/native_build.py): the
+// loader compiles afresh when the sources changed since, or when the GPU is not among the targets.
+#define RECOM_REC_STR(x) #x
+#define RECOM_REC_XSTR(x) RECOM_REC_STR(x)
+#ifndef RECOM_REC_SOURCES_SHA256
+#define RECOM_REC_SOURCES_SHA256 unknown
+#endif
+#ifndef RECOM_REC_CUDA_TARGETS
+#define RECOM_REC_CUDA_TARGETS sm
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("sources_sha256") = RECOM_REC_XSTR(RECOM_REC_SOURCES_SHA256);
+  m.attr("cuda_targets") = RECOM_REC_XSTR(RECOM_REC_CUDA_TARGETS);
+  m.def("pooled_forward", &pooled_forward, "fused pooled embedding forward (CUDA)");
+  m.def("piece_update", &piece_update, "backward piece and split-row kernels with the fused optimizer (CUDA)");
+  m.def("plan_backward", &plan_backward, "backward plan: expand, sort, pieces (CUDA)");
+  m.def("singleton_update", &singleton_update, "backward of the rows of one lookup, in bag order (CUDA)");
+}
