@@ -6,7 +6,8 @@ installed (the sources and flags: recom_rec/native_build.py).
 - recom_rec.kernels._lookup_cuda: the CUDA lookup kernels (csrc/lookup), where the installed torch
   is a CUDA build and nvcc is found. Install with ``pip install --no-build-isolation .`` so that
   the build sees that torch (an isolated build would fetch another one). The GPU architectures:
-  TORCH_CUDA_ARCH_LIST, by default 9.0 (H100/H200); about 3 minutes of nvcc.
+  TORCH_CUDA_ARCH_LIST, by default 9.0 (H100/H200); a few minutes of nvcc (ninja builds its units
+  in parallel).
 
 A machine where a library was not built compiles it on first use instead (slower to start, the
 same code); csrc/ is shipped inside the package for that.

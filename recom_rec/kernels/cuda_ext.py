@@ -78,7 +78,7 @@ def _jit_build(arch: Tuple[int, int], why: str, verbose: bool = False):
     folder.mkdir(parents=True, exist_ok=True)
     print(f"recom_rec: {why}", file=sys.stderr, flush=True)
     with spec.compiling(f"the CUDA lookup kernels for sm_{arch[0]}{arch[1]} into {folder}",
-                        "about 3 minutes with nvcc"):
+                        "a few minutes with nvcc"):
         return cpp_extension.load(name=name, sources=[str(csrc / "lookup" / s) for s in spec.LOOKUP_SOURCES],
                                   extra_cuda_cflags=[*spec.LOOKUP_NVCC_FLAGS, _gencode(arch), spec.hash_define(sha)],
                                   build_directory=str(folder), verbose=verbose)
