@@ -470,7 +470,7 @@ struct LaneGroups {
 // gradient (OPT < 0); a piece of a split row leaves its sum in its partial slot for the split-row
 // kernel. The row's weights are read before its gradient rows, so both loads are in flight
 // together (the chain is piece -> key and payload -> gradient and weight rows), except at V = 8
-// (rows of 513-1024 columns): there weights, sum and gradient rows held together took 180-236
+// (rows of 513-1024 columns): there weights, sum and gradient rows held together took up to 236
 // registers, one block a SM; read after the sum they fit 128, two blocks a SM, no spill. At
 // V = 1 the bounds hold the 64 registers (four blocks a SM) the kernel had before the narrow
 // groups' path below joined it.
