@@ -79,31 +79,28 @@ int main(int argc, char** argv) {
   float* hyper = to_device(std::vector<float>{lr, eps, 0.f, 0.f, 0.f, 0.f});
   Plan plan = make_plan(n, T, B, row_count);
 
-  // piece_update's launch shape: lanes a piece and float4 chunks a lane by the widest row.
-  const bool four = D > 128, eight = D > 512;
-  const int V = eight ? 8 : four ? 4 : 1;
-  const int G = group_lanes((int)((D + 4 * V - 1) / (4 * V)));
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const PieceShape shape = piece_shape(D, 0, sms);  // piece_update's
+  const int V = shape.V;
   const int64_t block_d = std::max<int64_t>(16, int64_t(1) << (int)std::ceil(std::log2((double)D)));
   float* partials;
   CHECK(cudaMalloc(&partials, sizeof(float) * 2 * ((n - 1) / PIECE + 1) * block_d));
-  int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const int64_t groups_per_block = 256 / G;
-  auto grid_for = [&](int64_t items) {
-    return (unsigned)std::max<int64_t>(1, std::min<int64_t>(sms * 8, (items + groups_per_block - 1) / groups_per_block));
-  };
   const Payload pay{(int32_t)B, true, total_dim, dmeta, plan.bag_scale, nullptr, nullptr, nullptr};
   const PieceArgs args{plan.pieces, plan.split_rows, plan.long_rows, plan.counts, n, partials, block_d,
-                       opt == 2 ? state : nullptr, nullptr, hyper, nullptr, dmeta, G};
+                       opt == 2 ? state : nullptr, nullptr, hyper, nullptr, dmeta, shape.G};
   const int64_t most_long = n / MIN_LONG_ROW_LOOKUPS;
+  const void* piece_fn = nullptr;  // the piece kernel launched (its registers and occupancy are printed)
   auto pieces = [&](auto opt_c, auto v_c) {
     constexpr int OPT = decltype(opt_c)::value, VV = decltype(v_c)::value;
+    piece_fn = (const void*)piece_kernel<float, int32_t, OPT, VV>;
     if (most_long > 0) CHECK(cudaMemsetAsync(plan.counts + 2, 0, sizeof(int32_t)));
-    piece_kernel<float, int32_t, OPT, VV><<<grid_for(n), 256>>>(plan.sorted_key, plan.order, pay, grad, args, weights);
-    split_row_kernel<float, int32_t, OPT, VV><<<grid_for(n / (PIECE + 1) + 1), 256>>>(plan.sorted_key, plan.order,
-                                                                                      pay, args, weights);
+    piece_kernel<float, int32_t, OPT, VV><<<shape.grid(n), PIECE_THREADS>>>(plan.sorted_key, plan.order, pay, grad,
+                                                                            args, weights);
+    split_row_kernel<float, int32_t, OPT, VV><<<shape.grid(n / (PIECE + 1) + 1), PIECE_THREADS>>>(
+        plan.sorted_key, plan.order, pay, args, weights);
     if (most_long > 0)
-      long_row_kernel<float, int32_t, OPT, VV><<<(unsigned)std::min<int64_t>(sms * 8, most_long), 256>>>(
+      long_row_kernel<float, int32_t, OPT, VV><<<shape.long_grid(most_long), PIECE_THREADS>>>(
           plan.sorted_key, plan.order, pay, args, weights);
   };
   auto update = [&] {
@@ -160,15 +157,9 @@ int main(int argc, char** argv) {
   const double bytes = (double)touched * D * 4 * 2 + (double)n * D * 4 + (opt == 2 ? touched * 8.0 : 0.0);
   const double ceiling = copy_gbs();
   cudaFuncAttributes attr;
-  auto kernel = opt == 0 ? (V == 1 ? (const void*)piece_kernel<float, int32_t, 0, 1>
-                            : V == 4 ? (const void*)piece_kernel<float, int32_t, 0, 4>
-                                     : (const void*)piece_kernel<float, int32_t, 0, 8>)
-                         : (V == 1 ? (const void*)piece_kernel<float, int32_t, 2, 1>
-                            : V == 4 ? (const void*)piece_kernel<float, int32_t, 2, 4>
-                                     : (const void*)piece_kernel<float, int32_t, 2, 8>);
-  CHECK(cudaFuncGetAttributes(&attr, kernel));
+  CHECK(cudaFuncGetAttributes(&attr, piece_fn));
   int blocks_per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, 256, 0));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, piece_fn, PIECE_THREADS, 0));
   std::printf("T=%lld rows=%lld D=%lld B=%lld ids=%d zipf=%d opt=%d: plan %.4f ms, update %.4f ms "
               "(%.2f of copy at %.0f GB/s); piece kernel %d regs, %d blocks/SM; update checked (max error %.2g)\n",
               (long long)T, (long long)rows, (long long)D, (long long)B, ids, (int)zipf, opt, plan_ms, update_ms,

@@ -19,24 +19,10 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
                       const at::Tensor& state2, const at::Tensor& hyper, const at::Tensor& step, int64_t opt,
                       int64_t max_dim, int64_t lanes) {
   c10::cuda::CUDAGuard guard(out.device());
-  // Lanes per piece: by default enough for the widest row in one float4 a lane (V = 1, up to 128
-  // columns), four (V = 4, up to 512) or eight (V = 8, up to 1024: MAX_DIM). `lanes` > 0 asks for fewer lanes with four float4 each (V = 4,
-  // 16 * lanes >= max_dim): more pieces per warp when most rows are narrower than the widest.
   TORCH_CHECK(lanes == 0 || (lanes <= 32 && (lanes & (lanes - 1)) == 0 && 16 * lanes >= max_dim),
               "piece lanes must be a power of two <= 32 covering max_dim in four float4s, got ", lanes);
-  const bool four = lanes > 0 || max_dim > 128, eight = lanes == 0 && max_dim > 512;
-  // As many lanes as the widest row needs at V float4 a lane: a 256-wide row takes 16 lanes at
-  // V = 4 (32 left half of them idle, v13), two pieces a warp.
-  const int V = eight ? 8 : four ? 4 : 1;
-  const int G = lanes > 0 ? (int)lanes : group_lanes((int)((max_dim + 4 * V - 1) / (4 * V)));
-  // A persistent grid: a few waves of resident blocks (as pooled_triton._programs), never more
-  // than there are pieces (split rows) for; the kernels read the counts on the device.
-  constexpr int threads = 256, waves = 8;
-  const int64_t groups_per_block = threads / G;
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  auto grid_for = [&](int64_t items) {
-    return (unsigned)std::max<int64_t>(1, std::min<int64_t>(sms * waves, (items + groups_per_block - 1) / groups_per_block));
-  };
+  const PieceShape shape = piece_shape(max_dim, lanes, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const bool four = shape.V == 4, eight = shape.V == 8;
   TORCH_CHECK(counts.numel() >= 3, "piece_update takes plan_backward's three counts");
   // The long rows' list and its count, counts[2], emptied here: a plan run through twice must not
   // append its long rows twice. Fewer lookups than a long row needs: no list, no long-row launch.
@@ -55,26 +41,26 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
                        state2.scalar_type() == at::kFloat ? state2.data_ptr<float>() : nullptr,
                        hyper.scalar_type() == at::kFloat ? hyper.data_ptr<float>() : nullptr,
                        step.scalar_type() == at::kLong ? step.data_ptr<int64_t>() : nullptr,
-                       meta.data_ptr<int64_t>(), G};
+                       meta.data_ptr<int64_t>(), shape.G};
   dispatch_weight(out.scalar_type(), [&](auto wt) {
     using W = decltype(wt);
     auto launch = [&](auto kt) {
       using K = decltype(kt);
       const K* keys = reinterpret_cast<const K*>(row_key.data_ptr());
       auto pk = eight ? piece_kernel<W, K, OPT, 8> : four ? piece_kernel<W, K, OPT, 4> : piece_kernel<W, K, OPT, 1>;
-      pk<<<grid_for(n), threads, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, grad.data_ptr<float>(), args,
-                                             wptr<W>(out));
+      pk<<<shape.grid(n), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, grad.data_ptr<float>(),
+                                                     args, wptr<W>(out));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       auto sk = eight ? split_row_kernel<W, K, OPT, 8>
                       : four ? split_row_kernel<W, K, OPT, 4> : split_row_kernel<W, K, OPT, 1>;
-      sk<<<grid_for(split_rows.numel()), threads, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args,
-                                                                wptr<W>(out));
+      sk<<<shape.grid(split_rows.numel()), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args,
+                                                                        wptr<W>(out));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (most_long > 0) {
         auto lk = eight ? long_row_kernel<W, K, OPT, 8>
                         : four ? long_row_kernel<W, K, OPT, 4> : long_row_kernel<W, K, OPT, 1>;
-        const unsigned long_grid = (unsigned)std::min<int64_t>(sms * waves, most_long);
-        lk<<<long_grid, threads, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args, wptr<W>(out));
+        lk<<<shape.long_grid(most_long), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args,
+                                                                     wptr<W>(out));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     };
@@ -96,10 +82,10 @@ void singleton_update_for(const at::Tensor& values, const at::Tensor& offsets,
   if (F == 0 || batch_size == 0) return;
   TORCH_CHECK(F <= 65535, "singleton_update takes at most 65535 features a group");
   TORCH_CHECK(values.scalar_type() == offsets.scalar_type(), "values and offsets must share a dtype");
-  const int V = max_dim > 512 ? 8 : max_dim > 128 ? 4 : 1;  // as piece_update
-  constexpr int threads = 256;
-  const int g = group_lanes((int)((max_dim + 4 * V - 1) / (4 * V)));  // piece_update's lanes per piece (a.G)
-  const int64_t bags_per_block = (32 / group_lanes((int)((max_dim + 4 * V - 1) / (4 * V)))) * (threads / 32);
+  const PieceShape pieces = piece_shape(max_dim, 0, 0);  // piece_update's chunks a lane (V) and lanes a piece (a.G)
+  const int V = pieces.V, g = pieces.G;
+  constexpr int threads = PIECE_THREADS;
+  const int64_t bags_per_block = (32 / g) * (threads / 32);
   const dim3 grid((unsigned)std::min<int64_t>((batch_size + bags_per_block - 1) / bags_per_block, INT32_MAX),
                   (unsigned)F);
   const bool grad_vec = reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0 && grad.size(1) % 4 == 0;

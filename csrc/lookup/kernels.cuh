@@ -735,6 +735,33 @@ __host__ __device__ constexpr int64_t one_group_loads(int64_t pieces) {
 }
 constexpr int64_t MIN_LONG_ROW_LOOKUPS = 16 * PIECE + 1;  // the shortest long row (V = 8)
 
+// piece_update's launch shape (tools/backward_kernel_bench.cu launches the same). Lanes per piece:
+// by default enough for the widest row in one float4 a lane (V = 1, up to 128 columns), four
+// (V = 4, up to 512) or eight (V = 8, up to 1024: MAX_DIM), as many lanes as the widest row needs
+// at V float4 a lane (a 256-wide row takes 16 lanes at V = 4, two pieces a warp: 32 left half of
+// them idle, v13). `lanes` > 0 asks for fewer lanes with four float4 each (V = 4, 16 * lanes >=
+// max_dim): more pieces per warp when most rows are narrower than the widest. The grid is
+// persistent: a few waves of resident blocks (as pooled_triton._programs), never more than there
+// are items (pieces, split rows, long rows) for; the kernels read the counts on the device.
+constexpr int PIECE_THREADS = 256;
+struct PieceShape {
+  int V, G;
+  int64_t sms;
+  static constexpr int64_t WAVES = 8;
+  unsigned grid(int64_t items) const {  // groups of G lanes, one item each
+    const int64_t groups_per_block = PIECE_THREADS / G;
+    return (unsigned)std::max<int64_t>(1, std::min<int64_t>(sms * WAVES, (items + groups_per_block - 1) / groups_per_block));
+  }
+  unsigned long_grid(int64_t most_long) const {  // a block a long row
+    return (unsigned)std::min<int64_t>(sms * WAVES, most_long);
+  }
+};
+inline PieceShape piece_shape(int64_t max_dim, int64_t lanes, int64_t sms) {
+  const bool four = lanes > 0 || max_dim > 128, eight = lanes == 0 && max_dim > 512;
+  const int V = eight ? 8 : four ? 4 : 1;
+  return PieceShape{V, lanes > 0 ? (int)lanes : group_lanes((int)((max_dim + 4 * V - 1) / (4 * V))), sms};
+}
+
 // One row's view of the feature it belongs to: lanes, and where its weights start.
 struct SplitRow {
   RowLanes L;
