@@ -359,6 +359,7 @@ def _hot_row_batch(seed: int, reads) -> KeyedJaggedTensor:
 # (long_row_kernel), shorter ones by one group: each case has rows just over and at that bound.
 MANY_PIECES = [
     ((8, 33), (2100, 1024, 1025, 33, 1, 0)),  # 1 float4 a lane, unaligned rows: every row by one group
+    ((4, 16), (2100, 1024, 1025, 33, 1, 0)),  # groups of 4 lanes: each lane resolves its own lookups
     ((100, 256), (2100, 1024, 1025, 33, 1, 0)),  # 4 float4: 66 and 33 pieces by a block, 32 by a group
     ((12, 516), (1100, 512, 513, 33, 1, 0)),  # 8 float4: 35 and 17 pieces by a block, 16 by a group
     pytest.param((8, 32), (20000, 16384, 16385, 33, 1), marks=pytest.mark.skipif(

@@ -47,10 +47,11 @@ Plan make_plan(int64_t n, int64_t features, int64_t batch, int64_t row_count) {
 void run_plan(Plan& p, const int64_t* values, const int64_t* offsets, const int64_t* meta, const int64_t* key_index,
               int64_t features, int64_t batch, int64_t total_dim, int64_t n) {
   CHECK(cudaMemsetAsync(p.counts, 0, sizeof(int32_t) * 3));
-  const dim3 grid((unsigned)features, (unsigned)((batch + EXPAND_BAGS - 1) / EXPAND_BAGS));
+  const int block_bags = expand_bags(n, features, batch);
+  const dim3 grid((unsigned)features, (unsigned)((batch + block_bags - 1) / block_bags));
   expand_kernel<int64_t, int32_t, true><<<grid, 256>>>(values, offsets, nullptr, meta, key_index, nullptr,
                                                        p.row_key, nullptr, nullptr, nullptr, p.index, p.bag_scale,
-                                                       batch, total_dim);
+                                                       batch, total_dim, block_bags);
   CHECK(cub::DeviceRadixSort::SortPairs(p.temp, p.temp_bytes, reinterpret_cast<uint32_t*>(p.row_key),
                                         reinterpret_cast<uint32_t*>(p.sorted_key), p.index, p.order, (int)n, 0,
                                         p.bits));

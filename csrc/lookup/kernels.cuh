@@ -469,14 +469,16 @@ struct LaneGroups {
 // flight; a piece that is a whole row applies the optimizer (OPT >= 0) or writes the row's
 // gradient (OPT < 0); a piece of a split row leaves its sum in its partial slot for the split-row
 // kernel. The row's weights are read before its gradient rows, so both loads are in flight
-// together (the chain is piece -> key and payload -> gradient and weight rows), except at V = 8
-// (rows of 513-1024 columns): there weights, sum and gradient rows held together took up to 236
-// registers, one block a SM; read after the sum they fit 128, two blocks a SM, no spill. At
+// together (the chain is piece -> key and payload -> gradient and weight rows), except at V >= 4
+// (rows of 129-1024 columns): there weights, sum and gradient rows held together took up to 236
+// registers at V = 8 (one block a SM), 128 with 24-36 bytes of spill at V = 4 (two); read after
+// the sum, V = 8 fits 128 registers (two blocks, no spill) and V = 4 80 (three blocks, 64-68
+// bytes of spill), whose updates ran 5-14% faster than at two blocks (v19, dims 256 and 512). At
 // V = 1 the bounds hold the 64 registers (four blocks a SM) the kernel had before the narrow
 // groups' path below joined it.
 // Control flow stays warp-uniform around the shuffles (row-wise Adagrad's row sum).
 template <typename W, typename K, int OPT, int V>
-__global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 1 ? 4 : 0)
+__global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
     piece_kernel(const K* __restrict__ row_key, const int32_t* __restrict__ order, Payload pay,
                  const float* __restrict__ grad, PieceArgs a, W* __restrict__ out) {
   const int64_t num = a.counts[0], n = a.n;
@@ -485,7 +487,7 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 1 ? 4 : 0)
   const unsigned gmask = G == 32 ? 0xffffffffu : (((1u << G) - 1u) << (lg.sub * G));
   float t;
   const Hyper h = read_hyper<OPT>(a, t);
-  constexpr bool LATE_WEIGHTS = V >= 8;
+  constexpr bool LATE_WEIGHTS = V >= 4;
   for (int64_t r0 = lg.first; r0 < num; r0 += lg.stride) {
     const int64_t r = r0 + lg.sub;
     const bool active = r < num;
@@ -867,14 +869,17 @@ __global__ void __launch_bounds__(256) long_row_kernel(const K* __restrict__ row
 }
 
 // ---- backward planning: expand, sort, plan (the Triton backend's _expand/_plan kernels) -------
-constexpr int EXPAND_BAGS = 1024;  // bags per expand block (their offsets sit in shared memory)
+constexpr int EXPAND_BAGS = 1024;  // most bags an expand block takes (their offsets sit in shared memory)
+constexpr int64_t EXPAND_LOOKUPS = 4096;  // lookups an expand block aims at: 16 a thread
 constexpr int PLAN_THREADS = 256;  // plan block: PLAN_ITEMS consecutive sorted positions a thread
 constexpr int PLAN_ITEMS = 4;
 constexpr int PLAN_BLOCK = PLAN_THREADS * PLAN_ITEMS;
 
 // One entry per lookup at `at` = its position in values (+ the feature's shift when features do
-// not read each key once): the row key it reads and the payload the sort carries with it. A thread
-// per lookup; its bag from a binary search of the block's bag offsets.
+// not read each key once): the row key it reads and the payload the sort carries with it. A block
+// takes `block_bags` bags of one feature (expand_bags: ~EXPAND_LOOKUPS lookups), a thread a lookup
+// at a time; its bag from a binary search of the block's bag offsets. (A fixed 1,024 bags a block
+// left ~200-id bags at 64 blocks of 800 lookups a thread: 741 us for 13M lookups, v19.)
 // - PACKED: the payload is feature * batch_size + bag (see Payload); a mean-pooled bag's 1/L goes
 //   to bag_scale[payload]. Nothing else is written: 8 bytes a lookup.
 // - else: the payload is the entry's own index, and the entry's gradient source (where its row
@@ -885,14 +890,15 @@ __global__ void __launch_bounds__(256) expand_kernel(
     const I* __restrict__ values, const I* __restrict__ offsets, const float* __restrict__ weights,
     const int64_t* __restrict__ meta, const int64_t* __restrict__ key_index, const int64_t* __restrict__ feature_base,
     K* __restrict__ row_key, int64_t* __restrict__ src, float* __restrict__ scale, int32_t* __restrict__ feature,
-    int32_t* __restrict__ index, float* __restrict__ bag_scale, int64_t batch_size, int64_t total_dim) {
+    int32_t* __restrict__ index, float* __restrict__ bag_scale, int64_t batch_size, int64_t total_dim,
+    int block_bags) {
   __shared__ int64_t offs[EXPAND_BAGS + 1];
   const int f = blockIdx.x;
-  const int64_t b0 = (int64_t)blockIdx.y * EXPAND_BAGS;
+  const int64_t b0 = (int64_t)blockIdx.y * block_bags;
   const int64_t* m = meta + (int64_t)f * META_W;
   const int64_t col = m[2], pooling = m[3], row_base = m[5];
   const int64_t key = key_index[f];
-  const int bags = (int)(batch_size - b0 < EXPAND_BAGS ? batch_size - b0 : EXPAND_BAGS);
+  const int bags = (int)(batch_size - b0 < block_bags ? batch_size - b0 : block_bags);
   for (int i = threadIdx.x; i <= bags; i += blockDim.x) offs[i] = (int64_t)offsets[key * batch_size + b0 + i];
   __syncthreads();
   const int64_t shift = feature_base ? feature_base[f] - (int64_t)offsets[key * batch_size] : 0;
@@ -923,6 +929,16 @@ __global__ void __launch_bounds__(256) expand_kernel(
       index[at] = (int32_t)at;
     }
   }
+}
+
+// Bags an expand block takes: a power of two near EXPAND_LOOKUPS / (the mean bag's lookups), at
+// least 32, at most EXPAND_BAGS, and enough that a feature's blocks fit the grid's y (65,535).
+inline int expand_bags(int64_t n, int64_t features, int64_t batch_size) {
+  const int64_t mean = std::max<int64_t>(1, n / std::max<int64_t>(1, features * batch_size));
+  int64_t bags = 32;
+  while (bags < EXPAND_BAGS && bags * 2 * mean <= EXPAND_LOOKUPS) bags *= 2;
+  while (bags < EXPAND_BAGS && (batch_size + bags - 1) / bags > 65535) bags *= 2;
+  return (int)bags;
 }
 
 struct MaxOp {

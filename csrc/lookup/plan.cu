@@ -42,7 +42,10 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
   const int64_t* fb = feature_base.has_value() ? feature_base->data_ptr<int64_t>() : nullptr;
-  const dim3 grid((unsigned)F, (unsigned)((batch_size + EXPAND_BAGS - 1) / EXPAND_BAGS));
+  const int block_bags = expand_bags(n, F, batch_size);
+  TORCH_CHECK((batch_size + block_bags - 1) / block_bags <= 65535, "recom_rec cuda backend: a batch of at most ",
+              65535LL * EXPAND_BAGS, " bags, got ", batch_size);
+  const dim3 grid((unsigned)F, (unsigned)((batch_size + block_bags - 1) / block_bags));
   const int bits = (int)key_bits;
   auto run = [&](auto kt, auto it) {
     using K = decltype(kt);
@@ -52,7 +55,8 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
     expand<<<grid, 256, 0, stream>>>(
         values.data_ptr<I>(), offsets.data_ptr<I>(), w, meta.data_ptr<int64_t>(), key_index.data_ptr<int64_t>(), fb,
         reinterpret_cast<K*>(row_key.data_ptr()), src.data_ptr<int64_t>(), scale.data_ptr<float>(),
-        feature.data_ptr<int32_t>(), index.data_ptr<int32_t>(), bag_scale.data_ptr<float>(), batch_size, total_dim);
+        feature.data_ptr<int32_t>(), index.data_ptr<int32_t>(), bag_scale.data_ptr<float>(), batch_size, total_dim,
+        block_bags);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const U* keys_in = reinterpret_cast<const U*>(row_key.data_ptr());
     U* keys_out = reinterpret_cast<U*>(sorted_key.data_ptr());
