@@ -33,25 +33,64 @@ def _replace(old, new):
     return change
 
 
+def _prefetch_next_piece(text):
+    """The group's next piece (its list entry, then its key and first payload) loaded while the
+    current one is summed: rows of one lookup (500 and 4000 tables, ~10 ids) spend most of a piece
+    in that chain of dependent loads."""
+    head = """  for (int64_t r0 = lg.first; r0 < num; r0 += lg.stride) {
+    const int64_t r = r0 + lg.sub;
+    const bool active = r < num;
+    const int64_t packed = active ? a.pieces[r] : 0;
+    const int64_t start = packed >> 2;
+    const bool split = (packed & 2) != 0;
+    const K key = row_key[start];
+    const int32_t o_first = order[start];
+"""
+    prefetched = """  int64_t next = lg.first + lg.sub < num ? a.pieces[lg.first + lg.sub] : 0;
+  K next_key = num > 0 ? row_key[next >> 2] : K(0);
+  int32_t next_o = num > 0 ? order[next >> 2] : 0;
+  for (int64_t r0 = lg.first; r0 < num; r0 += lg.stride) {
+    const int64_t r = r0 + lg.sub;
+    const bool active = r < num;
+    const int64_t packed = active ? next : 0;
+    const int64_t start = packed >> 2;
+    const bool split = (packed & 2) != 0;
+    const K key = next_key;
+    const int32_t o_first = next_o;
+    next = r + lg.stride < num ? a.pieces[r + lg.stride] : 0;
+"""
+    tail = "    finish_row<W, OPT, V>(acc, w, L, finish, out, row_at, (int64_t)key, a.s1, a.s2, h, t);\n  }\n"
+    text = _replace(head, prefetched)(text)
+    return _replace(tail, tail[:-4] + "    next_key = row_key[next >> 2];\n    next_o = order[next >> 2];\n  }\n")(text)
+
+
 # name: source change
 VARIANTS = {
     "product": lambda t: t,
-    "old": None,  # --old-source, or the source at --old-revision (default: before v18's piece kernel)
+    "old": None,  # --old-source, or the source at --old-revision (default: the last commit's)
     "share-all-groups": _replace("G >= 2 * U", "G >= U"),  # groups of 4 lanes share their sources too
-    "late-weights-v4": _replace("LATE_WEIGHTS = V >= 8", "LATE_WEIGHTS = V >= 4"),  # no spill at V = 4
-    "v4-3blocks": lambda t: _replace("LATE_WEIGHTS = V >= 8", "LATE_WEIGHTS = V >= 4")(
-        _replace("V >= 8 ? 2 : V == 1 ? 4 : 0", "V >= 8 ? 2 : V == 1 ? 4 : 3")(t)),
+    # pieces of at most U lookups (rows read a few times: short bags) resolve their own sources
+    "share-long-pieces": _replace("G >= 2 * U;", "G >= 2 * U && len > U;"),
+    "v4-2blocks": _replace("V == 4 ? 3 : 4", "V == 4 ? 2 : 4"),  # v19's three blocks an SM at V = 4, undone
+    "prefetch-next-piece": _prefetch_next_piece,
+    "v1-5blocks": _replace("V == 4 ? 3 : 4", "V == 4 ? 3 : 5"),  # V = 1 at 48 registers, 5 blocks an SM
+    # 8 lookups in flight at V = 1, three blocks an SM (64 registers spilled 88-92 bytes)
+    "v1-unroll8": lambda t: _replace("U = V >= 8 ? 1 : 4;", "U = V >= 8 ? 1 : V == 1 ? 8 : 4;")(
+        _replace("V == 4 ? 3 : 4", "V == 4 ? 3 : 3")(t)),
 }
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/bwd")
-    p.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    p.add_argument("--variants", nargs="*", default=[name for name in VARIANTS if name != "old"])
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--old-revision", default="8d1ad2a", help="git revision of the 'old' variant's source")
+    p.add_argument("--old-revision", default="HEAD", help="git revision of the 'old' variant's source (from v19 on: "
+                                                          "the bench calls the kernels as they are now)")
     p.add_argument("--old-source", help="the 'old' variant's source file (where the git history is not at hand, "
                                         "as on the device machine: write it with git show and carry it)")
+    p.add_argument("--shapes", nargs="*", help="layouts to run (T,ROWS,DIM,BATCH,IDS,ZIPF,OPT each; default: all of "
+                                                 "SHAPES)")
     args = p.parse_args()
     text = SOURCE.read_text()
 
@@ -59,7 +98,8 @@ def main():
         return open(args.old_source).read() if args.old_source else source_at(args.old_revision)
 
     chosen = {name: (old() if name == "old" else VARIANTS[name](text), []) for name in args.variants}
-    compare(chosen, BENCH, args.out, "piece_kernel", SHAPES, args.iters)
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    compare(chosen, BENCH, args.out, "piece_kernel", shapes, args.iters)
 
 
 if __name__ == "__main__":
