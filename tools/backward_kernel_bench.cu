@@ -9,6 +9,9 @@
 // -lr x (the row's lookups) in every element, row-wise Adagrad -lr x c / (c + eps) (c the same
 // count: its mean square is c^2), so a variant that drops or doubles a lookup fails here.
 #define RECOM_REC_KERNELS_ONLY
+#ifndef PIECE_LANES  // a variant's lanes a piece (see main)
+#define PIECE_LANES 0
+#endif
 #include KERNEL_SOURCE
 #include "synthetic_layout.h"
 
@@ -82,7 +85,10 @@ int main(int argc, char** argv) {
 
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const PieceShape shape = piece_shape(D, 0, sms);  // piece_update's
+  // piece_update's shape: lanes sized by the widest row (PIECE_LANES 0, the product's), or (-1) the
+  // fewest lanes that hold the row in four float4 each (its `lanes` argument): more pieces a warp.
+  const int64_t lanes = PIECE_LANES >= 0 ? PIECE_LANES : D > 16 * 32 ? 0 : group_lanes((int)((D + 15) / 16));
+  const PieceShape shape = piece_shape(D, lanes, sms);
   const int V = shape.V;
   const int64_t block_d = std::max<int64_t>(16, int64_t(1) << (int)std::ceil(std::log2((double)D)));
   float* partials;
