@@ -163,13 +163,10 @@ int main(int argc, char** argv) {
   for (int64_t r = 0; r < row_count; ++r) touched += count[r] > 0;
   const double bytes = (double)touched * D * 4 * 2 + (double)n * D * 4 + (opt == 2 ? touched * 8.0 : 0.0);
   const double ceiling = copy_gbs();
-  cudaFuncAttributes attr;
-  CHECK(cudaFuncGetAttributes(&attr, piece_fn));
-  int blocks_per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, piece_fn, PIECE_THREADS, 0));
+  const Occupancy occ = occupancy(piece_fn, PIECE_THREADS);
   std::printf("T=%lld rows=%lld D=%lld B=%lld ids=%d zipf=%d opt=%d: plan %.4f ms, update %.4f ms "
               "(%.2f of copy at %.0f GB/s); piece kernel %d regs, %d blocks/SM; update checked (max error %.2g)\n",
               (long long)T, (long long)rows, (long long)D, (long long)B, ids, (int)zipf, opt, plan_ms, update_ms,
-              bytes / (update_ms * 1e6) / ceiling, ceiling, attr.numRegs, blocks_per_sm, worst);
+              bytes / (update_ms * 1e6) / ceiling, ceiling, occ.registers, occ.blocks_per_sm, worst);
   return 0;
 }

@@ -64,25 +64,23 @@ def _prefetch_next_piece(text):
     return _replace(tail, tail[:-4] + "    next_key = row_key[next >> 2];\n    next_o = order[next >> 2];\n  }\n")(text)
 
 
-# name: nvcc defines of the bench (the default: none)
-DEFINES = {"fewest-lanes": ["-DPIECE_LANES=-1"]}
-
-# name: source change
+# name: (source change, nvcc defines of the bench), as tools/forward_kernel_variants.py
+SAME = lambda t: t  # noqa: E731
 VARIANTS = {
-    "product": lambda t: t,
+    "product": (SAME, []),
     "old": None,  # --old-source, or the source at --old-revision (default: the last commit's)
-    "share-all-groups": _replace("G >= 2 * U", "G >= U"),  # groups of 4 lanes share their sources too
+    "share-all-groups": (_replace("G >= 2 * U", "G >= U"), []),  # groups of 4 lanes share their sources too
     # pieces of at most U lookups (rows read a few times: short bags) resolve their own sources
-    "share-long-pieces": _replace("G >= 2 * U;", "G >= 2 * U && len > U;"),
-    "v4-2blocks": _replace("V == 4 ? 3 : 4", "V == 4 ? 2 : 4"),  # v19's three blocks an SM at V = 4, undone
-    "prefetch-next-piece": _prefetch_next_piece,
+    "share-long-pieces": (_replace("G >= 2 * U;", "G >= 2 * U && len > U;"), []),
+    "v4-2blocks": (_replace("V == 4 ? 3 : 4", "V == 4 ? 2 : 4"), []),  # v19's three blocks an SM at V = 4, undone
+    "prefetch-next-piece": (_prefetch_next_piece, []),
     # the fewest lanes a piece at four float4 each (piece_update's `lanes`), e.g. 4 at dim 64: four
     # times the pieces in flight a warp where rows are read about once (500 and 4000 tables)
-    "fewest-lanes": lambda t: t,
-    "v1-5blocks": _replace("V == 4 ? 3 : 4", "V == 4 ? 3 : 5"),  # V = 1 at 48 registers, 5 blocks an SM
+    "fewest-lanes": (SAME, ["-DPIECE_LANES=-1"]),
+    "v1-5blocks": (_replace("V == 4 ? 3 : 4", "V == 4 ? 3 : 5"), []),  # V = 1 at 48 registers, 5 blocks an SM
     # 8 lookups in flight at V = 1, three blocks an SM (64 registers spilled 88-92 bytes)
-    "v1-unroll8": lambda t: _replace("U = V >= 8 ? 1 : 4;", "U = V >= 8 ? 1 : V == 1 ? 8 : 4;")(
-        _replace("V == 4 ? 3 : 4", "V == 4 ? 3 : 3")(t)),
+    "v1-unroll8": (lambda t: _replace("U = V >= 8 ? 1 : 4;", "U = V >= 8 ? 1 : V == 1 ? 8 : 4;")(
+        _replace("V == 4 ? 3 : 4", "V == 4 ? 3 : 3")(t)), []),
 }
 
 
@@ -103,7 +101,8 @@ def main():
     def old():
         return open(args.old_source).read() if args.old_source else source_at(args.old_revision)
 
-    chosen = {name: (old() if name == "old" else VARIANTS[name](text), DEFINES.get(name, [])) for name in args.variants}
+    chosen = {name: (old(), []) if name == "old" else (VARIANTS[name][0](text), VARIANTS[name][1])
+              for name in args.variants}
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     compare(chosen, BENCH, args.out, "piece_kernel", shapes, args.iters)
 

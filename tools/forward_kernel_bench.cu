@@ -49,12 +49,9 @@ int main(int argc, char** argv) {
   const double bytes = (double)n * D * 4 + (double)B * total_dim * 4;
   const double ceiling = copy_gbs();
 
-  cudaFuncAttributes attr;
-  CHECK(cudaFuncGetAttributes(&attr, kernel));
-  int blocks_per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, FORWARD_THREADS, 0));
+  const Occupancy occ = occupancy((const void*)kernel, FORWARD_THREADS);
   std::printf("T=%lld rows=%lld D=%lld B=%lld ids=%d zipf=%d bag_major=%d: %.4f ms, %.0f GB/s, %.2f of copy (%.0f GB/s); "
               "%d regs, %d blocks/SM\n", (long long)T, (long long)rows, (long long)D, (long long)B, ids, (int)zipf,
-              (int)bag_major, ms, bytes / (ms * 1e6), bytes / (ms * 1e6) / ceiling, ceiling, attr.numRegs, blocks_per_sm);
+              (int)bag_major, ms, bytes / (ms * 1e6), bytes / (ms * 1e6) / ceiling, ceiling, occ.registers, occ.blocks_per_sm);
   return 0;
 }

@@ -72,6 +72,18 @@ inline float elapsed_ms(cudaEvent_t a, cudaEvent_t b) {
   return ms;
 }
 
+// A kernel's registers and resident blocks an SM at `threads` a block (what the benches print).
+struct Occupancy {
+  int registers, blocks_per_sm;
+};
+inline Occupancy occupancy(const void* kernel, int threads) {
+  cudaFuncAttributes attr;
+  CHECK(cudaFuncGetAttributes(&attr, kernel));
+  int blocks = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+  return {attr.numRegs, blocks};
+}
+
 // The device-to-device copy rate (bytes read + written, GB/s) of a 1 GiB copy: the gather's ceiling.
 inline double copy_gbs() {
   const size_t cb = size_t(1) << 30;

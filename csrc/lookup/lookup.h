@@ -1,5 +1,5 @@
 // The CUDA lookup extension's host entry points (torch tensors in, kernels launched on the current
-// stream), bound to Python in module.cpp; kernels.cuh explains what they compute.
+// stream), bound to Python in module.cu; kernels.cuh explains what they compute.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
