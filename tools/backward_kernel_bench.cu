@@ -88,14 +88,16 @@ int main(int argc, char** argv) {
   // piece_update's shape: lanes sized by the widest row (PIECE_LANES 0, the product's), or (-1) the
   // fewest lanes that hold the row in four float4 each (its `lanes` argument): more pieces a warp.
   const int64_t lanes = PIECE_LANES >= 0 ? PIECE_LANES : D > 16 * 32 ? 0 : group_lanes((int)((D + 15) / 16));
-  const PieceShape shape = piece_shape(D, lanes, sms);
-  const int V = shape.V;
+  const PieceShape shape = piece_shape(D, lanes, sms), rows_shape = piece_shape(D, 0, sms);  // as piece_update
+  const int V = shape.V, VR = rows_shape.V;
   const int64_t block_d = std::max<int64_t>(16, int64_t(1) << (int)std::ceil(std::log2((double)D)));
   float* partials;
   CHECK(cudaMalloc(&partials, sizeof(float) * 2 * ((n - 1) / PIECE + 1) * block_d));
   const Payload pay{(int32_t)B, true, total_dim, dmeta, plan.bag_scale, nullptr, nullptr, nullptr};
   const PieceArgs args{plan.pieces, plan.split_rows, plan.long_rows, plan.counts, n, partials, block_d,
                        opt == 2 ? state : nullptr, nullptr, hyper, nullptr, dmeta, shape.G};
+  PieceArgs row_args = args;
+  row_args.G = rows_shape.G;
   const int64_t most_long = n / MIN_LONG_ROW_LOOKUPS;
   const void* piece_fn = nullptr;  // the piece kernel launched (its registers and occupancy are printed)
   auto pieces = [&](auto opt_c, auto v_c) {
@@ -104,20 +106,29 @@ int main(int argc, char** argv) {
     if (most_long > 0) CHECK(cudaMemsetAsync(plan.counts + 2, 0, sizeof(int32_t)));
     piece_kernel<float, int32_t, OPT, VV><<<shape.grid(n), PIECE_THREADS>>>(plan.sorted_key, plan.order, pay, grad,
                                                                             args, weights);
-    split_row_kernel<float, int32_t, OPT, VV><<<shape.grid(n / (PIECE + 1) + 1), PIECE_THREADS>>>(
-        plan.sorted_key, plan.order, pay, args, weights);
+  };
+  auto split_rows = [&](auto opt_c, auto v_c) {  // at the widest row's lanes, as piece_update
+    constexpr int OPT = decltype(opt_c)::value, VV = decltype(v_c)::value;
+    split_row_kernel<float, int32_t, OPT, VV><<<rows_shape.grid(n / (PIECE + 1) + 1), PIECE_THREADS>>>(
+        plan.sorted_key, plan.order, pay, row_args, weights);
     if (most_long > 0)
-      long_row_kernel<float, int32_t, OPT, VV><<<shape.long_grid(most_long), PIECE_THREADS>>>(
-          plan.sorted_key, plan.order, pay, args, weights);
+      long_row_kernel<float, int32_t, OPT, VV><<<rows_shape.long_grid(most_long), PIECE_THREADS>>>(
+          plan.sorted_key, plan.order, pay, row_args, weights);
+  };
+  auto by_v = [](int v, auto launch, auto opt_c) {  // V = 2: a variant's (the product has 1, 4, 8)
+    if (v == 1) launch(opt_c, std::integral_constant<int, 1>{});
+    else if (v == 2) launch(opt_c, std::integral_constant<int, 2>{});
+    else if (v == 4) launch(opt_c, std::integral_constant<int, 4>{});
+    else launch(opt_c, std::integral_constant<int, 8>{});
   };
   auto update = [&] {
-    using S = std::integral_constant<int, 0>;
-    using R = std::integral_constant<int, 2>;
-    using V1 = std::integral_constant<int, 1>;
-    using V4 = std::integral_constant<int, 4>;
-    using V8 = std::integral_constant<int, 8>;
-    if (opt == 0) { if (V == 1) pieces(S{}, V1{}); else if (V == 4) pieces(S{}, V4{}); else pieces(S{}, V8{}); }
-    else { if (V == 1) pieces(R{}, V1{}); else if (V == 4) pieces(R{}, V4{}); else pieces(R{}, V8{}); }
+    if (opt == 0) {
+      by_v(V, pieces, std::integral_constant<int, 0>{});
+      by_v(VR, split_rows, std::integral_constant<int, 0>{});
+    } else {
+      by_v(V, pieces, std::integral_constant<int, 2>{});
+      by_v(VR, split_rows, std::integral_constant<int, 2>{});
+    }
   };
 
   // The check: one update from zero weights and states.

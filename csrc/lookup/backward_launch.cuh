@@ -21,8 +21,12 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
   c10::cuda::CUDAGuard guard(out.device());
   TORCH_CHECK(lanes == 0 || (lanes <= 32 && (lanes & (lanes - 1)) == 0 && 16 * lanes >= max_dim),
               "piece lanes must be a power of two <= 32 covering max_dim in four float4s, got ", lanes);
-  const PieceShape shape = piece_shape(max_dim, lanes, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  const bool four = shape.V == 4, eight = shape.V == 8;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  // `lanes` shapes the piece kernel only: the split and long rows take the widest row's lanes
+  // whatever it is, so which rows are long and how their partials are grouped (hence the bits) do
+  // not depend on it (the pieces' partial sums are stored by column, readable by any lanes).
+  const PieceShape shape = piece_shape(max_dim, lanes, sms), rows = piece_shape(max_dim, 0, sms);
+  const bool four = shape.V == 4, eight = shape.V == 8, rows_four = rows.V == 4, rows_eight = rows.V == 8;
   TORCH_CHECK(counts.numel() >= 3, "piece_update takes plan_backward's three counts");
   // The long rows' list and its count, counts[2], emptied here: a plan run through twice must not
   // append its long rows twice. Fewer lookups than a long row needs: no list, no long-row launch.
@@ -42,6 +46,8 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
                        hyper.scalar_type() == at::kFloat ? hyper.data_ptr<float>() : nullptr,
                        step.scalar_type() == at::kLong ? step.data_ptr<int64_t>() : nullptr,
                        meta.data_ptr<int64_t>(), shape.G};
+  PieceArgs row_args = args;
+  row_args.G = rows.G;
   dispatch_weight(out.scalar_type(), [&](auto wt) {
     using W = decltype(wt);
     auto launch = [&](auto kt) {
@@ -51,16 +57,16 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
       pk<<<shape.grid(n), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, grad.data_ptr<float>(),
                                                      args, wptr<W>(out));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      auto sk = eight ? split_row_kernel<W, K, OPT, 8>
-                      : four ? split_row_kernel<W, K, OPT, 4> : split_row_kernel<W, K, OPT, 1>;
-      sk<<<shape.grid(split_rows.numel()), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args,
-                                                                        wptr<W>(out));
+      auto sk = rows_eight ? split_row_kernel<W, K, OPT, 8>
+                           : rows_four ? split_row_kernel<W, K, OPT, 4> : split_row_kernel<W, K, OPT, 1>;
+      sk<<<rows.grid(split_rows.numel()), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, row_args,
+                                                                       wptr<W>(out));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (most_long > 0) {
-        auto lk = eight ? long_row_kernel<W, K, OPT, 8>
-                        : four ? long_row_kernel<W, K, OPT, 4> : long_row_kernel<W, K, OPT, 1>;
-        lk<<<shape.long_grid(most_long), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, args,
-                                                                     wptr<W>(out));
+        auto lk = rows_eight ? long_row_kernel<W, K, OPT, 8>
+                             : rows_four ? long_row_kernel<W, K, OPT, 4> : long_row_kernel<W, K, OPT, 1>;
+        lk<<<rows.long_grid(most_long), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, row_args,
+                                                                    wptr<W>(out));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     };

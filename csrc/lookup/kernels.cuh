@@ -349,6 +349,48 @@ __device__ __forceinline__ RowLanes row_lanes(int64_t dim, int64_t base, bool gr
   return RowLanes{dim % 4 == 0 && base % 4 == 0 && grad_vec, sl, G, dim};
 }
 
+// Row-wise Adagrad's sum of squares of a row, the same bits for every lane layout (G lanes of V
+// chunks): a fixed tree over the row's slot index, pairing its highest bit first. A slot is a
+// 16-byte chunk, (x^2 + y^2) + (z^2 + w^2), in the 4-wide layout, else a column; a lane's slots
+// are the index's high bits (chunk sl + k * G; column sl + s * G), the group's shuffles its low
+// bits. Slots past the row's end hold zeros and adding a zero is exact, so layouts with more slots
+// give the same sum. The piece kernels' lanes are a measured choice (pooled_cuda.BACKWARD_PATHS),
+// so every choice must give one result; explicit roundings keep nvcc from contracting the tree.
+// q[0] = the sum of q[0 .. 2H) by the tree that adds q[i + H] to q[i] first, then halves H.
+// A level a template instance, so every index is a constant and q stays in registers.
+template <int H, int N>
+__device__ __forceinline__ void pair_down(float (&q)[N]) {
+  if constexpr (H >= 1) {
+#pragma unroll
+    for (int i = 0; i < H; ++i) q[i] = __fadd_rn(q[i], q[i + H]);
+    pair_down<H / 2, N>(q);
+  }
+}
+
+template <int V>
+__device__ __forceinline__ float row_sum_of_squares(float4 (&acc)[V], const RowLanes& L) {
+  float sq;
+  if (L.vec) {
+    float q[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      q[k] = __fadd_rn(__fadd_rn(__fmul_rn(acc[k].x, acc[k].x), __fmul_rn(acc[k].y, acc[k].y)),
+                       __fadd_rn(__fmul_rn(acc[k].z, acc[k].z), __fmul_rn(acc[k].w, acc[k].w)));
+    pair_down<V / 2, V>(q);
+    sq = q[0];
+  } else {
+    float q[4 * V];  // slot s = 4 * k + e: column sl + s * G
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) q[4 * k + e] = __fmul_rn(comp(acc[k], e), comp(acc[k], e));
+    pair_down<2 * V, 4 * V>(q);
+    sq = q[0];
+  }
+  for (int off = L.G / 2; off > 0; off >>= 1) sq = __fadd_rn(sq, __shfl_xor_sync(0xffffffffu, sq, off));
+  return sq;
+}
+
 // Finishes a row from its summed gradient `acc` and its weights `w` (read by the caller, early):
 // the optimizer (OPT >= 0) or the gradient written as the row (OPT < 0). Every lane of the warp
 // calls it (row-wise Adagrad's shuffles); `finish` says whether this group's row is done here.
@@ -365,15 +407,11 @@ __device__ __forceinline__ void finish_row(float4 (&acc)[V], float4 (&w)[V], con
     return;
   }
   const float wd = h.wd * (1.f - h.decoupled);  // coupled weight decay joins the gradient
-  float sq = 0.f;
 #pragma unroll
-  for (int k = 0; k < V; ++k) {
-    acc[k] = fma4(w[k], wd, acc[k]);
-    sq += acc[k].x * acc[k].x + acc[k].y * acc[k].y + acc[k].z * acc[k].z + acc[k].w * acc[k].w;
-  }
+  for (int k = 0; k < V; ++k) acc[k] = fma4(w[k], wd, acc[k]);
   float row_acc = 0.f;
   if (OPT == 2) {
-    for (int off = L.G / 2; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+    const float sq = row_sum_of_squares<V>(acc, L);
     if (finish) {
       row_acc = s1[key] + sq / (float)L.dim;
       if (L.sl == 0) s1[key] = row_acc;  // every lane of the group has read it above
@@ -601,10 +639,9 @@ __device__ __forceinline__ bool is_multi(const uint32_t* __restrict__ multi, int
 // lookup instead of from DRAM (sorted by row, the lookups of one bag scatter over the whole piece
 // list, and each read of its gradient row costs a DRAM round trip); the arithmetic is the piece
 // kernel's for a one-lookup piece (acc = g * scale, then finish_row), so either path gives the
-// same bits. UNROLL lookups of a bag have their ids, marks and weight rows in flight at once.
-// Where the lane layout would change the order of row-wise Adagrad's sum of squares (rows not
-// 4-aligned, or V = 4), the groups take the piece kernel's width a.G. Grid: (blocks of bags,
-// features).
+// same bits (row-wise Adagrad's sum of squares too: row_sum_of_squares is the same for any lanes).
+// UNROLL lookups of a bag have their ids, marks and weight rows in flight at once. Grid: (blocks
+// of bags, features).
 template <typename W, typename I, int OPT, int V>
 __global__ void __launch_bounds__(256) singleton_kernel(
     const I* __restrict__ values, const I* __restrict__ offsets, const float* __restrict__ psw,
@@ -618,6 +655,8 @@ __global__ void __launch_bounds__(256) singleton_kernel(
   const int64_t key_at = key_index[feature] * batch_size;
   const bool row_vec = dim % 4 == 0 && base % 4 == 0 && grad_vec && col % 4 == 0;
   const int own = group_lanes((int)((dim + 4 * V - 1) / (4 * V)));  // 4 * V * G columns cover the dim
+  // Row-wise Adagrad takes the piece kernel's width a.G where rows are not 4-aligned or V = 4 (any
+  // width gives the same bits; with its own width there, nvcc spilled at 48 registers).
   const int G = (OPT == 2 && (V != 1 || !row_vec)) ? a.G : own;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / G, sl = lane % G;
   const int per_warp = 32 / G;
@@ -742,7 +781,9 @@ constexpr int64_t MIN_LONG_ROW_LOOKUPS = 16 * PIECE + 1;  // the shortest long r
 // (V = 4, up to 512) or eight (V = 8, up to 1024: MAX_DIM), as many lanes as the widest row needs
 // at V float4 a lane (a 256-wide row takes 16 lanes at V = 4, two pieces a warp: 32 left half of
 // them idle, v13). `lanes` > 0 asks for fewer lanes with four float4 each (V = 4, 16 * lanes >=
-// max_dim): more pieces per warp when most rows are narrower than the widest. The grid is
+// max_dim): more pieces per warp (pooled_cuda's "fewest lanes" paths: rows read a few times at
+// dims 17-128 ran 7-23% faster, long bags 7% slower, v20); piece_update_for gives it to the piece
+// kernel only. The grid is
 // persistent: a few waves of resident blocks (as pooled_triton._programs), never more than there
 // are items (pieces, split rows, long rows) for; the kernels read the counts on the device.
 constexpr int PIECE_THREADS = 256;

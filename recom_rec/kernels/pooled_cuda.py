@@ -29,12 +29,38 @@ build_error = cuda_ext.build_error  # the ops ask the backend whether it can run
 MAX_DIM = 1024  # the backward kernels' widest variant: 8 float4 accumulators per lane x 32 lanes
 # The backward's path per shape: every row through the pieces, or rows of one lookup in the batch
 # finished in bag order by their own kernel (plan_backward's bitmap, singleton_update in the
-# source; the same bits). Neither wins everywhere (H100: singletons on many-500, many-1000 and
-# mixed, pieces on dlrm-kaggle's one-id bags and on zipf, whose rows repeat), so the first backward
-# launches of a shape measure both (launch_tuner; tests and tools force one with
-# BACKWARD_PATH_TUNER.force). Singletons need a bitmap of the group's rows: at most SINGLETON_MAX_ROWS.
+# source); and the piece kernels' lanes a piece: enough for the group's widest row at one float4
+# a lane ("widest"), or the fewest that hold it in four float4 each (4 lanes at dim 64 instead of
+# 16: four times the pieces in flight, which wins where rows are read a few times and loses on
+# long bags, perf-notes v20). Every path gives the same bits. None wins everywhere (H100: singletons
+# on many-500, many-1000 and mixed, pieces on dlrm-kaggle's one-id bags and on zipf, whose rows
+# repeat), so the first backward launches of a shape measure them (launch_tuner; tests and tools
+# force one with BACKWARD_PATH_TUNER.force). Singletons need a bitmap of the group's rows: at most
+# SINGLETON_MAX_ROWS.
 SINGLETON_MAX_ROWS = 1 << 29
-BACKWARD_PATH_TUNER = LaunchOrderTuner(names={False: "pieces", True: "singletons"})
+BACKWARD_PATHS = {"pieces": (False, False), "singletons": (True, False),  # name: (singletons, fewest lanes)
+                  "pieces/fewest lanes": (False, True), "singletons/fewest lanes": (True, True)}
+# Rows up to this wide take one float4 a lane by default, so four a lane is another launch; at
+# 16 columns or fewer it would be one lane a piece.
+FEWEST_LANES_DIMS = (17, 128)
+
+
+def backward_paths(shape) -> tuple:
+    """The backward paths worth measuring for a BackwardShape: singletons where their grid and
+    bitmap fit, fewest lanes where it is another launch."""
+    names = ("pieces", "singletons") if shape.singletons_ok else ("pieces",)
+    if FEWEST_LANES_DIMS[0] <= shape.max_dim <= FEWEST_LANES_DIMS[1]:
+        names += tuple(f"{n}/fewest lanes" for n in names)
+    return names
+
+
+def fewest_piece_lanes(max_dim: int) -> int:
+    """Lanes a piece at four float4 each (piece_update's ``lanes``): a power of two."""
+    return 1 << max(0, (max_dim + 15) // 16 - 1).bit_length()
+
+
+BACKWARD_PATH_TUNER = LaunchOrderTuner(names={n: n for n in BACKWARD_PATHS}, candidates=backward_paths,
+                                       default="pieces")
 # The forward's launches by name: (bag_major, rows in flight a lane). See pooled_forward_kernel in
 # the source: the two orders, and 4 rows in flight (more blocks an SM) where rows take one 16-byte
 # chunk a lane, which wins on short bags and loses on long bags of narrow rows.
@@ -97,8 +123,9 @@ def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
         shape, lambda launch: forward_launch(flat, *args, batch_size, total_dim, max_dim, launch), flat.device)
 
 
-# What a backward's timing depends on (BACKWARD_PATH_TUNER's key): a forward's shape and the optimizer.
-BackwardShape = namedtuple("BackwardShape", ForwardLaunchShape._fields + ("optimizer",))
+# What a backward's timing depends on (BACKWARD_PATH_TUNER's key): a forward's shape, the optimizer
+# and whether the singletons' kernel can take the group.
+BackwardShape = namedtuple("BackwardShape", ForwardLaunchShape._fields + ("optimizer", "singletons_ok"))
 
 
 def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim,
@@ -125,13 +152,14 @@ def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, bat
 
 
 def _cuda_pieces(plan, grad_output, feature_meta, n, partials, partial_stride, out, state1, state2, hyper, step,
-                 opt, max_dim):
+                 opt, max_dim, fewest_lanes=False):
     """The piece and split-row kernels on a _cuda_plan, then the rows of one lookup."""
     row_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi, packed_batch, singles = plan
     ext = cuda_ext.extension()
+    lanes = fewest_piece_lanes(max_dim) if fewest_lanes else 0  # 0: sized by the widest row
     ext.piece_update(row_key, order, src, scale, feature, bag_scale, packed_batch, grad_output, feature_meta, pieces,
                      split_rows, counts, n, partials, partial_stride, out, state1, state2, hyper, step, opt, max_dim,
-                     0)  # lanes per piece: 0 = sized by the widest row
+                     lanes)
     if singles is not None:
         values, offsets, psw, key_index, batch_size = singles
         ext.singleton_update(values, offsets, psw, feature_meta, key_index, multi, grad_output, batch_size, out,
@@ -144,18 +172,20 @@ def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sa
     on the path BACKWARD_PATH_TUNER picks for the shape."""
     cuda = supports(out, max_dim)
 
-    def run(singles: bool):
+    def run(path: str):
+        singles, fewest = BACKWARD_PATHS[path]
         pooled_triton._run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights,
                                     feature_meta, key_index, batch_size, max_dim, num_rows, opt, num_lookups,
-                                    pieces=_cuda_pieces if cuda else None,
+                                    pieces=functools.partial(_cuda_pieces, fewest_lanes=fewest) if cuda else None,
                                     planner=functools.partial(_cuda_plan, singles=singles) if cuda else None)
 
+    if not cuda:
+        return run("pieces")
     rows = num_rows if num_rows >= 0 else out.numel()
     # singletons need a bitmap of the rows and put the features on the grid's y axis
-    if not cuda or rows > SINGLETON_MAX_ROWS or feature_meta.shape[0] > 65535:
-        return run(False)
+    singletons_ok = rows <= SINGLETON_MAX_ROWS and feature_meta.shape[0] <= 65535
     shape = BackwardShape(*ForwardLaunchShape.of(out, values, per_sample_weights, feature_meta, batch_size,
-                                                 grad_output.shape[1], max_dim), opt)
+                                                 grad_output.shape[1], max_dim), opt, singletons_ok)
     return BACKWARD_PATH_TUNER.launch(shape, run, out.device)
 
 
