@@ -137,6 +137,15 @@ def test_compare_counts_differing_choices_and_moved_ratios():
     assert "p2 sgd: backward_path pieces, forward cuda:features -> backward_path singletons" in text
     assert "median 2.0%, max 20.0%, within 5%: 3 of 5" in text
     assert "p2 sgd: 1.000 -> 1.200 (moved 20.0%)" in text and "p0 sgd" not in text
+    assert "10th percentile" not in text  # rows without it (sweeps before v20)
+
+
+def test_compare_reports_the_ratios_of_the_tenth_percentiles_where_recorded():
+    a, b = sweep_rows([1.0, 2.0]), sweep_rows([1.5, 2.0])
+    for row, p10 in zip(a + b, (1.0, 2.0, 1.02, 2.2)):
+        row["ratio_p10"] = p10
+    text = stability.format_comparison(stability.compare(a, b))
+    assert "10th percentile: |B/A - 1| median 6.0%, max 10.0%, within 5%: 1 of 2" in text
 
 
 def test_compare_reads_sweeps_written_before_the_choices_record():

@@ -39,7 +39,14 @@ def compare(a: List[dict], b: List[dict]) -> dict:
         if timed:
             peers[peer] = {"points": len(timed), "median": statistics.median(timed), "max": max(timed),
                            "within": sum(x <= RATIO_TOLERANCE for x in timed)}
+    # the same from each peer's 10th percentile (sweeps from v20 on record it)
+    rated_p10 = [k for k in common if rows_a[k].get("ratio_p10") and rows_b[k].get("ratio_p10")]
+    moved_p10 = [_moved(rows_a[k]["ratio_p10"], rows_b[k]["ratio_p10"]) for k in rated_p10]
     return {
+        "ratios_p10": len(moved_p10),
+        "ratio_p10_median": statistics.median(moved_p10) if moved_p10 else None,
+        "ratio_p10_max": max(moved_p10) if moved_p10 else None,
+        "ratios_p10_within": sum(x <= RATIO_TOLERANCE for x in moved_p10),
         "common": len(common), "with_choices": len(chosen), "choices_differ": differ,
         "ratios": len(rated),
         "ratio_median": statistics.median(x for x, _ in moved) if moved else None,
@@ -65,6 +72,10 @@ def format_comparison(c: dict, names: Tuple[str, str] = ("A", "B")) -> str:
         for (point, phase), ra, rb, x in c["most_moved"]:
             if x > RATIO_TOLERANCE:
                 lines.append(f"  {point} {phase}: {ra:.3f} -> {rb:.3f} (moved {100 * x:.1f}%)")
+    if c.get("ratios_p10"):
+        lines.append(f"ratios from each peer's 10th percentile: |B/A - 1| median {100 * c['ratio_p10_median']:.1f}%, "
+                     f"max {100 * c['ratio_p10_max']:.1f}%, within {100 * RATIO_TOLERANCE:.0f}%: "
+                     f"{c['ratios_p10_within']} of {c['ratios_p10']}")
     for peer, s in c["peers"].items():
         lines.append(f"{peer} ms: |B/A - 1| median {100 * s['median']:.1f}%, max {100 * s['max']:.1f}%, "
                      f"within {100 * RATIO_TOLERANCE:.0f}%: {s['within']} of {s['points']}")

@@ -285,6 +285,8 @@ def _run_phase(p: Point, phase: str, peers: dict, base: dict, kjt, grad, device,
         for name, times in samples.items():
             row[f"{name}_ms"] = statistics.median(times)
             row[f"{name}_runs"] = len(times)
+            # the fast end of the samples: host-bound steps' run-to-run spread is mostly slow runs
+            row[f"{name}_p10_ms"] = statistics.quantiles(times, n=10)[0] if len(times) > 1 else times[0]
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
         row.setdefault("errors", {})["timing"] = f"{type(e).__name__}: {str(e)[:200]}"
     if device.type == "cuda" and "recom_rec" in steps:
@@ -295,6 +297,7 @@ def _run_phase(p: Point, phase: str, peers: dict, base: dict, kjt, grad, device,
     gc.collect()
     if row.get("recom_rec_ms") and row.get("fbgemm_ms"):
         row["ratio"] = row["fbgemm_ms"] / row["recom_rec_ms"]
+        row["ratio_p10"] = row["fbgemm_p10_ms"] / row["recom_rec_p10_ms"]
     return row
 
 

@@ -1,5 +1,6 @@
 """Timing: medians of many runs after a warm-up that lets the product's tuners decide; CUDA events
 on the GPU, perf_counter on the CPU. Peers compared with each other are timed interleaved."""
+import gc
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
@@ -69,9 +70,23 @@ def time_interleaved(steps: Dict[str, Callable[[], object]], device: torch.devic
     ``block`` (at most ``min_iters``) and at least a quarter of ``min_ms``. Rounds go on until every
     step has ``min_iters`` samples summing to ``min_ms`` at least (time-bound, so that a 0.1 ms
     step gets hundreds of samples and its median is steady), ending on a whole A B B A pair, or
-    until a step has ``max_iters``. Each step is first ``settle``d."""
+    until a step has ``max_iters``. Each step is first ``settle``d. Python's garbage collector is
+    off while the rounds run (a collection inside a host-bound step's timing is a slow sample
+    that falls on whichever step made the garbage)."""
     for fn in steps.values():
         settle(fn, device, warmup)
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _rounds(steps, device, min_iters, min_ms, block, max_iters)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _rounds(steps: Dict[str, Callable[[], object]], device: torch.device, min_iters: int, min_ms: float,
+            block: int, max_iters: int) -> Dict[str, List[float]]:
     names = list(steps)
     samples: Dict[str, List[float]] = {n: [] for n in names}
     visit_runs, visit_ms = max(1, min(block, min_iters)), min_ms / 4
