@@ -79,8 +79,18 @@ VARIANTS = {
     "fewest-lanes": (SAME, ["-DPIECE_LANES=-1"]),
     "v1-5blocks": (_replace("V == 4 ? 3 : 4", "V == 4 ? 3 : 5"), []),  # V = 1 at 48 registers, 5 blocks an SM
     # 8 lookups in flight at V = 1, three blocks an SM (64 registers spilled 88-92 bytes)
-    "v1-unroll8": (lambda t: _replace("U = V >= 8 ? 1 : 4;", "U = V >= 8 ? 1 : V == 1 ? 8 : 4;")(
+    "v1-unroll8": (lambda t: _replace("U = V >= 8 ? 1 : V == 4 ? 2 : 4;", "U = V >= 8 ? 1 : V == 4 ? 2 : 8;")(
         _replace("V == 4 ? 3 : 4", "V == 4 ? 3 : 3")(t)), []),
+    # V = 4 (rows of 129-512 columns): four lookups in flight (v19's product; v20 took two, 7-14%
+    # faster), the weights read with the gradients, or four blocks an SM
+    "v4-u4": (_replace("U = V >= 8 ? 1 : V == 4 ? 2 : 4;", "U = V >= 8 ? 1 : 4;"), []),
+    "v4-early": (_replace("LATE_WEIGHTS = V >= 4;", "LATE_WEIGHTS = V >= 8;"), []),
+    "v4-4blocks": (_replace("V == 4 ? 3 : 4", "V == 4 ? 4 : 4"), []),
+    # rows of 129-256 columns at two float4 a lane over 32 lanes (V = 2) instead of four over 16
+    # (three blocks an SM: at four, 64 registers, it spilled 160 bytes)
+    "v2-to-256": (lambda t: _replace("const int V = eight ? 8 : four ? 4 : 1;",
+                                     "const int V = eight ? 8 : four ? (lanes == 0 && max_dim <= 256 ? 2 : 4) : 1;")(
+        _replace("V >= 8 ? 2 : V == 4 ? 3 : 4", "V >= 8 ? 2 : V >= 2 ? 3 : 4")(t)), []),
 }
 
 

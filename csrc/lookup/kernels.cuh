@@ -503,15 +503,17 @@ struct LaneGroups {
 
 // One group of G lanes per piece (a run of at most PIECE sorted lookups of one row), groups
 // looping over the piece list, whose length is on the device. A group sums its piece's scaled
-// gradient rows in sorted order (the row's input order: deterministic) with four lookups' loads in
-// flight; a piece that is a whole row applies the optimizer (OPT >= 0) or writes the row's
+// gradient rows in sorted order (the row's input order: deterministic) with several lookups' loads
+// in flight; a piece that is a whole row applies the optimizer (OPT >= 0) or writes the row's
 // gradient (OPT < 0); a piece of a split row leaves its sum in its partial slot for the split-row
 // kernel. The row's weights are read before its gradient rows, so both loads are in flight
 // together (the chain is piece -> key and payload -> gradient and weight rows), except at V >= 4
 // (rows of 129-1024 columns): there weights, sum and gradient rows held together took up to 236
 // registers at V = 8 (one block a SM), 128 with 24-36 bytes of spill at V = 4 (two); read after
-// the sum, V = 8 fits 128 registers (two blocks, no spill) and V = 4 80 (three blocks, 64-68
-// bytes of spill), whose updates ran 5-14% faster than at two blocks (v19, dims 256 and 512). At
+// the sum, V = 8 fits 128 registers (two blocks, no spill) and V = 4 80 (three blocks), whose
+// updates ran 5-14% faster than at two blocks (v19, dims 256 and 512); V = 4 keeps two lookups'
+// gradient rows in flight, not four: its spill went from 64-68 bytes to 4-28 and its updates ran
+// 7-14% faster (v20: dims 256-512, ~10 and ~200 ids; Zipf the same). At
 // V = 1 the bounds hold the 64 registers (four blocks a SM) the kernel had before the narrow
 // groups' path below joined it.
 // Control flow stays warp-uniform around the shuffles (row-wise Adagrad's row sum).
@@ -554,17 +556,17 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
       acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
       w[k] = (OPT >= 0 && finish && !LATE_WEIGHTS) ? L.load_rw(out + row_at, k) : acc[k];
     }
-    // Sum the piece in sorted order. Where the rows are 16-byte aligned, U lookups' chunks are
-    // all loaded (predicated past the piece's end) before any is added: V * U loads in flight a
-    // lane; U shrinks as V grows to bound the registers. Their sources come through the sort's
-    // payload (order -> source, a round trip before the gradient rows). With G >= 2U lanes the
-    // group resolves G lookups' sources at once, lane i the i-th, and hands them out by shuffles:
-    // one payload round trip per G lookups instead of per U (~200-id bags at dims 64 and 128 ran
-    // 10-15% faster, v18). Narrower groups (dims up to 16 at V = 1) resolve U lookups, each lane
-    // all of them: one round trip serves one batch of U either way, and at G < U sharing would
-    // leave fewer loads in flight (dim 4 with ~200 ids ran 9-18% slower). The shuffles take the
-    // group's mask: its lanes share the piece, so they run this loop together.
-    constexpr int U = V >= 8 ? 1 : 4;
+    // Sum the piece in sorted order. Where the rows are 16-byte aligned, U lookups' chunks are all
+    // loaded (predicated past the piece's end) before any is added: V * U loads in flight a lane; U
+    // shrinks as V grows to bound the registers (U = 4, 2, 1 at V = 1, 4, 8). Their sources come
+    // through the sort's payload (order -> source, a round trip before the gradient rows). With G
+    // >= 2U lanes the group resolves G lookups' sources at once, lane i the i-th, and hands them
+    // out by shuffles: one payload round trip per G lookups instead of per U (~200-id bags at dims
+    // 64 and 128 ran 10-15% faster, v18). Narrower groups (dims up to 16 at V = 1) resolve U
+    // lookups, each lane all of them: one round trip serves one batch of U either way, and at G < U
+    // sharing would leave fewer loads in flight (dim 4 with ~200 ids ran 9-18% slower). The
+    // shuffles take the group's mask: its lanes share the piece, so they run this loop together.
+    constexpr int U = V >= 8 ? 1 : V == 4 ? 2 : 4;
     const bool together = U == 1 || G >= 2 * U;
     const int span = together ? G : U;
     int j = 0;
