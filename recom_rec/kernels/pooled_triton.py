@@ -105,7 +105,7 @@ def _apply_rows(
         elif OPT == 2:  # row-wise Adagrad: one accumulator per row, indexed by the row key
             acc = tl.load(state1_ptr + row_key, mask=row_mask, other=0.0) + tl.sum(g * g, axis=1) / dim.to(tl.float32)
             tl.store(state1_ptr + row_key, acc, mask=row_mask)
-            w_new = w - lr * g / (tl.sqrt(acc)[:, None] + eps)
+            w_new = w - (lr / (tl.sqrt(acc) + eps))[:, None] * g  # the step a row, as fbgemm's `multiplier`
         else:  # Adam (sparse: only touched rows' moments move)
             beta1 = tl.load(hyper_ptr + 2)
             beta2 = tl.load(hyper_ptr + 3)

@@ -38,7 +38,8 @@ def update_rows(kind: int, weights: torch.Tensor, grads: torch.Tensor, mask: tor
     if kind == OPT_ROWWISE_ADAGRAD:
         (acc,) = states
         acc = acc + (grads * grads).sum(1) / dims.to(grads.dtype)
-        return weights - lr * grads / (acc.sqrt() + eps)[:, None], [acc]
+        # the step a row, lr / (sqrt(acc) + eps), as fbgemm computes it (its `multiplier`)
+        return weights - (lr / (acc.sqrt() + eps))[:, None] * grads, [acc]
     if kind == OPT_ADAM:
         exp_avg, exp_avg_sq = states
         beta1, beta2 = hyper[HYPER_BETA1], hyper[HYPER_BETA2]
