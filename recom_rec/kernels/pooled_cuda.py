@@ -31,8 +31,8 @@ MAX_DIM = 1024  # the backward kernels' widest variant: 8 float4 accumulators pe
 # finished in bag order by their own kernel (plan_backward's bitmap, singleton_update in the
 # source); and the piece kernels' lanes a piece: enough for the group's widest row at one float4
 # a lane ("widest"), or the fewest that hold it in four float4 each (4 lanes at dim 64 instead of
-# 16: four times the pieces in flight, which wins where rows are read a few times and loses on
-# long bags, perf-notes v20). Every path gives the same bits. None wins everywhere (H100: singletons
+# 16: four times the pieces in flight; 500 tables of rows read about once updated 11% faster,
+# perf-notes v20). Every path gives the same bits. None wins everywhere (H100: singletons
 # on many-500, many-1000 and mixed, pieces on dlrm-kaggle's one-id bags and on zipf, whose rows
 # repeat), so the first backward launches of a shape measure them (launch_tuner; tests and tools
 # force one with BACKWARD_PATH_TUNER.force). Singletons need a bitmap of the group's rows: at most
