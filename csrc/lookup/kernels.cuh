@@ -527,9 +527,9 @@ struct LaneGroups {
 // registers at V = 8 (one block a SM), 128 with 24-36 bytes of spill at V = 4 (two); read after
 // the sum, V = 8 fits 128 registers (two blocks, no spill) and V = 4 80 (three blocks), whose
 // updates ran 5-14% faster than at two blocks (v19, dims 256 and 512); V = 4 keeps two lookups'
-// gradient rows in flight, not four: its spill went from 64-68 bytes to 4-28 and its updates ran
-// 7-14% faster (v20: dims 256-512, ~10 and ~200 ids; Zipf the same). At
-// V = 1 the bounds hold the 64 registers (four blocks a SM) the kernel had before the narrow
+// gradient rows in flight, not four: its updates ran 7-14% faster (v20: dims 256-512, ~10 and
+// ~200 ids; Zipf the same), and it spills 4 (SGD) to 16 bytes (row-wise Adagrad), not 64-68.
+// At V = 1 the bounds hold the 64 registers (four blocks a SM) the kernel had before the narrow
 // groups' path below joined it.
 // Control flow stays warp-uniform around the shuffles (row-wise Adagrad's row sum).
 template <typename W, typename K, int OPT, int V>
