@@ -104,8 +104,12 @@ int main(int argc, char** argv) {
     constexpr int OPT = decltype(opt_c)::value, VV = decltype(v_c)::value;
     piece_fn = (const void*)piece_kernel<float, int32_t, OPT, VV>;
     if (most_long > 0) CHECK(cudaMemsetAsync(plan.counts + 2, 0, sizeof(int32_t)));
-    piece_kernel<float, int32_t, OPT, VV><<<shape.grid(n), PIECE_THREADS>>>(plan.sorted_key, plan.order, pay, grad,
-                                                                            args, weights);
+    const size_t ring = piece_ring_bytes(VV, shape.G);  // as piece_update
+    if (ring > 48 * 1024)
+      CHECK(cudaFuncSetAttribute(piece_kernel<float, int32_t, OPT, VV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)ring));
+    piece_kernel<float, int32_t, OPT, VV><<<shape.grid(n), PIECE_THREADS, ring>>>(plan.sorted_key, plan.order, pay,
+                                                                                  grad, args, weights);
   };
   auto split_rows = [&](auto opt_c, auto v_c) {  // at the widest row's lanes, as piece_update
     constexpr int OPT = decltype(opt_c)::value, VV = decltype(v_c)::value;

@@ -91,6 +91,13 @@ VARIANTS = {
     "v2-to-256": (lambda t: _replace("const int V = eight ? 8 : four ? 4 : 1;",
                                      "const int V = eight ? 8 : four ? (lanes == 0 && max_dim <= 256 ? 2 : 4) : 1;")(
         _replace("V >= 8 ? 2 : V == 4 ? 3 : 4", "V >= 8 ? 2 : V >= 2 ? 3 : 4")(t)), []),
+    # v21: the piece kernel's shared-memory ring (piece_ring): none at V = 1, eight lookups at V = 1,
+    # none at V = 8
+    "no-ring-v1": (_replace("V == 1 ? 4 : 0;", "V == 1 ? 0 : 0;"), []),
+    "ring-v1-8": (_replace("V == 1 ? 4 : 0;", "V == 1 ? 8 : 0;"), []),
+    "no-ring-v8": (_replace("return V == 8 ? 2 :", "return V == 8 ? 0 :"), []),
+    # the ring only where groups have 8 lanes or more (the fewest-lanes paths give V = 4 groups of 4)
+    "ring-g8": (_replace("if (RING > 0 && together) {", "if (RING > 0 && together && G >= 8) {"), []),
 }
 
 
@@ -103,16 +110,25 @@ def main():
                                                           "the bench calls the kernels as they are now)")
     p.add_argument("--old-source", help="the 'old' variant's source file (where the git history is not at hand, "
                                         "as on the device machine: write it with git show and carry it)")
+    p.add_argument("--lanes", type=int, help="every variant's PIECE_LANES (-1: the fewest lanes, pooled_cuda's "
+                                              "'fewest lanes' paths; default: each variant's own)")
     p.add_argument("--shapes", nargs="*", help="layouts to run (T,ROWS,DIM,BATCH,IDS,ZIPF,OPT each; default: all of "
                                                  "SHAPES)")
     args = p.parse_args()
     text = SOURCE.read_text()
 
     def old():
-        return open(args.old_source).read() if args.old_source else source_at(args.old_revision)
+        text = open(args.old_source).read() if args.old_source else source_at(args.old_revision)
+        if "piece_ring_bytes" not in text:  # before v21's ring: the bench launches with no shared memory
+            text += "\nnamespace {\ninline size_t piece_ring_bytes(int, int) { return 0; }\n}  // namespace\n"
+        return text
 
     chosen = {name: (old(), []) if name == "old" else (VARIANTS[name][0](text), VARIANTS[name][1])
               for name in args.variants}
+    if args.lanes is not None:
+        lanes = f"-DPIECE_LANES={args.lanes}"
+        chosen = {name: (src, [d for d in defines if not d.startswith("-DPIECE_LANES")] + [lanes])
+                  for name, (src, defines) in chosen.items()}
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     compare(chosen, BENCH, args.out, "piece_kernel", shapes, args.iters)
 

@@ -54,8 +54,11 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
       using K = decltype(kt);
       const K* keys = reinterpret_cast<const K*>(row_key.data_ptr());
       auto pk = eight ? piece_kernel<W, K, OPT, 8> : four ? piece_kernel<W, K, OPT, 4> : piece_kernel<W, K, OPT, 1>;
-      pk<<<shape.grid(n), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, grad.data_ptr<float>(),
-                                                     args, wptr<W>(out));
+      const size_t ring = piece_ring_bytes(shape.V, shape.G);
+      if (ring > 48 * 1024)  // past the default limit of a block's dynamic shared memory
+        C10_CUDA_CHECK(cudaFuncSetAttribute(pk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ring));
+      pk<<<shape.grid(n), PIECE_THREADS, ring, stream>>>(keys, order.data_ptr<int32_t>(), pay, grad.data_ptr<float>(),
+                                                        args, wptr<W>(out));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       auto sk = rows_eight ? split_row_kernel<W, K, OPT, 8>
                            : rows_four ? split_row_kernel<W, K, OPT, 4> : split_row_kernel<W, K, OPT, 1>;

@@ -71,6 +71,17 @@ __device__ __forceinline__ float4 fma4(float4 g, float s, float4 acc) {
   return make_float4(acc.x + g.x * s, acc.y + g.y * s, acc.z + g.z * s, acc.w + g.w * s);
 }
 
+// 16-byte copies global -> shared that take no registers while in flight (cp.async, sm_80+; .cg:
+// through L2 only), in commit groups a thread waits for: its own copies only, so a lane that
+// reads back only what it copied needs no barrier.
+__device__ __forceinline__ void copy16_async(float4* smem, const float* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
 // Lanes per bag or piece: enough chunks for the dim, a power of two, at most a warp.
 __host__ __device__ __forceinline__ int group_lanes(int chunks) {
   int g = 1;
@@ -516,6 +527,27 @@ struct LaneGroups {
   }
 };
 
+// Lookups a group of the piece kernel sums a step from registers (U); whether its lanes resolve
+// their lookups' sources together (G >= 2U, see the kernel); and how many lookups' gradient rows
+// it keeps in flight through shared memory where they do (its ring; cp.async copies, which hold
+// no registers while in flight). In registers V = 4 had room for about one lookup's four chunks
+// (nvcc interleaves the loads with the adds to fit 80 registers; the SASS showed four loads in
+// flight a lane, not eight). Measured against registers only (v21, H200,
+// tools/backward_kernel_variants.py): V = 4's ring of three lookups ran ~200-id bags at dim 256
+// 22% faster and Zipf ids 25%; V = 1's of four dims 64-128 at ~200 ids 11-12%, 500 and 4000
+// tables 3-4% (dims 4-32 0-2% slower: their groups are too narrow to share, no ring); V = 8's of
+// two (64 KB a block) dim 1024 10%. Rings of eight at V = 1 gained less than four.
+__host__ __device__ constexpr int piece_unroll(int V) { return V >= 8 ? 1 : V == 4 ? 2 : 4; }
+__host__ __device__ constexpr int piece_ring(int V) { return V == 8 ? 2 : V == 4 ? 3 : V == 1 ? 4 : 0; }
+__host__ __device__ constexpr bool piece_groups_share(int V, int G) {
+  return piece_unroll(V) == 1 || G >= 2 * piece_unroll(V);
+}
+constexpr int PIECE_THREADS = 256;
+// The piece kernel's dynamic shared memory for groups of G lanes at V chunks a lane: its ring.
+inline size_t piece_ring_bytes(int V, int G) {
+  return piece_groups_share(V, G) ? (size_t)piece_ring(V) * V * PIECE_THREADS * sizeof(float4) : 0;
+}
+
 // One group of G lanes per piece (a run of at most PIECE sorted lookups of one row), groups
 // looping over the piece list, whose length is on the device. A group sums its piece's scaled
 // gradient rows in sorted order (the row's input order: deterministic) with several lookups' loads
@@ -543,6 +575,9 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
   float t;
   const Hyper h = read_hyper<OPT>(a, t);
   constexpr bool LATE_WEIGHTS = V >= 4;
+  constexpr int RING = piece_ring(V);
+  // piece_ring_bytes of it; a lane's chunk k of slot s at ring[(s * V + k) * PIECE_THREADS + its thread]
+  extern __shared__ float4 ring[];
   for (int64_t r0 = lg.first; r0 < num; r0 += lg.stride) {
     const int64_t r = r0 + lg.sub;
     const bool active = r < num;
@@ -580,10 +615,11 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
     // out by shuffles: one payload round trip per G lookups instead of per U (~200-id bags at dims
     // 64 and 128 ran 10-15% faster, v18). Narrower groups (dims up to 16 at V = 1) resolve U
     // lookups, each lane all of them: one round trip serves one batch of U either way, and at G < U
-    // sharing would leave fewer loads in flight (dim 4 with ~200 ids ran 9-18% slower). The
-    // shuffles take the group's mask: its lanes share the piece, so they run this loop together.
-    constexpr int U = V >= 8 ? 1 : V == 4 ? 2 : 4;
-    const bool together = U == 1 || G >= 2 * U;
+    // sharing would leave fewer loads in flight (dim 4 with ~200 ids ran 9-18% slower). Groups
+    // that share take the ring instead of U register loads (piece_ring). The shuffles take the
+    // group's mask: its lanes share the piece, so they run this loop together.
+    constexpr int U = piece_unroll(V);
+    const bool together = piece_groups_share(V, G);
     const int span = together ? G : U;
     int j = 0;
     if (L.vec) {
@@ -592,6 +628,35 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
         const int64_t my_q = together && j0 + sl < len ? pay.source(order[start + j0 + sl], my_c) : 0;
         const int here = min(span, len - j0);
         int jj = 0;
+        if (RING > 0 && together) {  // the ring (piece_ring_bytes > 0 exactly here)
+          // Lookup jj's chunks go to slot jj % RING; RING - 1 lookups ahead are in flight while
+          // one is added (same lookups, same order, same fma as below: the same bits).
+          if (__ballot_sync(gmask, j0 + sl < len && (my_q & 3) != 0)) break;  // unaligned: the loop below
+          float4* mine = ring + threadIdx.x;
+          auto issue = [&](int i) {  // every lane of the group: the shuffle
+            const int64_t qi = __shfl_sync(gmask, my_q, i, G);
+            if (i < here) {
+#pragma unroll
+              for (int k = 0; k < V; ++k)
+                if (L.at(k, 0) >= 0)
+                  copy16_async(mine + ((i % RING) * V + k) * PIECE_THREADS, grad + qi + L.at(k, 0));
+            }
+            copy_commit();
+          };
+#pragma unroll
+          for (int i = 0; i < RING - 1; ++i) issue(i);
+          for (; jj < here; ++jj) {
+            issue(jj + RING - 1);
+            copy_wait<RING - 1>();  // lookup jj's group is done
+            const float c = __shfl_sync(gmask, my_c, jj, G);
+#pragma unroll
+            for (int k = 0; k < V; ++k)
+              if (L.at(k, 0) >= 0) acc[k] = fma4(mine[((jj % RING) * V + k) * PIECE_THREADS], c, acc[k]);
+          }
+          copy_wait<0>();
+          j = j0 + here;
+          continue;
+        }
         for (; jj < here; jj += U) {
           int64_t q[U];
           float cs[U];
@@ -808,7 +873,6 @@ constexpr int64_t MIN_LONG_ROW_LOOKUPS = 16 * PIECE + 1;  // the shortest long r
 // the piece kernel only. The grid is persistent: a few waves of resident blocks (as
 // pooled_triton._programs), never more than there are items (pieces, split rows, long rows) for;
 // the kernels read the counts on the device.
-constexpr int PIECE_THREADS = 256;
 struct PieceShape {
   int V, G;
   int64_t sms;
