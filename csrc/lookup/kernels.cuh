@@ -723,14 +723,25 @@ __device__ __forceinline__ bool is_multi(const uint32_t* __restrict__ multi, int
 // list, and each read of its gradient row costs a DRAM round trip); the arithmetic is the piece
 // kernel's for a one-lookup piece (acc = g * scale, then finish_row), so either path gives the
 // same bits (row-wise Adagrad's sum of squares too: row_sum_of_squares is the same for any lanes).
-// UNROLL lookups of a bag have their ids, marks and weight rows in flight at once. Grid: (blocks
+// The group's lanes first load G of the bag's ids, their marks and scales at once (lane l: lookup
+// j0 + l), so a lookup's weight row waits on one round trip, not on its id, then its mark, then
+// the row; UNROLL lookups' weight rows are then in flight together, their keys shuffled from the
+// lanes that loaded them (4 at one chunk a lane, except row-wise Adagrad's 1 there, and 1 above).
+// Unbounded, nvcc took 96-198 registers (1-2 blocks an SM, a latency-bound kernel);
+// singleton_min_blocks asks for 2-4 where the optimizer's kernel fits them without spilling (or,
+// at V = 4, barely: 28 bytes). More lookups in flight spilled under these bounds. Grid: (blocks
 // of bags, features).
+template <int OPT, int V>
+constexpr int singleton_min_blocks() {
+  return V >= 8 ? 1 : V >= 4 ? (OPT == 1 ? 1 : 2) : OPT == 0 ? 3 : (OPT == 2 && V == 1) ? 4 : 2;
+}
+
 template <typename W, typename I, int OPT, int V>
-__global__ void __launch_bounds__(256) singleton_kernel(
+__global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton_kernel(
     const I* __restrict__ values, const I* __restrict__ offsets, const float* __restrict__ psw,
     const int64_t* __restrict__ key_index, const uint32_t* __restrict__ multi, const float* __restrict__ grad,
     PieceArgs a, int64_t batch_size, int64_t total_dim, bool grad_vec, W* __restrict__ out) {
-  constexpr int UNROLL = V == 1 ? (OPT == 2 ? 2 : 4) : 1;
+  constexpr int UNROLL = V == 1 ? (OPT == 2 ? 1 : 4) : 1;
   const int64_t feature = blockIdx.y;
   const int64_t* m = a.meta + feature * META_W;
   const int64_t dim = m[0], base = m[1], col = m[2], row_base = m[5];
@@ -752,37 +763,48 @@ __global__ void __launch_bounds__(256) singleton_kernel(
     const bool live = b < batch_size;
     const int64_t start = live ? (int64_t)offsets[key_at + b] : 0;
     const int len = live ? (int)((int64_t)offsets[key_at + b + 1] - start) : 0;
-    int most = len;  // the warp's longest bag: the loop below stays warp-uniform (finish_row's shuffles)
+    int most = len;  // the warp's longest bag: the loops below stay warp-uniform (shuffles, finish_row's)
     for (int off = 16; off > 0; off >>= 1) most = max(most, __shfl_xor_sync(0xffffffffu, most, off));
     const float bag_scale = mean ? 1.f / (float)(len > 1 ? len : 1) : 1.f;
     const float* g = grad + b * total_dim + col;
-    for (int j0 = 0; j0 < most; j0 += UNROLL) {
-      int64_t key[UNROLL];
-      unsigned fin = 0;  // bit u: lookup j0 + u is live and its row has no other lookup
+    for (int j0 = 0; j0 < most; j0 += G) {
+      // lane sl of the group: lookup j0 + sl's row, whether it is finished here, its scale
+      const bool mine = j0 + sl < len;
+      const long long my_key = row_base + (mine ? (int64_t)values[start + j0 + sl] : 0);
+      const bool my_fin = mine && !is_multi(multi, my_key);
+      const float my_s = psw && my_fin ? bag_scale * psw[start + j0 + sl] : bag_scale;
+      const int count = min(G, most - j0);  // warp-uniform
+      for (int u0 = 0; u0 < count; u0 += UNROLL) {
+        int64_t key[UNROLL];
+        float s[UNROLL];
+        unsigned fin = 0;  // bit u: lookup j0 + u0 + u is live and its row has no other lookup
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) key[u] = row_base + (j0 + u < len ? (int64_t)values[start + j0 + u] : 0);
+        for (int u = 0; u < UNROLL; ++u) {
+          const int from = u0 + u < G ? u0 + u : 0;  // a group's lane (the shuffle's width is G)
+          key[u] = __shfl_sync(0xffffffffu, my_key, from, G);
+          s[u] = __shfl_sync(0xffffffffu, my_s, from, G);
+          fin |= (__shfl_sync(0xffffffffu, (int)my_fin, from, G) && u0 + u < count) ? 1u << u : 0u;
+        }
+        float4 w[UNROLL][V];
+        float state[UNROLL];
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) fin |= (j0 + u < len && !is_multi(multi, key[u])) ? 1u << u : 0u;
-      float4 w[UNROLL][V];
-      float state[UNROLL];
+        for (int u = 0; u < UNROLL; ++u) state[u] = row_state<OPT>(a.s1, key[u], fin >> u & 1);
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) state[u] = row_state<OPT>(a.s1, key[u], fin >> u & 1);
+        for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u)
+          for (int k = 0; k < V; ++k)
+            w[u][k] = (OPT >= 0 && (fin >> u & 1)) ? L.load_rw(out + base + (key[u] - row_base) * dim, k)
+                                                   : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int k = 0; k < V; ++k)
-          w[u][k] = (OPT >= 0 && (fin >> u & 1)) ? L.load_rw(out + base + (key[u] - row_base) * dim, k)
-                                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int u = 0; u < UNROLL; ++u) {
+          const bool f = fin >> u & 1;
+          float4 acc[V];
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const bool f = fin >> u & 1;
-        const float s = psw && f ? bag_scale * psw[start + j0 + u] : bag_scale;
-        float4 acc[V];
-#pragma unroll
-        for (int k = 0; k < V; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (f) L.add_row<V>(acc, g, s);
-        finish_row<W, OPT, V>(acc, w[u], state[u], L, f, out, base + (key[u] - row_base) * dim, key[u], a.s1, a.s2,
-                              h, t);
+          for (int k = 0; k < V; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (f) L.add_row<V>(acc, g, s[u]);
+          finish_row<W, OPT, V>(acc, w[u], state[u], L, f, out, base + (key[u] - row_base) * dim, key[u], a.s1,
+                                a.s2, h, t);
+        }
       }
     }
   }
