@@ -68,6 +68,21 @@ def runtime_calls(fn, steps: int = 5) -> str:
     return "\n".join(f"    {us:9.1f} us {calls:5.1f}x  {name[:90]}" for us, calls, name in rows[:12])
 
 
+def host_ops(fn, steps: int = 10, top: int = 25) -> str:
+    """The host's own time per step by operator and CUDA runtime call (torch.profiler's CPU events:
+    aten ops, custom ops, cudaLaunchKernel, cudaFuncSetAttribute, ...), largest first."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.self_cpu_time_total / steps, e.count / steps, e.key) for e in prof.key_averages()]
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    lines = [f"    {'self us':>9} {'calls':>6}  host op (sum {total:.0f} us a step)"]
+    lines += [f"    {us:9.1f} {calls:6.1f}  {name[:90]}" for us, calls, name in rows[:top]]
+    return "\n".join(lines)
+
+
 def host_profile(fn, steps: int = 10, top: int = 30) -> str:
     """cProfile of the host side of ``steps`` steps, by own time."""
     import cProfile
@@ -81,9 +96,13 @@ def host_profile(fn, steps: int = 10, top: int = 30) -> str:
         fn()
     torch.cuda.synchronize()
     prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    return buf.getvalue()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, tottime, cumtime, callers)}
+    rows = sorted(((tt, ct, nc, f"{k[0].split('site-packages/')[-1].split('/work/main/')[-1]}:{k[1]}({k[2]})")
+                   for k, (nc, _, tt, ct, _) in stats.items()), reverse=True)
+    lines = [f"    {'own us':>8} {'cum us':>8} {'calls':>6}  function (a step, under cProfile)"]
+    lines += [f"    {tt * 1e6 / steps:8.1f} {ct * 1e6 / steps:8.1f} {nc / steps:6.1f}  {name[:100]}"
+              for tt, ct, nc, name in rows[:top]]
+    return "\n".join(lines)
 
 
 def sweep_point_peers(spec: str, dev, optimizer: str, fbgemm: bool):
@@ -131,6 +150,7 @@ def report(label, name, optimizer, peer, kjt, grad, dev, seen_orders, seen_paths
     print(kernel_table(step), flush=True)
     print("    runtime calls per step that can stall:\n" + runtime_calls(step), flush=True)
     if host_prof:
+        print(host_ops(step), flush=True)
         print(host_profile(step), flush=True)
 
 
@@ -142,13 +162,19 @@ def main():
     p.add_argument("--fbgemm", action="store_true", help="profile fbgemm's TBE step too")
     p.add_argument("--host", action="store_true", help="print a cProfile of the step's host side")
     p.add_argument("--points", nargs="*", default=[], help="sweep points instead of workloads")
+    p.add_argument("--backward-paths", nargs="*", default=[None],
+                   help="force each of these backward paths in turn (pooled_cuda.BACKWARD_PATHS names)")
     args = p.parse_args()
     dev = torch.device("cuda")
     seen_orders, seen_paths = set(), set()
     for spec in args.points:
         label, kjt, grad, peers = sweep_point_peers(spec, dev, args.optimizer, args.fbgemm)
         for name, peer in peers:
-            report(label, name, args.optimizer, peer, kjt, grad, dev, seen_orders, seen_paths, args.host)
+            for path in (args.backward_paths if name == "recom_rec" else [None]):
+                BACKWARD_PATH_TUNER.force(path)
+                report(label + (f" [{path}]" if path else ""), name, args.optimizer, peer, kjt, grad, dev,
+                       seen_orders, seen_paths, args.host)
+            BACKWARD_PATH_TUNER.force(None)
         del peers
         torch.cuda.empty_cache()
     for wname in ([] if args.points else args.workloads):
