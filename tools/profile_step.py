@@ -86,7 +86,6 @@ def host_ops(fn, steps: int = 10, top: int = 25) -> str:
 def host_profile(fn, steps: int = 10, top: int = 30) -> str:
     """cProfile of the host side of ``steps`` steps, by own time."""
     import cProfile
-    import io
     import pstats
 
     torch.cuda.synchronize()
@@ -163,7 +162,8 @@ def main():
     p.add_argument("--host", action="store_true", help="print a cProfile of the step's host side")
     p.add_argument("--points", nargs="*", default=[], help="sweep points instead of workloads")
     p.add_argument("--backward-paths", nargs="*", default=[None],
-                   help="force each of these backward paths in turn (pooled_cuda.BACKWARD_PATHS names)")
+                   help="with --points: force each of these backward paths in turn (pooled_cuda.BACKWARD_PATHS "
+                   "names) for recom_rec")
     args = p.parse_args()
     dev = torch.device("cuda")
     seen_orders, seen_paths = set(), set()
