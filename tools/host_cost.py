@@ -10,11 +10,13 @@ Usage: python tools/host_cost.py --points dim=32,ids=50 [--optimizer sgd]
 import argparse
 import statistics
 import time
+from unittest import mock
 
 import torch
 
 from profile_step import host_profile, sweep_point_peers
-from recom_rec.kernels import cuda_ext, pooled_cuda
+from recom_rec.bench.timing import settle
+from recom_rec.kernels import cuda_ext
 
 
 def host_us(fn, reps: int) -> float:
@@ -66,35 +68,27 @@ def main():
         label, kjt, grad, peers = sweep_point_peers(spec, dev, args.optimizer, fbgemm=True)
         for name, peer in peers:
             step = lambda: peer.train_step(kjt, grad)  # noqa: E731
-            for _ in range(120):  # the tuners decide
-                step()
-                torch.cuda.synchronize()
-            rows = [("step", host_us(step, args.reps))]
+            settle(step, dev, warmup=5)  # until the tuners have decided
+            step_us = host_us(step, args.reps)
+            rows = [("step", step_us)]
 
             def fwd():
                 with torch.no_grad():
                     peer.forward(kjt)
             rows.append(("forward (no grad)", host_us(fwd, args.reps)))
             if name == "recom_rec":
-                out = peer.module(kjt).values()
-                rows.append(("forward with autograd", host_us(lambda: peer.module(kjt).values(), args.reps)))
+                forward_us = host_us(lambda: peer.module(kjt).values(), args.reps)
+                rows.append(("forward with autograd", forward_us))
                 cap = Captured()
-                real = cuda_ext.extension
-                cuda_ext.extension = lambda: cap.proxy
-                pooled_cuda.cuda_ext.extension = cuda_ext.extension
-                try:
+                with mock.patch.object(cuda_ext, "extension", lambda: cap.proxy):
                     step()
-                finally:
-                    cuda_ext.extension = real
-                    pooled_cuda.cuda_ext.extension = real
                 torch.cuda.synchronize()
-                ext = real()
+                ext = cuda_ext.extension()
                 if cap.plan is not None:
                     rows.append(("ext.plan_backward", host_us(lambda: ext.plan_backward(*cap.plan), args.reps)))
                 if cap.pieces is not None:
                     rows.append(("ext.piece_update", host_us(lambda: ext.piece_update(*cap.pieces), args.reps)))
-                rows.append(("backward (autograd, step minus forward)", rows[0][1] - rows[2][1]))
-                del out
+                rows.append(("backward (autograd, step minus forward)", step_us - forward_us))
             x = torch.zeros(1, device=dev, dtype=torch.int64)
             rows.append(("torch.empty(1M int32)", host_us(lambda: torch.empty(1 << 20, dtype=torch.int32, device=dev),
                                                           args.reps)))
