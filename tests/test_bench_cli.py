@@ -18,11 +18,12 @@ def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
         env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     text = result.stdout
-    assert "many-1000" in text and "x torchrec" in text and "x fbgemm" in text, text
+    assert "many-1000" in text and "x torchrec" in text and "x fbgemm" in text and "x fbgemm_unchecked" in text, text
     assert "ps memory://bench" in text and "hit rate" in text, text
     data = json.loads(out.with_suffix(".json").read_text())
     peers = {(r["workload"], r["peer"], r["phase"]) for r in data["results"] if "ms" in r}
     assert ("many-1000", "recom_rec", "forward") in peers and ("many-1000", "fbgemm", "sgd") in peers
+    assert ("many-1000", "fbgemm_unchecked", "sgd") in peers
     assert ("ps", "in-device table", "sgd") in peers
     assert "staging ms" in text, text
     staging = [r["staging_ms"] for r in data["results"] if r["peer"] == "ps memory://bench"]
@@ -76,6 +77,9 @@ def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
         [(r["point"], r["phase"], r.get("update_max_rel_diff")) for r in trained]
     assert {"grid", "zipf", "weighted", "mean", "dtype", "odd dim"} <= {r["axis"] for r in forward}
     assert set(data["summary"]) >= {"forward", "sgd", "rowwise_adagrad"}
+    # and against fbgemm without its bounds check (ours runs unchecked), at every point it runs
+    assert all(r.get("ratio_unchecked") for r in data["results"] if r.get("ratio"))
+    assert data["summary"]["forward vs fbgemm_unchecked"]["points"] == len(compared)
     assert data["summary"]["forward"]["points"] == len(compared)
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # ours and fbgemm timed interleaved: each has its sample count; the run's length is recorded

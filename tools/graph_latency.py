@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from recom_rec.bench.__main__ import _graph_replay
+from recom_rec.bench.timing import graph_replay
 from recom_rec.bench.inference import ROW_TYPES, build_peers
 from recom_rec.bench.timing import _timed_run
 from recom_rec.bench.workloads import get_workload
@@ -99,7 +99,7 @@ def _floor(kernels: int):
                 x.add_(1)
             return x
 
-    return _graph_replay(One(), None, torch.device("cuda"))
+    return graph_replay(One(), None, torch.device("cuda"))
 
 
 def main():
@@ -125,7 +125,7 @@ def main():
                 words = row_bytes(row_type(ROW_TYPES[t]), max(w.dims), 16) // 4
                 floor = gather_floor_us(sum(w.rows), words, kjt.values().numel())
                 for name, peer in peers.items():
-                    replay = _graph_replay(peer, kjt, device)
+                    replay = graph_replay(peer, kjt, device)
                     s, b, h = _latency(replay)
                     print(f"| {wname} {t} {name} | {batch} | {s:.1f} | {b:.1f} | {h:.1f} | {floor:.1f} | {_kernels(replay)} |",
                           flush=True)

@@ -10,7 +10,7 @@ import argparse
 import torch
 import triton
 
-from recom_rec.bench.__main__ import _graph_replay
+from recom_rec.bench.timing import graph_replay
 from recom_rec.bench.inference import ROW_TYPES, build_peers
 from recom_rec.bench.timing import time_ms
 from recom_rec.bench.workloads import get_workload
@@ -82,7 +82,7 @@ def main():
 def _time(peer, kjt, device, iters):
     """ms: a CUDA-graph replay (as the benchmark's latency rows) at batches up to 64, else eager."""
     if kjt.stride() <= 64:
-        return time_ms(_graph_replay(peer, kjt, device), device, warmup=5, iters=max(iters, 100))
+        return time_ms(graph_replay(peer, kjt, device), device, warmup=5, iters=max(iters, 100))
     return time_ms(lambda: peer.forward(kjt), device, warmup=5, iters=iters)
 
 

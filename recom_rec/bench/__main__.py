@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from .peers import PEERS, PINNED_BACKENDS, fbgemm_available, make_peer
 from .report import format_table, plot_results
-from .timing import copy_bandwidth_gbs, settle, time_ms
+from .timing import copy_bandwidth_gbs, graph_replay, time_ms
 from .workloads import DEFAULT_WORKLOADS, WORKLOADS, get_workload
 
 # forward: inference under no_grad. backward: forward + backward to dense gradients (fbgemm has
@@ -46,9 +46,11 @@ def parse_args(argv=None):
     p.add_argument("--ps-urls", nargs="+", default=["memory://bench"],
                    help="stores for the 'ps' workload, e.g. memory://bench redis://127.0.0.1:6379/0; redis://local and "
                    "redis+cluster://local start a server / a 3-shard cluster on loopback for the run")
-    p.add_argument("--peers", nargs="+", default=["recom_rec", "torchrec", "fbgemm"],
+    p.add_argument("--peers", nargs="+", default=["recom_rec", "torchrec", "fbgemm", "fbgemm_unchecked"],
                    choices=list(PEERS) + list(PINNED_BACKENDS),
-                   help="recom_rec:triton / recom_rec:cuda: ours with that backend pinned, beside 'recom_rec' (--backend)")
+                   help="fbgemm: its TBE with its default bounds check (as sharded torchrec trains); fbgemm_unchecked: "
+                   "without it, as ours runs here (validate_inputs=False); recom_rec:triton / recom_rec:cuda: ours "
+                   "with that backend pinned, beside 'recom_rec' (--backend)")
     p.add_argument("--batch-size", type=int, default=None, help="override every workload's batch size")
     p.add_argument("--phases", nargs="+", default=[p for p in PHASES if p not in ("forward-graph", "inference")],
                    choices=PHASES,
@@ -68,27 +70,6 @@ def parse_args(argv=None):
                    help="print how two sweep JSONs differ (choices, ratios) and exit: the run-to-run stability check")
     p.add_argument("--out", default="bench-results", help="file stem for the .json and .png outputs")
     return p.parse_args(argv)
-
-
-def _graph_replay(peer, kjt, device):
-    """Captures the peer's forward on ``kjt`` in a CUDA graph; returns its replay."""
-    if device.type != "cuda":
-        raise RuntimeError("CUDA graphs need a CUDA device")
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream), torch.no_grad():
-        # Warm up outside the graph: Triton compiles, caches fill, and the forward's choices are
-        # measured (until a run launches nothing on trial) so the graph captures the decided
-        # choices rather than the defaults.
-        settle(lambda: peer.forward(kjt), device, warmup=1)
-        stream.synchronize()
-        for _ in range(2):
-            peer.forward(kjt)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        peer.forward(kjt)
-    return graph.replay
 
 
 def _tuners():
@@ -119,7 +100,7 @@ def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
     rows = []
     fbgemm_opt = "sgd" if optimizer == "none" else optimizer  # fbgemm always fuses an optimizer
     try:
-        peer = make_peer(pname, w, device, fbgemm_opt if pname == "fbgemm" else optimizer, args.backend)
+        peer = make_peer(pname, w, device, fbgemm_opt if pname.startswith("fbgemm") else optimizer, args.backend)
     except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:  # e.g. a peer that does not fit
         return [{"workload": w.name, "peer": pname, "phase": p, "error": str(e)[:200]} for p in phases]
     grad = torch.ones(w.batch_size, sum(w.dims), device=device)
@@ -131,7 +112,7 @@ def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
                     peer.forward(kjt)
         elif phase == "forward-graph":
             try:
-                step = _graph_replay(peer, kjt, device)
+                step = graph_replay(peer, kjt, device)
             except Exception as e:  # noqa: BLE001 - a peer whose forward cannot be captured
                 row["error"] = f"capture failed: {str(e)[:160]}"
                 rows.append(row)
@@ -165,7 +146,7 @@ def run(args):
     small = args.small or device.type == "cpu"
     ceiling = copy_bandwidth_gbs(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
     results = []
-    peers = [p for p in args.peers if p != "fbgemm" or fbgemm_available(device)]
+    peers = [p for p in args.peers if not p.startswith("fbgemm") or fbgemm_available(device)]
     for wname in tqdm([w for w in args.workloads if w in WORKLOADS], desc="workloads", file=sys.stderr):
         if device.type == "cuda":
             _forget_launch_orders()  # zipf's model may be built where many-500's was: tune it afresh

@@ -104,7 +104,7 @@ def _agree(peers: Dict[str, _Forward], kjt) -> str:
 
 
 def run_inference(args, device: torch.device, ceiling: float, small: bool) -> List[dict]:
-    from .__main__ import _graph_replay
+    from .timing import graph_replay
 
     from .workloads import WORKLOADS
 
@@ -144,7 +144,7 @@ def run_inference(args, device: torch.device, ceiling: float, small: bool) -> Li
                     row = {"workload": wname, "peer": name, "phase": f"{type_name} B={batch} {mode}"}
                     try:
                         if device.type == "cuda":
-                            step = _graph_replay(peer, small_kjt, device)
+                            step = graph_replay(peer, small_kjt, device)
                         else:
                             def step():
                                 with torch.no_grad():

@@ -113,11 +113,21 @@ def fbgemm_available(device: torch.device) -> bool:
     return True
 
 
+def fbgemm_bounds_check(checked: bool):
+    """fbgemm's BoundsCheckMode: its default (WARNING: a kernel before each lookup clamps ids out of
+    range to row 0 and counts them; what sharded torchrec trains with), or NONE (no check: like ours
+    with ``validate_inputs=False``, which the benchmark runs)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+    return BoundsCheckMode.WARNING if checked else BoundsCheckMode.NONE
+
+
 class FbgemmTBE(Peer):
     """fbgemm's table-batched embedding (what sharded torchrec runs), optimizer fused into its
-    backward (it has no plain-gradient mode)."""
+    backward (it has no plain-gradient mode), with its default bounds check."""
 
     name = "fbgemm"
+    bounds_checked = True
 
     def __init__(self, workload, device, optimizer):
         super().__init__(workload, device, optimizer)
@@ -138,7 +148,7 @@ class FbgemmTBE(Peer):
             embedding_specs=[(n, d, location, compute) for n, d in zip(workload.rows, workload.dims)],
             optimizer=opt, learning_rate=0.01, pooling_mode=PoolingMode.SUM,
             weights_precision=SparseType.FP32, output_dtype=SparseType.FP32,
-            device=device if cuda else None,
+            device=device if cuda else None, bounds_check_mode=fbgemm_bounds_check(self.bounds_checked),
         )
 
     def forward(self, kjt):
@@ -148,10 +158,19 @@ class FbgemmTBE(Peer):
         self.tbe(kjt.values(), kjt.offsets()).backward(grad)
 
 
+class FbgemmTBEUnchecked(FbgemmTBE):
+    """fbgemm's TBE without its bounds check: the like-for-like peer of ours, which the benchmark
+    runs with ``validate_inputs=False``."""
+
+    name = "fbgemm_unchecked"
+    bounds_checked = False
+
+
 PEERS: Dict[str, Callable[..., Peer]] = {
     "recom_rec": RecomRec,
     "torchrec": TorchrecEBC,
     "fbgemm": FbgemmTBE,
+    "fbgemm_unchecked": FbgemmTBEUnchecked,
     "compile": CompiledTorchrecEBC,
 }
 # Ours with a pinned backend, side by side with the default ("recom_rec", --backend).

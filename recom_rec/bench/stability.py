@@ -33,7 +33,7 @@ def compare(a: List[dict], b: List[dict]) -> dict:
     rated = [k for k in common if rows_a[k].get("ratio") and rows_b[k].get("ratio")]
     moved = sorted(((_moved(rows_a[k]["ratio"], rows_b[k]["ratio"]), k) for k in rated), reverse=True)
     peers = {}
-    for peer in ("recom_rec", "fbgemm"):
+    for peer in ("recom_rec", "fbgemm", "fbgemm_unchecked"):
         timed = [_moved(rows_a[k][f"{peer}_ms"], rows_b[k][f"{peer}_ms"]) for k in common
                  if rows_a[k].get(f"{peer}_ms") and rows_b[k].get(f"{peer}_ms")]
         if timed:

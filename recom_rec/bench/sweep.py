@@ -14,7 +14,12 @@ the same KJT, then times the forward (no_grad), a fused SGD step and a fused row
 step (forward + backward with the optimizer inside, for both). Each training phase's first step
 runs from the same weights for both and their updated tables are checked to agree too (the
 update's difference over its size: what a backward that drops or doubles a lookup changes).
-Ratios are fbgemm ms / ours ms.
+Ratios are fbgemm ms / ours ms, against fbgemm as sharded torchrec trains with it (its default
+bounds check: a kernel before each lookup that clamps ids out of range) and against fbgemm without
+it (``fbgemm_unchecked``, "ratio_unchecked"): ours runs unchecked here (``validate_inputs=False``:
+its check is a host sync), so the second is the like-for-like one. At forward points that read
+100 MB of rows or more, each peer's forward is also replayed from a CUDA graph (device time alone):
+beside the copy ceiling, that tells a forward its kernels hold back from one its host start-up does.
 
 A phase builds both peers, warms each up until the product's tuners have decided every shape it
 runs (timing.settle), records what ours chose ("choices": the forward's kernels, the backward's
@@ -38,7 +43,8 @@ from torchrec import DataType, EmbeddingBagConfig, KeyedJaggedTensor, PoolingTyp
 
 import recom_rec
 
-from .timing import time_interleaved
+from .peers import fbgemm_bounds_check
+from .timing import graph_replay, time_interleaved
 from .workloads import zipf_ids
 
 PHASES = ("forward", "sgd", "rowwise_adagrad")
@@ -48,6 +54,8 @@ MAX_LOOKUPS = 16_000_000
 MAX_READ_BYTES = 16e9  # rows a forward reads: bounds the slowest points' time
 MAX_WEIGHT_BYTES = 4e9  # one copy of the tables (ours and fbgemm's each hold one)
 BANDWIDTH_BOUND_BYTES = 100e6  # rows read at or above this: the forward is judged against the copy ceiling
+UNCHECKED = "fbgemm_unchecked"  # fbgemm without its bounds check (like ours here: validate_inputs=False)
+GRAPH_MIN_MS = 30.0  # each peer's graph replays timed at least this long at a bandwidth-bound point
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,8 @@ class _Ours:
 
 
 class _Fbgemm:
-    def __init__(self, p: Point, device, optimizer: Optional[str], weights: List[torch.Tensor]):
+    def __init__(self, p: Point, device, optimizer: Optional[str], weights: List[torch.Tensor],
+                 bounds_checked: bool = True):
         from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -165,7 +174,8 @@ class _Fbgemm:
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             embedding_specs=[(p.rows, p.dim, location, compute)] * p.tables, optimizer=opt, learning_rate=0.01,
             pooling_mode=PoolingMode.MEAN if p.mean else PoolingMode.SUM, weights_precision=precision,
-            output_dtype=SparseType.FP32, device=device if cuda else None)
+            output_dtype=SparseType.FP32, device=device if cuda else None,
+            bounds_check_mode=fbgemm_bounds_check(bounds_checked))
         with torch.no_grad():
             for dst, w in zip(self.tbe.split_embedding_weights(), weights):
                 dst.copy_(w)
@@ -231,8 +241,9 @@ def run_point(p: Point, device: torch.device, warmup: int, iters: int, backend: 
     peers = {"recom_rec": lambda opt: _Ours(p, device, opt, weights, backend)}
     if with_fbgemm and p.fbgemm:
         peers["fbgemm"] = lambda opt: _Fbgemm(p, device, opt, weights)
+        peers[UNCHECKED] = lambda opt: _Fbgemm(p, device, opt, weights, bounds_checked=False)
     out = {}
-    for name, make in list(peers.items()):
+    for name, make in [(n, m) for n, m in peers.items() if n != UNCHECKED]:  # the same kernels as fbgemm's
         try:
             peer = make(None)
             with torch.no_grad():
@@ -279,7 +290,6 @@ def _run_phase(p: Point, phase: str, peers: dict, base: dict, kjt, grad, device,
         row["update_max_rel_diff"] = _update_agreement(p, weights, made["recom_rec"].tables(),
                                                        made["fbgemm"].tables())
         row["agree"] = row.get("agree", True) and row["update_max_rel_diff"] <= UPDATE_TOLERANCE[p.dtype]
-    del made
     try:
         samples = time_interleaved(steps, device, warmup=warmup, min_iters=iters, min_ms=min_ms)
         for name, times in samples.items():
@@ -293,12 +303,29 @@ def _run_phase(p: Point, phase: str, peers: dict, base: dict, kjt, grad, device,
         row["choices"] = _choices()
         row["choice"] = (row["choices"].get("backward_path", "") if phase != "forward" else
                          "+".join(filter(None, (row["choices"].get("forward"), row["choices"].get("forward_order")))))
-    del steps
+    if phase == "forward" and device.type == "cuda" and base["rows_read_bytes"] >= BANDWIDTH_BOUND_BYTES:
+        _time_graphs(row, {name: made[name] for name in steps}, kjt, device, iters)
+    del steps, made
     gc.collect()
-    if row.get("recom_rec_ms") and row.get("fbgemm_ms"):
-        row["ratio"] = row["fbgemm_ms"] / row["recom_rec_ms"]
-        row["ratio_p10"] = row["fbgemm_p10_ms"] / row["recom_rec_p10_ms"]
+    for name, key in (("fbgemm", "ratio"), (UNCHECKED, "ratio_unchecked")):
+        if row.get("recom_rec_ms") and row.get(f"{name}_ms"):
+            row[key] = row[f"{name}_ms"] / row["recom_rec_ms"]
+            row[key + "_p10"] = row[f"{name}_p10_ms"] / row["recom_rec_p10_ms"]
     return row
+
+
+def _time_graphs(row: dict, peers: dict, kjt, device, iters: int) -> None:
+    """Each peer's forward replayed from a CUDA graph, timed interleaved: its device time alone
+    (``{name}_graph_ms``). A run from an idle device (the forward's timing) also counts the host's
+    time until the kernels start; the two apart tell a forward the kernels hold back from one its
+    host start-up does."""
+    try:
+        replays = {name: graph_replay(peer, kjt, device) for name, peer in peers.items()}
+        samples = time_interleaved(replays, device, warmup=2, min_iters=iters, min_ms=GRAPH_MIN_MS)
+        for name, times in samples.items():
+            row[f"{name}_graph_ms"] = statistics.median(times)
+    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+        row.setdefault("errors", {})["graph"] = f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def _forget_choices() -> None:
@@ -326,10 +353,12 @@ def run_sweep(device: torch.device, small: bool, warmup: int, iters: int, backen
     for p in points(small):
         rows = run_point(p, device, warmup, iters, backend, min_ms=min_ms)
         for r in rows:
-            if r["phase"] == "forward" and r.get("recom_rec_ms") and ceiling_gbs:
-                r["ceiling_share"] = r["lookup_bytes"] / (r["recom_rec_ms"] * 1e-3) / 1e9 / ceiling_gbs
-                if r.get("fbgemm_ms"):
-                    r["fbgemm_ceiling_share"] = r["lookup_bytes"] / (r["fbgemm_ms"] * 1e-3) / 1e9 / ceiling_gbs
+            if r["phase"] == "forward" and ceiling_gbs:
+                for key, timed in (("ceiling_share", "recom_rec_ms"), ("fbgemm_ceiling_share", "fbgemm_ms"),
+                                   ("graph_ceiling_share", "recom_rec_graph_ms"),
+                                   ("fbgemm_graph_ceiling_share", "fbgemm_graph_ms")):
+                    if r.get(timed):
+                        r[key] = r["lookup_bytes"] / (r[timed] * 1e-3) / 1e9 / ceiling_gbs
         results.extend(rows)
         if progress:
             progress(rows)
@@ -341,45 +370,63 @@ def summarize(results: List[dict]) -> Dict[str, dict]:
     the five worst."""
     summary = {}
     for phase in PHASES:
-        rated = [r for r in results if r["phase"] == phase and r.get("ratio")]
-        if not rated:
-            continue
-        ratios = [r["ratio"] for r in rated]
-        worst = sorted(rated, key=lambda r: r["ratio"])
-        summary[phase] = {
-            "points": len(rated), "min": min(ratios),
-            "geomean": math.exp(statistics.fmean(math.log(x) for x in ratios)),
-            "below_1": [(r["point"], round(r["ratio"], 3)) for r in worst if r["ratio"] < 1.0],
-            "worst5": [(r["point"], round(r["ratio"], 3)) for r in worst[:5]],
-        }
+        for name, key in ((phase, "ratio"), (f"{phase} vs {UNCHECKED}", "ratio_unchecked")):
+            stats = _ratio_stats([r for r in results if r["phase"] == phase and r.get(key)], key)
+            if stats:
+                summary[name] = stats
     fwd = [r for r in results if r["phase"] == "forward" and r.get("ceiling_share")
            and r["rows_read_bytes"] >= BANDWIDTH_BOUND_BYTES]
     if fwd:
+        below = [r for r in fwd if r["ceiling_share"] < 0.85]
         summary["forward_bandwidth_bound"] = {
             "points": len(fwd), "min_ceiling_share": min(r["ceiling_share"] for r in fwd),
-            "below_85pct": [(r["point"], round(r["ceiling_share"], 3)) for r in fwd if r["ceiling_share"] < 0.85]}
+            "below_85pct": [(r["point"], round(r["ceiling_share"], 3)) for r in below],
+            # the same forwards replayed from CUDA graphs (device time alone): those still below
+            # 85% are held back by their kernels, the others by the host's start-up
+            "graphed": sum(1 for r in fwd if r.get("graph_ceiling_share")),
+            "graph_below_85pct": [(r["point"], round(r["graph_ceiling_share"], 3)) for r in fwd
+                                  if r.get("graph_ceiling_share") and r["graph_ceiling_share"] < 0.85]}
     return summary
 
 
+def _ratio_stats(rated: List[dict], key: str) -> Optional[dict]:
+    if not rated:
+        return None
+    ratios = [r[key] for r in rated]
+    worst = sorted(rated, key=lambda r: r[key])
+    return {
+        "points": len(rated), "min": min(ratios),
+        "geomean": math.exp(statistics.fmean(math.log(x) for x in ratios)),
+        "below_1": [(r["point"], round(r[key], 3)) for r in worst if r[key] < 1.0],
+        "worst5": [(r["point"], round(r[key], 3)) for r in worst[:5]],
+    }
+
+
 def format_results(meta: dict, results: List[dict], summary: Dict[str, dict]) -> str:
-    lines = [f"sweep on {meta['device']} (copy ceiling {meta['copy_gbs']:.0f} GB/s), ratio = fbgemm ms / ours ms"]
-    head = f"{'point':52} {'phase':16} {'ours ms':>9} {'fbgemm ms':>9} {'ratio':>6} {'copy%':>6} {'choice':>10}"
+    lines = [f"sweep on {meta['device']} (copy ceiling {meta['copy_gbs']:.0f} GB/s), ratio = fbgemm ms / ours ms; "
+             f"fbgemm with its default bounds check, 'unchk' without it (ours runs unchecked: validate_inputs=False)"]
+    head = (f"{'point':52} {'phase':16} {'ours ms':>9} {'fbgemm ms':>9} {'ratio':>6} {'unchk':>6} {'copy%':>6} "
+            f"{'graph%':>6} {'choice':>10}")
     lines.append(head)
+
+    def cell(r, key, fmt, pct=False):
+        return (f"{100 * r[key]:.0f}%" if pct else fmt.format(r[key])) if r.get(key) else "-"
+
     for r in results:
-        share = f"{100 * r['ceiling_share']:.0f}%" if r.get("ceiling_share") else "-"
         ours = f"{r['recom_rec_ms']:.3f}" if r.get("recom_rec_ms") else "error"
-        theirs = f"{r['fbgemm_ms']:.3f}" if r.get("fbgemm_ms") else "-"
-        ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
         diff = r.get("update_max_rel_diff", r.get("max_rel_diff"))
         flag = "" if r.get("agree", True) else f"  MISMATCH {diff:.1e}"
         if r.get("errors"):
             flag += "  " + "; ".join(f"{k}: {v[:60]}" for k, v in r["errors"].items())
-        lines.append(f"{r['point']:52} {r['phase']:16} {ours:>9} {theirs:>9} {ratio:>6} {share:>6} "
+        lines.append(f"{r['point']:52} {r['phase']:16} {ours:>9} {cell(r, 'fbgemm_ms', '{:.3f}'):>9} "
+                     f"{cell(r, 'ratio', '{:.2f}'):>6} {cell(r, 'ratio_unchecked', '{:.2f}'):>6} "
+                     f"{cell(r, 'ceiling_share', '', True):>6} {cell(r, 'graph_ceiling_share', '', True):>6} "
                      f"{r.get('choice', ''):>10}{flag}")
     for phase, s in summary.items():
         if phase == "forward_bandwidth_bound":
             lines.append(f"forward, rows read >= 100 MB: {s['points']} points, min {100 * s['min_ceiling_share']:.0f}% "
-                         f"of copy; below 85%: {len(s['below_85pct'])}")
+                         f"of copy; below 85%: {len(s['below_85pct'])}; replayed from CUDA graphs (device time "
+                         f"alone, {s['graphed']} points), below 85%: {len(s['graph_below_85pct'])}")
             continue
         lines.append(f"{phase}: {s['points']} points, min {s['min']:.2f}x, geomean {s['geomean']:.2f}x, "
                      f"below 1.0x: {len(s['below_1'])}; worst: "
@@ -388,7 +435,8 @@ def format_results(meta: dict, results: List[dict], summary: Dict[str, dict]) ->
 
 
 def plot_heatmap(results: List[dict], path: str) -> None:
-    """Ratio over dim x ids per bag (the grid points), one panel per phase."""
+    """Ratio over dim x ids per bag (the grid points), one panel per phase; a row against fbgemm
+    with its bounds check, a row against fbgemm without it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -397,22 +445,25 @@ def plot_heatmap(results: List[dict], path: str) -> None:
     grid = [r for r in results if r["axis"] == "grid"]
     dims = sorted({r["dim"] for r in grid})
     ids = sorted({r["ids"] for r in grid})
-    fig, axes = plt.subplots(1, len(PHASES), figsize=(5 * len(PHASES), 4), squeeze=False)
-    for ax, phase in zip(axes[0], PHASES):
-        m = np.full((len(ids), len(dims)), np.nan)
-        for r in grid:
-            if r["phase"] == phase and r.get("ratio"):
-                m[ids.index(r["ids"]), dims.index(r["dim"])] = r["ratio"]
-        im = ax.imshow(np.log2(m), cmap="RdYlGn", vmin=-1.5, vmax=1.5, aspect="auto")
-        for (i, j), v in np.ndenumerate(m):
-            if not np.isnan(v):
-                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
-        ax.set_xticks(range(len(dims)), [str(d) for d in dims])
-        ax.set_yticks(range(len(ids)), ["1" if i == 1 else f"~{i}" for i in ids])
-        ax.set_xlabel("dim")
-        ax.set_ylabel("ids per bag")
-        ax.set_title(f"{phase}: fbgemm ms / ours ms")
-    fig.colorbar(im, ax=axes[0].tolist(), label="log2 ratio")
+    against = [(key, title) for key, title in (("ratio", "fbgemm"), ("ratio_unchecked", "fbgemm unchecked"))
+               if any(r.get(key) for r in grid)] or [("ratio", "fbgemm")]
+    fig, axes = plt.subplots(len(against), len(PHASES), figsize=(5 * len(PHASES), 4 * len(against)), squeeze=False)
+    for row_axes, (key, title) in zip(axes, against):
+        for ax, phase in zip(row_axes, PHASES):
+            m = np.full((len(ids), len(dims)), np.nan)
+            for r in grid:
+                if r["phase"] == phase and r.get(key):
+                    m[ids.index(r["ids"]), dims.index(r["dim"])] = r[key]
+            im = ax.imshow(np.log2(m), cmap="RdYlGn", vmin=-1.5, vmax=1.5, aspect="auto")
+            for (i, j), v in np.ndenumerate(m):
+                if not np.isnan(v):
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(dims)), [str(d) for d in dims])
+            ax.set_yticks(range(len(ids)), ["1" if i == 1 else f"~{i}" for i in ids])
+            ax.set_xlabel("dim")
+            ax.set_ylabel("ids per bag")
+            ax.set_title(f"{phase}: {title} ms / ours ms", fontsize=10)
+    fig.colorbar(im, ax=axes.ravel().tolist(), label="log2 ratio")
     fig.savefig(path, dpi=80)
     plt.close(fig)
 

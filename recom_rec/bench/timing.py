@@ -109,6 +109,28 @@ def _rounds(steps: Dict[str, Callable[[], object]], device: torch.device, min_it
     return samples
 
 
+def graph_replay(peer, kjt, device: torch.device) -> Callable[[], None]:
+    """Captures ``peer.forward(kjt)`` in a CUDA graph; returns its replay: the forward's device time
+    without the host's (its Python and launches), which a run from an idle device also counts."""
+    if device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.no_grad():
+        # Warm up outside the graph: Triton compiles, caches fill, and the forward's choices are
+        # measured (until a run launches nothing on trial) so the graph captures the decided
+        # choices rather than the defaults.
+        settle(lambda: peer.forward(kjt), device, warmup=1)
+        stream.synchronize()
+        for _ in range(2):
+            peer.forward(kjt)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        peer.forward(kjt)
+    return graph.replay
+
+
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy rate, bytes read + written per second: the ceiling of a gather."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
