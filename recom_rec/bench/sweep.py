@@ -447,7 +447,7 @@ def plot_heatmap(results: List[dict], path: str) -> None:
     ids = sorted({r["ids"] for r in grid})
     against = [(key, title) for key, title in (("ratio", "fbgemm"), ("ratio_unchecked", "fbgemm unchecked"))
                if any(r.get(key) for r in grid)] or [("ratio", "fbgemm")]
-    fig, axes = plt.subplots(len(against), len(PHASES), figsize=(5 * len(PHASES), 4 * len(against)), squeeze=False)
+    fig, axes = plt.subplots(len(against), len(PHASES), figsize=(5 * len(PHASES), 4.3 * len(against)), squeeze=False)
     for row_axes, (key, title) in zip(axes, against):
         for ax, phase in zip(row_axes, PHASES):
             m = np.full((len(ids), len(dims)), np.nan)
@@ -462,7 +462,8 @@ def plot_heatmap(results: List[dict], path: str) -> None:
             ax.set_yticks(range(len(ids)), ["1" if i == 1 else f"~{i}" for i in ids])
             ax.set_xlabel("dim")
             ax.set_ylabel("ids per bag")
-            ax.set_title(f"{phase}: {title} ms / ours ms", fontsize=10)
+            ax.set_title(f"{phase}\n{title} ms / ours ms", fontsize=10)
+    fig.subplots_adjust(hspace=0.4)
     fig.colorbar(im, ax=axes.ravel().tolist(), label="log2 ratio")
     fig.savefig(path, dpi=80)
     plt.close(fig)

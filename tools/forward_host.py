@@ -1,0 +1,73 @@
+"""Device-side investigation (not a benchmark): the host's time of one no-grad forward of a named
+workload, ours and fbgemm's (with and without its bounds check), with the GPU kept busy so that
+no call waits for the device; then a cProfile of ours' forward in microseconds a call.
+Usage: python tools/forward_host.py --workloads many-1000 dlrm-kaggle"""
+import argparse
+
+import torch
+
+from host_cost import host_us
+from profile_step import host_profile
+from recom_rec.bench.peers import make_peer
+from recom_rec.bench.timing import settle
+from recom_rec.bench.workloads import get_workload
+
+
+def kernels(fn, calls: int = 5) -> str:
+    """The device kernels and runtime calls of ``calls`` calls of ``fn`` (torch.profiler), per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or e.key.startswith("cuda")]
+    return "\n".join(f"    {e.count / calls:5.1f}x {e.device_time_total / calls if e.device_type.name == 'CUDA' else e.cpu_time_total / calls:8.1f} us  {e.key[:90]}"
+                     for e in rows)
+
+
+def idle_trace(fn, path: str, calls: int = 5) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            fn()
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--workloads", nargs="+", default=["many-1000"])
+    p.add_argument("--peers", nargs="+", default=["recom_rec", "fbgemm", "fbgemm_unchecked"])
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--trace", default="", help="also write a chrome trace of 5 forwards, each from an idle device "
+                   "(as the benchmark times them), to TRACE-<workload>-<peer>.json")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    for name in args.workloads:
+        w = get_workload(name, False)
+        kjt = w.make_input(dev)
+        for peer_name in args.peers:
+            peer = make_peer(peer_name, w, dev, "sgd")
+
+            def forward():
+                with torch.no_grad():
+                    peer.forward(kjt)
+
+            settle(forward, dev, warmup=10)
+            print(f"== {name} {peer_name}: no-grad forward, host {host_us(forward, args.reps):.1f} us a call",
+                  flush=True)
+            print(kernels(forward), flush=True)
+            if args.trace:
+                idle_trace(forward, f"{args.trace}-{name}-{peer_name}.json")
+            if peer_name == "recom_rec":
+                print(host_profile(forward, steps=100, top=40), flush=True)
+            del peer
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
