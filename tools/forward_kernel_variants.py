@@ -7,8 +7,9 @@ nvcc defines (rows in flight; one kernel with every path, as before v17), compil
 sweep's bandwidth-bound layouts. Prints ms, share of the copy ceiling, registers and blocks per SM.
 """
 import argparse
+import pathlib
 
-from kernel_variants import ROOT, SOURCE, compare
+from kernel_variants import ROOT, SOURCE, compare, source_at
 
 BENCH = ROOT / "tools" / "forward_kernel_bench.cu"
 
@@ -23,6 +24,17 @@ SHAPES = [
     (16, 100000, 512, 4096, 10, 0, 1), (16, 61035, 1024, 4096, 10, 0, 1),
     (16, 100000, 32, 4096, 50, 0, 1), (16, 100000, 16, 4096, 50, 0, 1),
     (26, 1000000, 128, 65536, 1, 0, 0),
+]
+# Narrow rows (2-8 lanes a bag) and their neighbours: v23 tried loading a group's ids together there.
+NARROW_SHAPES = [
+    (16, 100000, 4, 4096, 200, 0, 1), (16, 100000, 4, 4096, 200, 0, 0),
+    (16, 100000, 8, 4096, 200, 0, 1), (16, 100000, 8, 4096, 200, 0, 0),
+    (16, 100000, 8, 4096, 50, 0, 0), (16, 100000, 8, 4096, 10, 0, 1), (16, 100000, 8, 4096, 1, 0, 0),
+    (16, 100000, 16, 4096, 50, 0, 1), (16, 100000, 16, 4096, 200, 0, 1), (16, 100000, 16, 4096, 1, 0, 0),
+    (16, 100000, 16, 4096, 10, 1, 1),
+    (16, 100000, 32, 4096, 10, 0, 0), (16, 100000, 32, 4096, 50, 0, 1), (16, 100000, 32, 4096, 200, 0, 1),
+    (16, 100000, 64, 4096, 10, 0, 1), (16, 100000, 64, 4096, 50, 0, 1),
+    (1000, 50000, 16, 512, 4, 0, 1), (500, 100000, 32, 2048, 10, 0, 1),
 ]
 
 
@@ -48,10 +60,16 @@ def main():
     p.add_argument("--out", default="/tmp/fwd")
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--old", default="", help="also these kernels ('old', 'old-4rows'): a git revision, or a file "
+                   "holding them (the device machine's copy of the tree has no git history)")
+    p.add_argument("--narrow", action="store_true", help="the narrow-row shapes instead of the default ones")
     args = p.parse_args()
     text = SOURCE.read_text()
     chosen = {name: (VARIANTS[name][0](text), VARIANTS[name][1]) for name in args.variants}
-    compare(chosen, BENCH, args.out, "pooled_forward_kernel", SHAPES, args.iters)
+    if args.old:
+        old = pathlib.Path(args.old).read_text() if pathlib.Path(args.old).is_file() else source_at(args.old)
+        chosen = {"old": (old, []), "old-4rows": (old, ["-DFORWARD_ROWS=4"]), **chosen}
+    compare(chosen, BENCH, args.out, "pooled_forward_kernel", NARROW_SHAPES if args.narrow else SHAPES, args.iters)
 
 
 if __name__ == "__main__":
