@@ -212,12 +212,12 @@ class LaunchOrderTuner:
 
     def launch(self, shape: ForwardLaunchShape, run: Callable[[bool], Result], device: torch.device) -> Result:
         """``run(bag_major)`` in the order chosen for ``shape``, timed while the shape is on trial."""
+        decided = self._decided.get(shape)  # read without the lock: a dict lookup is atomic
+        if decided is not None and self.forced_order is None:  # a decided shape's launch: nothing more
+            return run(decided)
         candidates = self._candidates(shape)
         if self.forced_order is not None:
             return run(self.forced_order if self.forced_order in candidates else self.default)
-        decided = self._decided.get(shape)  # read without the lock: a dict lookup is atomic
-        if decided is not None:
-            return run(decided)
         if len(candidates) == 1:
             with self._lock:
                 self._decided[shape] = candidates[0]

@@ -15,7 +15,7 @@ every workload measured, docs/perf-notes.md v6-v12); pooled_cuda measures its pa
 """
 from typing import Optional
 
-from . import pooled_cuda
+from . import cuda_ext, pooled_cuda, pooled_triton
 from .launch_tuner import ForwardLaunchShape, LaunchOrderTuner
 
 TRITON, CUDA = "triton", "cuda:"
@@ -53,8 +53,6 @@ def force_forward(choice: Optional[str]) -> None:
 
 
 def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim):
-    from . import cuda_ext, pooled_triton
-
     cuda_ok = cuda_ext.build_error() is None and pooled_cuda.supports_forward(flat)
     shape = ForwardChoiceShape(ForwardLaunchShape.of(flat, values, per_sample_weights, feature_meta, batch_size,
                                                      total_dim, max_dim), cuda_ok)

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.fx import _symbolic_trace as _fx_symbolic_trace
 from torchrec.modules.embedding_configs import (
     DataType,
     EmbeddingBagConfig,
@@ -47,11 +48,12 @@ except ImportError:  # pragma: no cover - torchrec 1.6
     def maybe_td_to_kjt(features, keys=None):  # type: ignore[misc]
         return features
 
-def _fx_tracing() -> bool:
-    from torch.fx import _symbolic_trace
+# torch >= 2.12 splits symbolic tracing from torch.export's tracing (and warns on the old name).
+_FX_TRACING = getattr(_fx_symbolic_trace, "is_fx_symbolic_tracing", None) or _fx_symbolic_trace.is_fx_tracing
 
-    check = getattr(_symbolic_trace, "is_fx_symbolic_tracing", None) or _symbolic_trace.is_fx_tracing
-    return check()
+
+def _fx_tracing() -> bool:
+    return _FX_TRACING()
 
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
@@ -697,7 +699,7 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
         """Picks up ``apply_optimizer_in_backward(cls, module.parameters(), kwargs)``."""
         if not self._groups or not self._groups[0].slots:
             return
-        first = self.embedding_bags[self._groups[0].slots[0].name].weight
+        first = self._table_parameters[0][0]["weight"]  # a dict read: this runs every forward
         classes = getattr(first, "_optimizer_classes", None)
         if not classes:
             return

@@ -12,7 +12,6 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch._functorch.utils import unwrap_dead_wrappers
 
 from . import torch_backend
 from .backends import resolve_backend
@@ -415,6 +414,15 @@ def pooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, bat
     ``weights`` are what autograd differentiates against (the group's tables, or one anchor
     tensor with a fused optimizer)."""
     args = op_arguments(flat, feature_meta, batch, routing, group, plan, fused, group_index)
-    if _eager_ok(weights, *[a for a in args if isinstance(a, Tensor)]):  # flat first
-        return _eager_apply(*unwrap_dead_wrappers(args), group.table_runs, *weights)
+    # The op's tensor arguments, flat first (op_arguments' positions 0-5, 13, 14, 16, 17).
+    if _eager_ok(weights, *args[:6], args[13], args[14], args[16], args[17]):
+        # Only the batch's tensors can be a finished functorch transform's (dead) wrappers: the
+        # others are the module's own. Unwrapping just them saves ~10 us a call (perf-notes v23).
+        return _eager_apply(flat, *_unwrap_batch(batch), *args[4:], group.table_runs, *weights)
     return pooled_embedding_forward(weights, *args)
+
+
+def _unwrap_batch(batch: JaggedBatch) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    unwrap = torch._C._functorch.unwrap_if_dead
+    psw = batch.per_sample_weights
+    return unwrap(batch.values), unwrap(batch.offsets), None if psw is None else unwrap(psw)
