@@ -178,3 +178,27 @@ def test_bf16_tables_pool_in_fp32():
     assert got.dtype == torch.float32
     one_third = torch.tensor(1.0 / 3.0, dtype=torch.bfloat16).float()
     torch.testing.assert_close(got, torch.full((1, 4), 300 * float(one_third)), rtol=1e-6, atol=1e-5)
+
+
+def test_ids_from_a_finished_functorch_transform_pool_like_plain_ids():
+    """A KJT whose values were made inside a torch.func transform that has since returned (a
+    "dead" functorch wrapper) pools and differentiates as the same ids in a plain tensor."""
+    leaked = []
+
+    def loss(x):
+        leaked.append((x * 0 + torch.tensor([1.0, 3.0, 0.0, 2.0])).to(torch.int64))
+        return x.sum()
+
+    torch.func.grad(loss)(torch.ones(4))
+    assert torch._C._functorch.is_functorch_wrapped_tensor(leaked[0])
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=5, feature_names=["f"])]
+    module = recom_rec.EmbeddingBagCollection(tables)
+    lengths = torch.tensor([2, 2])
+    wrapped = module(KeyedJaggedTensor.from_lengths_sync(["f"], leaked[0], lengths)).values()
+    wrapped.sum().backward()
+    grad = module.embedding_bags["t"].weight.grad.clone()
+    module.embedding_bags["t"].weight.grad = None
+    plain = module(KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 3, 0, 2]), lengths)).values()
+    plain.sum().backward()
+    assert torch.equal(wrapped, plain)
+    assert torch.equal(grad, module.embedding_bags["t"].weight.grad)
