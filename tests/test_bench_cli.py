@@ -105,11 +105,11 @@ def test_bench_inference_phase_on_the_cpu(tmp_path):
         env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     text = result.stdout
-    assert "many-4000" in text and "x torchrec" in text and "x fbgemm" in text, text
+    assert "many-4000" in text and "x torchrec" in text and "x fbgemm" in text and "x fbgemm_unchecked" in text, text
     assert "many-4000 int8: bits" in text and "many-4000 int4: bits" in text, text
     data = json.loads(out.with_suffix(".json").read_text())
     timed = {(r["peer"], r["phase"]) for r in data["results"] if "ms" in r}
-    for peer in ("recom_rec", "fbgemm", "torchrec"):
+    for peer in ("recom_rec", "fbgemm", "fbgemm_unchecked", "torchrec"):
         for phase in ("int8 B=64", "int4 B=1 eager", "int4 B=16 eager", "int8 B=64 eager"):
             assert (peer, phase) in timed, (peer, phase, timed)
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

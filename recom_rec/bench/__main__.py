@@ -189,9 +189,11 @@ def main(argv=None):
         print(compare_files(*args.compare))
         return
     if "inference" in args.phases:
+        from .inference import INFERENCE_PEERS
+
         args.phases = [p for p in args.phases if p != "inference"]
         meta, results = _run_inference(args)
-        print(format_table(meta, results, [p for p in args.peers if p in ("recom_rec", "fbgemm", "torchrec")]))
+        print(format_table(meta, results, [p for p in args.peers if p in INFERENCE_PEERS]))
         agree = sorted({f"{r['workload']} {r['phase'].split()[0]}: {r['agree']}" for r in results if "agree" in r})
         print("ours vs torchrec's quantized EBC, largest difference (bits = identical): " + ", ".join(agree))
         stem = args.out + ("-inference" if args.phases else "")

@@ -20,7 +20,7 @@ from .workloads import Workload, get_workload
 
 ROW_TYPES = {"int8": DataType.INT8, "int4": DataType.INT4, "int2": DataType.INT2, "fp16": DataType.FP16}
 INFERENCE_WORKLOADS = ("dlrm-kaggle", "many-500", "many-4000")
-INFERENCE_PEERS = ("recom_rec", "fbgemm", "torchrec")
+INFERENCE_PEERS = ("recom_rec", "fbgemm", "fbgemm_unchecked", "torchrec")
 GRAPH_BATCHES = (1, 16, 64)
 
 
@@ -75,7 +75,7 @@ def build_peers(w: Workload, data_type: DataType, device: torch.device, wanted) 
         ours = QuantEBC(_quant_tables(w, data_type), is_weighted=False, device=device, validate_inputs=False)
         ours.load_state_dict(theirs.state_dict())
         peers["recom_rec"] = _Forward(lambda kjt: ours(kjt).values())
-    if "fbgemm" in wanted:
+    if "fbgemm" in wanted or "fbgemm_unchecked" in wanted:
         (tbe,) = theirs._emb_modules  # one pooling type: one TBE
         cast = (lambda t: t.int()) if device.type == "cuda" else (lambda t: t)
         converted: Dict[int, tuple] = {}
@@ -87,7 +87,21 @@ def build_peers(w: Workload, data_type: DataType, device: torch.device, wanted) 
             _, values, offsets = converted[id(kjt)]
             return tbe(values, offsets)
 
-        peers["fbgemm"] = _Forward(fbgemm_forward)
+        if "fbgemm" in wanted:
+            peers["fbgemm"] = _Forward(fbgemm_forward)
+        if "fbgemm_unchecked" in wanted:
+            from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+            def unchecked_forward(kjt):
+                # The same TBE with its bounds check off for the call (it reads the mode each
+                # forward): torchrec's inference helpers build their TBEs so, and ours runs unchecked.
+                checked, tbe.bounds_check_mode_int = tbe.bounds_check_mode_int, BoundsCheckMode.NONE.value
+                try:
+                    return fbgemm_forward(kjt)
+                finally:
+                    tbe.bounds_check_mode_int = checked
+
+            peers["fbgemm_unchecked"] = _Forward(unchecked_forward)
     if "torchrec" in wanted:
         peers["torchrec"] = _Forward(lambda kjt: theirs(kjt).values())
     return peers
