@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..ops.layout import META_WIDTH
+from .grid_math import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -338,7 +339,7 @@ def _split_row_kernel(
 
 
 def _block_d(feature_meta_cpu_max_dim: int) -> int:
-    return max(16, triton.next_power_of_2(int(feature_meta_cpu_max_dim)))
+    return max(16, next_power_of_2(int(feature_meta_cpu_max_dim)))
 
 
 def forward(
@@ -365,7 +366,7 @@ def forward(
         block_b = max(8, min(128, 8192 // block_d))
     if num_warps is None:
         num_warps = 2 if block_d >= 128 else 4
-    grid = (num_features, triton.cdiv(batch_size, block_b))
+    grid = (num_features, cdiv(batch_size, block_b))
     weights = per_sample_weights if per_sample_weights is not None else flat
     _pooled_forward_kernel[grid](
         flat, values, offsets, weights, feature_meta, key_index, out,
@@ -387,7 +388,7 @@ def expand_block(num_lookups: int, num_bags: int) -> int:
     """Bags per expand program: about EXPAND_LOOKUPS lookups' worth at the batch's mean bag length
     (short bags need many per program, or most lanes idle), 64 to 1024."""
     mean = max(1.0, num_lookups / max(1, num_bags))
-    return max(64, min(1024, triton.next_power_of_2(int(-(-EXPAND_LOOKUPS // mean)))))
+    return max(64, min(1024, next_power_of_2(int(-(-EXPAND_LOOKUPS // mean)))))
 PLAN_BLOCK = 1024
 PROGRAM_WAVES = 8  # programs per SM for the kernels that loop over an on-device list
 
@@ -441,7 +442,7 @@ def _sorted_lookups(values, offsets, per_sample_weights, feature_meta, key_index
     if n:
         weights = per_sample_weights if per_sample_weights is not None else scale
         block_b = expand_block(n, feature_meta.shape[0] * batch_size)
-        _expand_kernel[(feature_meta.shape[0], triton.cdiv(batch_size, block_b))](
+        _expand_kernel[(feature_meta.shape[0], cdiv(batch_size, block_b))](
             values, offsets, weights, feature_meta, key_index, key_index if positional else feature_base,
             row_key, src, scale, feature, batch_size, total_dim,
             META_W=META_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, POSITIONAL=positional, BLOCK_B=block_b,
@@ -463,7 +464,7 @@ def _triton_plan(values, offsets, per_sample_weights, feature_meta, key_index, b
     split_rows = torch.empty(n // (PIECE + 1) + 1, dtype=torch.int64, device=device)
     counts = torch.zeros(2, dtype=torch.int32, device=device)
     if n:
-        _plan_kernel[(triton.cdiv(n, PLAN_BLOCK),)](row_key, n, piece_list, split_rows, counts,
+        _plan_kernel[(cdiv(n, PLAN_BLOCK),)](row_key, n, piece_list, split_rows, counts,
                                                     PIECE=PIECE, BLOCK=PLAN_BLOCK, num_warps=4)
     return row_key, order, src, scale, feature, piece_list, split_rows, counts
 
@@ -494,7 +495,7 @@ def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sa
         return
     row_key, order, src, scale, feature, piece_list, split_rows, counts = plan
     block_r, unroll, num_warps = piece_launch(block_d)
-    _piece_kernel[(_programs(device, triton.cdiv(n, block_r)),)](
+    _piece_kernel[(_programs(device, cdiv(n, block_r)),)](
         row_key, order, src, scale, feature, grad_output, feature_meta, piece_list, counts, n, partials,
         out, state1, state2, hyper, step,
         META_W=META_WIDTH, PIECE=PIECE, BLOCK_R=block_r, UNROLL=unroll, BLOCK_D=block_d, OPT=opt,

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ..ops.backends import triton_interpreting
 from ..quant.layout import QMETA_WIDTH
+from .grid_math import cdiv, next_power_of_2
 from .pooled_triton import _bag_block
 
 
@@ -182,10 +183,10 @@ def block_shape(max_dim: int, batch_size: int):
     2-8 warps (tools/quant_tiles.py, docs/perf-notes.md "Quantized inference v2"): the kernel is
     bound by its chains of dependent loads (offsets, id, row), so many small programs keep more
     rows in flight than few large ones. No more bags than the batch has (online batches)."""
-    block_d = max(16, triton.next_power_of_2(int(max_dim)))
+    block_d = max(16, next_power_of_2(int(max_dim)))
     block_b = max(1, min(16, 1024 // block_d))
     if isinstance(batch_size, int):  # a symbolic batch (export, dynamic shapes) keeps the full tile
-        block_b = min(block_b, triton.next_power_of_2(max(1, batch_size)))
+        block_b = min(block_b, next_power_of_2(max(1, batch_size)))
     num_warps = max(1, min(1 if block_d >= 128 else 2, block_b * block_d // 256))
     return block_b, block_d, num_warps
 
@@ -213,7 +214,7 @@ def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per
     words, halves, floats = flat.view(torch.int32), flat.view(torch.float16), flat.view(torch.float32)
     weights = per_sample_weights if per_sample_weights is not None else floats  # (not read)
     kernel = _quantized_forward_kernel if wrap is None else wrap(_quantized_forward_kernel)
-    kernel[(num_features, triton.cdiv(batch_size, block_b))](
+    kernel[(num_features, cdiv(batch_size, block_b))](
         flat, words, halves, floats, values, offsets, weights, feature_meta, key_index,
         out, batch_size, total_dim,
         META_W=QMETA_WIDTH, CUDA_ARITHMETIC=_rounding(flat.is_cuda if cuda_arithmetic is None else cuda_arithmetic),
