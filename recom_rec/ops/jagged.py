@@ -1,7 +1,7 @@
 """Vectorised expansion of a KeyedJaggedTensor into one entry per (feature, value) lookup.
 
-Both the pure-torch backend and the Triton backward use it: it turns the jagged input into flat
-arrays (which feature, which bag, which id, which scale) without a Python loop over tables.
+The pure-torch backend uses it: it turns the jagged input into flat arrays (which feature, which
+bag, which id, which scale) without a Python loop over tables.
 """
 from dataclasses import dataclass
 from typing import Optional
