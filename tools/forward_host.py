@@ -6,36 +6,11 @@ import argparse
 
 import torch
 
-from host_cost import host_us
-from profile_step import host_profile
+from host_cost import host_us, idle_trace
+from profile_step import host_profile, kernel_table
 from recom_rec.bench.peers import make_peer
 from recom_rec.bench.timing import settle
 from recom_rec.bench.workloads import get_workload
-
-
-def kernels(fn, calls: int = 5) -> str:
-    """The device kernels and runtime calls of ``calls`` calls of ``fn`` (torch.profiler), per call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or e.key.startswith("cuda")]
-    return "\n".join(f"    {e.count / calls:5.1f}x {e.device_time_total / calls if e.device_type.name == 'CUDA' else e.cpu_time_total / calls:8.1f} us  {e.key[:90]}"
-                     for e in rows)
-
-
-def idle_trace(fn, path: str, calls: int = 5) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            torch.cuda.synchronize()
-            fn()
-            torch.cuda.synchronize()
-    prof.export_chrome_trace(path)
 
 
 def main():
@@ -60,9 +35,9 @@ def main():
             settle(forward, dev, warmup=10)
             print(f"== {name} {peer_name}: no-grad forward, host {host_us(forward, args.reps):.1f} us a call",
                   flush=True)
-            print(kernels(forward), flush=True)
+            print(kernel_table(forward), flush=True)
             if args.trace:
-                idle_trace(forward, f"{args.trace}-{name}-{peer_name}.json")
+                idle_trace(forward, f"{args.trace}-{name}-{peer_name}.json", calls=5)
             if peer_name == "recom_rec":
                 print(host_profile(forward, steps=100, top=40), flush=True)
             del peer

@@ -31,6 +31,18 @@ def host_us(fn, reps: int) -> float:
     return statistics.median(samples)
 
 
+def idle_trace(fn, path: str, calls: int, with_stack: bool = False) -> None:
+    """A chrome trace of ``calls`` calls of ``fn``, each from an idle device (as the benchmark
+    times them), written to ``path``."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, with_stack=with_stack) as prof:
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            fn()
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+
+
 class Captured:
     """The last arguments the step passed to the extension's plan and piece calls."""
 
@@ -95,13 +107,8 @@ def main():
             rows.append(("x.add_(1) (one kernel)", host_us(lambda: x.add_(1), args.reps)))
             rows.append(("torch.zeros(3) (alloc + memset)", host_us(lambda: torch.zeros(3, device=dev), args.reps)))
             if args.trace:
-                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-                with torch.profiler.profile(activities=acts, with_stack=True) as prof:
-                    for _ in range(3):
-                        torch.cuda.synchronize()
-                        step()
-                        torch.cuda.synchronize()
-                prof.export_chrome_trace(f"{args.trace}-{spec.replace(',', '_').replace('=', '')}-{name}.json")
+                idle_trace(step, f"{args.trace}-{spec.replace(',', '_').replace('=', '')}-{name}.json", calls=3,
+                           with_stack=True)
             print(f"== {label} {name} {args.optimizer}: host us a call (GPU kept busy)")
             for what, us in rows:
                 print(f"    {us:9.1f}  {what}", flush=True)
