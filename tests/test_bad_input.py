@@ -1,4 +1,6 @@
-"""Bad input raises a ValueError naming the feature and the table, on every backend."""
+"""Bad input raises a ValueError naming the feature and the table, on every backend: at the call on
+the torch backend, and from the GPU kernels' own check (ops/input_check.py) by the next call or
+``check_inputs()`` on the kernel backends, which meanwhile read nothing out of bounds."""
 import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
@@ -20,6 +22,13 @@ def _module(backend, **kw):
         backend=backend, device=DEVICE, **kw)
 
 
+def _run(module, kjt):
+    """One batch, then the kernels' report: the torch backend raises in the call, the kernel
+    backends by check_inputs() (or the next call)."""
+    module(kjt)
+    module.check_inputs()
+
+
 def _kjt(values, lengths, keys=("user_id", "item_id", "shared"), weights=None):
     return KeyedJaggedTensor(keys=list(keys), values=torch.tensor(values), lengths=torch.tensor(lengths),
                              weights=weights).to(DEVICE)
@@ -28,27 +37,29 @@ def _kjt(values, lengths, keys=("user_id", "item_id", "shared"), weights=None):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_id_out_of_range_names_feature_and_table(backend):
     with pytest.raises(ValueError, match=r"feature 'item_id' \(table 'item_table'\): id 6 at batch index 1 .*\[0, 6\)"):
-        _module(backend)(_kjt([1, 2, 0, 6, 3, 4], [1, 1, 1, 1, 1, 1]))
+        _run(_module(backend), _kjt([1, 2, 0, 6, 3, 4], [1, 1, 1, 1, 1, 1]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_shared_feature_checked_against_the_smaller_table(backend):
     # 'shared' feeds items (6 rows) and tags (100 rows): id 50 is fine for tags, not for items.
     with pytest.raises(ValueError, match=r"feature 'shared' \(table 'item_table'\): id 50"):
-        _module(backend)(_kjt([1, 2, 0, 1, 50, 4], [1, 1, 1, 1, 1, 1]))
+        _run(_module(backend), _kjt([1, 2, 0, 1, 50, 4], [1, 1, 1, 1, 1, 1]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_negative_id(backend):
     with pytest.raises(ValueError, match=r"feature 'user_id' \(table 'users'\): id -3 .* negative"):
-        _module(backend)(_kjt([-3, 2, 0, 1, 3, 4], [1, 1, 1, 1, 1, 1]))
+        _run(_module(backend), _kjt([-3, 2, 0, 1, 3, 4], [1, 1, 1, 1, 1, 1]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lengths", [[1, 1, 1, 1, 1, 2], [1, 1, 1, 0, 1, 1], [3, 3, 1, 0, 0, 0]])
 def test_lengths_that_do_not_add_up(backend, lengths):
-    with pytest.raises(ValueError, match=r"lengths add up to \d+ but there are 6 values: feature '\w+' \(table"):
-        _module(backend)(_kjt([1, 2, 0, 1, 3, 4], lengths))
+    # The host names the first key where they disagree; the kernels name the bag that leaves the
+    # values, or only the totals when the values are longer.
+    with pytest.raises(ValueError, match=r"lengths add up (to \d+ but there are|past its) 6 values"):
+        _run(_module(backend), _kjt([1, 2, 0, 1, 3, 4], lengths))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -85,3 +96,98 @@ def test_extra_keys_are_ignored_like_torchrec():
     kjt = _kjt([1, 2, 0, 1, 9, 9, 2, 3], [1] * 8, keys=("user_id", "item_id", "extra", "shared"))
     out = module(kjt)
     assert out.keys() == ["user_id", "item_id", "shared@item_table", "shared@tags"]
+
+
+# ---- the kernel backends' own check (ops/input_check.py) -------------------------------------------
+KERNELS = [b for b in BACKENDS if b != "torch"]
+BAD = ([1, 2, 0, 6, 3, 4], [1, 1, 1, 1, 1, 1])  # item_id's id 6: item_table has 6 rows
+AS_ROW_ZERO = ([1, 2, 0, 0, 3, 4], [1, 1, 1, 1, 1, 1])  # the same batch with the bad id read as row 0
+
+
+def _pair(backend, **kw):
+    """A kernel-backend module and a torch-backend one with the same weights."""
+    module, reference = _module(backend, **kw), _module("torch")
+    reference.load_state_dict(module.state_dict())
+    return module, reference
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_kernels_report_a_bad_batch_on_the_next_call(backend):
+    module, reference = _pair(backend)
+    out = module(_kjt(*BAD)).values()  # no sync, no error yet: the bad id reads row 0
+    torch.testing.assert_close(out, reference(_kjt(*AS_ROW_ZERO)).values())
+    with pytest.raises(ValueError, match=r"feature 'item_id' \(table 'item_table'\): id 6 at batch index 1 .*"
+                                         r"reported by the GPU kernels"):
+        module(_kjt(*AS_ROW_ZERO))
+    good = module(_kjt(*AS_ROW_ZERO)).values()  # reported once: the next batches run
+    module.check_inputs()
+    torch.testing.assert_close(good, out)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_a_modules_report_is_its_own(backend):
+    first, second = _module(backend), _module(backend)  # same tables and keys, different weights
+    first(_kjt(*BAD))
+    second(_kjt(*AS_ROW_ZERO))  # another module's next call does not raise the first's error
+    with pytest.raises(ValueError, match="id 6"):
+        first(_kjt(*AS_ROW_ZERO))
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("optimizer", [None, "sgd", "rowwise_adagrad"])
+def test_a_bad_id_trains_row_zero(backend, optimizer):
+    """The backward reads the ids as the forward did: a bad id's gradient goes to row 0 of its
+    table, nothing outside it (dense gradients and fused updates alike)."""
+    module, reference = _pair(backend)
+    reference.backend = backend
+    if optimizer:
+        module.enable_fused_optimizer(optimizer, lr=0.1)
+        reference.enable_fused_optimizer(optimizer, lr=0.1)
+    module(_kjt(*BAD)).values().square().sum().backward()
+    with pytest.raises(ValueError, match="id 6"):
+        module.check_inputs()
+    reference(_kjt(*AS_ROW_ZERO)).values().square().sum().backward()
+    for (name, p), q in zip(module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
+        if optimizer is None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("values, lengths", [
+    ([1, 2, 0, 1, 3, 4, 5], [1, 1, 1, 1, 1, 1]),  # a value no bag covers
+    ([1, 2, 0, 1, 3], [1, 1, 1, 1, 1, 1]),  # the last bag ends past the values
+    ([1, 2, 0, 1, 3, 4], [2, 2, 2, 2, 2, 2]),  # every bag past the first three
+])
+def test_lengths_not_adding_up_stay_in_bounds(backend, values, lengths):
+    """Forward and backward run (nothing read or written outside the values, tables or gradient
+    buffers); the error follows. Bags inside the values pool as usual."""
+    module, reference = _pair(backend)
+    kjt = _kjt(values, lengths)
+    out = module(kjt).values()
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match=r"lengths add up (to \d+ but there are|past its) \d+ values"):
+        module.check_inputs()
+    # user_id's bags (the first two, columns 0-3) end within the values in every case: they pool
+    # as the reference pools them from a KJT padded to its lengths.
+    padded = _kjt((values + [0] * sum(lengths))[:sum(lengths)], lengths)
+    torch.testing.assert_close(out[:, :4], reference(padded).values()[:, :4])
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_unchecked_kernels_clamp_silently(backend):
+    module, reference = _pair(backend, validate_inputs=False)
+    out = module(_kjt(*BAD)).values()
+    module.check_inputs()  # nothing reported
+    module(_kjt(*AS_ROW_ZERO))
+    torch.testing.assert_close(out, reference(_kjt(*AS_ROW_ZERO)).values())
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_shapes_are_checked_at_the_call(backend):
+    """What the host knows without reading the batch raises at once on every backend."""
+    kjt = KeyedJaggedTensor(keys=["user_id", "item_id", "shared"], values=torch.tensor([1, 2, 0]),
+                            lengths=torch.tensor([1, 1, 1]), weights=torch.ones(2)).to(DEVICE)
+    with pytest.raises(ValueError, match="2 weights for 3 values"):
+        _module(backend, is_weighted=True)(kjt)

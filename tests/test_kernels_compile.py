@@ -22,9 +22,9 @@ _INSTANTIATE = r'''
 #include "{source}"
 namespace {{
 template __global__ void pooled_forward_kernel<{w}, {i}, {maxv}, {rows}>(const {w}*, const {i}*, const {i}*, const float*,
-    const int64_t*, const int64_t*, float*, int64_t, int64_t, bool);
+    const int64_t*, const int64_t*, float*, int64_t, int64_t, bool, InputCheck);
 template __global__ void pooled_forward_kernel<{w}, {i}, 1, 4>(const {w}*, const {i}*, const {i}*, const float*,
-    const int64_t*, const int64_t*, float*, int64_t, int64_t, bool);
+    const int64_t*, const int64_t*, float*, int64_t, int64_t, bool, InputCheck);
 template __global__ void piece_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const int32_t*, Payload, const float*,
     PieceArgs, {w}*);
 template __global__ void split_row_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const int32_t*, Payload, PieceArgs,
@@ -32,12 +32,14 @@ template __global__ void split_row_kernel<{w}, {i}, {opt}, {v}>(const {i}*, cons
 template __global__ void long_row_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const int32_t*, Payload, PieceArgs,
     {w}*);
 template __global__ void expand_kernel<{i}, {i}, true>(const {i}*, const {i}*, const float*, const int64_t*,
-    const int64_t*, const int64_t*, {i}*, int64_t*, float*, int32_t*, int32_t*, float*, int64_t, int64_t, int);
+    const int64_t*, const int64_t*, {i}*, int64_t*, float*, int32_t*, int32_t*, float*, int64_t, int64_t, int,
+    int64_t, int64_t, int64_t);
 template __global__ void expand_kernel<{i}, {i}, false>(const {i}*, const {i}*, const float*, const int64_t*,
-    const int64_t*, const int64_t*, {i}*, int64_t*, float*, int32_t*, int32_t*, float*, int64_t, int64_t, int);
+    const int64_t*, const int64_t*, {i}*, int64_t*, float*, int32_t*, int32_t*, float*, int64_t, int64_t, int,
+    int64_t, int64_t, int64_t);
 template __global__ void plan_kernel<{i}>(const {i}*, int64_t, int64_t*, int64_t*, int32_t*, uint32_t*);
 template __global__ void singleton_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const {i}*, const float*,
-    const int64_t*, const uint32_t*, const float*, PieceArgs, int64_t, int64_t, bool, {w}*);
+    const int64_t*, const uint32_t*, const float*, PieceArgs, int64_t, int64_t, bool, {w}*, int64_t);
 }}
 '''
 

@@ -54,7 +54,11 @@ void run_plan(Plan& p, const int64_t* values, const int64_t* offsets, const int6
   const dim3 grid((unsigned)features, (unsigned)((batch + block_bags - 1) / block_bags));
   expand_kernel<int64_t, int32_t, true><<<grid, 256>>>(values, offsets, nullptr, meta, key_index, nullptr,
                                                        p.row_key, nullptr, nullptr, nullptr, p.index, p.bag_scale,
-                                                       batch, total_dim, block_bags);
+                                                       batch, total_dim, block_bags
+#ifdef RECOM_REC_INPUT_CHECK
+                                                       , n, features * batch, n
+#endif
+                                                       );
   CHECK(cub::DeviceRadixSort::SortPairs(p.temp, p.temp_bytes, reinterpret_cast<uint32_t*>(p.row_key),
                                         reinterpret_cast<uint32_t*>(p.sorted_key), p.index, p.order, (int)n, 0,
                                         p.bits));

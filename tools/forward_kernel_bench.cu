@@ -34,9 +34,23 @@ int main(int argc, char** argv) {
               : shape.lane_chunks == 2 ? pooled_forward_kernel<float, int64_t, 2, 8>
                                        : pooled_forward_kernel<float, int64_t, 4, 8>;
 #endif
+#ifdef RECOM_REC_INPUT_CHECK  // kernels that check ids: reporting as the product does, unless FORWARD_NO_REPORT
+  int32_t* claim = nullptr;
+  int64_t* report = nullptr;
+#ifndef FORWARD_NO_REPORT
+  CHECK(cudaMalloc(&claim, sizeof(int32_t)));
+  CHECK(cudaMemset(claim, 0, sizeof(int32_t)));
+  CHECK(cudaHostAlloc(&report, 8 * sizeof(int64_t), cudaHostAllocMapped));
+#endif
+  const InputCheck chk{n, T * B, claim, report};
+  auto launch = [&] {
+    kernel<<<shape.grid, FORWARD_THREADS>>>(flat, dv, doff, nullptr, dmeta, dkey, out, B, total_dim, bag_major, chk);
+  };
+#else
   auto launch = [&] {
     kernel<<<shape.grid, FORWARD_THREADS>>>(flat, dv, doff, nullptr, dmeta, dkey, out, B, total_dim, bag_major);
   };
+#endif
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a)); CHECK(cudaEventCreate(&b));
   for (int i = 0; i < 3; ++i) launch();

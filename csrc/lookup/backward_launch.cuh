@@ -115,7 +115,7 @@ void singleton_update_for(const at::Tensor& values, const at::Tensor& offsets,
                                                               : singleton_kernel<W, I, OPT, 1>;
       k<<<grid, threads, 0, stream>>>(values.data_ptr<I>(), offsets.data_ptr<I>(), w, key_index.data_ptr<int64_t>(),
                                       bits, grad.data_ptr<float>(), args, batch_size, grad.size(1), grad_vec,
-                                      wptr<W>(out));
+                                      wptr<W>(out), values.numel());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (values.scalar_type() == at::kLong) launch(int64_t{});

@@ -5,10 +5,13 @@
 // Pooled forward of a group: out [batch_size, total_dim] fp32, any dim. The caller has converted
 // offsets to values' dtype and per-sample weights to fp32. `bag_major` and `rows_in_flight` (8, or
 // 4 where max_dim <= 128) choose among launches that give the same bits (the launch tuner's).
+// `claim` (device int32) and `report` (pinned host int64, REPORT_WORDS) turn on the input check's
+// report (kernels.cuh: InputCheck); without them bad ids are clamped silently.
 at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, const at::Tensor& offsets,
                           const c10::optional<at::Tensor>& psw, const at::Tensor& meta, const at::Tensor& key_index,
                           int64_t batch_size, int64_t total_dim, int64_t max_dim, bool bag_major,
-                          int64_t rows_in_flight) {
+                          int64_t rows_in_flight, const c10::optional<at::Tensor>& claim,
+                          const c10::optional<at::Tensor>& report) {
   c10::cuda::CUDAGuard guard(flat.device());
   auto out = at::empty({batch_size, total_dim}, flat.options().dtype(at::kFloat));
   const int64_t F = meta.size(0);
@@ -20,6 +23,13 @@ at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, cons
   const int lane_chunks = shape.lane_chunks;
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
+  TORCH_CHECK(claim.has_value() == report.has_value(), "the input check takes both claim and report");
+  TORCH_CHECK(!report.has_value() || (report->is_pinned() && report->scalar_type() == at::kLong &&
+                                      claim->is_cuda() && claim->scalar_type() == at::kInt),
+              "the input check's report is pinned int64 host memory, its claim an int32 device word");
+  // Pinned memory is mapped into the device's address space at the same address (UVA).
+  const InputCheck chk{values.numel(), offsets.numel() - 1, claim.has_value() ? claim->data_ptr<int32_t>() : nullptr,
+                       report.has_value() ? report->data_ptr<int64_t>() : nullptr};
   TORCH_CHECK(values.scalar_type() == at::kLong || values.scalar_type() == at::kInt, "values must be int32 or int64");
   TORCH_CHECK(rows_in_flight == 8 || (rows_in_flight == 4 && lane_chunks <= 1),
               "recom_rec cuda backend: the forward keeps 8 rows in flight a lane, or 4 where rows take one "
@@ -30,7 +40,7 @@ at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, cons
       using I = decltype(index);
       pooled_forward_kernel<W, I, decltype(maxv)::value, decltype(rows)::value><<<grid, FORWARD_THREADS, 0, stream>>>(
           wptr<W>(flat), values.data_ptr<I>(), offsets.data_ptr<I>(), w, meta.data_ptr<int64_t>(),
-          key_index.data_ptr<int64_t>(), out.data_ptr<float>(), batch_size, total_dim, bag_major);
+          key_index.data_ptr<int64_t>(), out.data_ptr<float>(), batch_size, total_dim, bag_major, chk);
     };
     auto by_width = [&](auto index) {
       using Eight = std::integral_constant<int, 8>;

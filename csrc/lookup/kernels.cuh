@@ -95,14 +95,77 @@ __device__ __forceinline__ bool vec_ok(int64_t dim, int64_t base, int64_t col, i
   return (dim % 4 == 0) && (base % 4 == 0) && (col % 4 == 0) && (total_dim % 4 == 0);
 }
 
+// ---- the input check (recom_rec/ops/input_check.py) -----------------------------------------
+// Every kernel that reads ids keeps its reads in bounds whatever the batch holds: an id outside
+// [0, rows) of its table reads row 0 (fbgemm's default clamps so too), a bag whose range leaves the
+// values is empty. The forward also reports the first bad lookup it meets when `report` is set:
+// the lookup that wins `claim` (a device word, 0 until then) writes kind, feature, bag and values
+// to `report` (pinned host memory, mapped: no copy, no sync) for the host to raise on its next
+// call. A batch without bad input pays a compare a lookup, and at rows wider than one 16-byte
+// chunk a lane a second read of its ids: 0-4% of the forward kernel (perf-notes v24).
+#define RECOM_REC_INPUT_CHECK 1  // tools/*_kernel_bench.cu: the kernels take an InputCheck
+enum : int64_t { REPORT_NONE = 0, REPORT_ID = 1, REPORT_BAG = 2, REPORT_TOTAL = 3 };
+struct InputCheck {
+  int64_t num_values;   // the KJT's values
+  int64_t last_offset;  // index of the KJT's last offset (keys x batch size)
+  int32_t* claim;       // null: clamp without reporting
+  int64_t* report;      // REPORT_WORDS words: kind, feature, bag, a, b, num_values
+};
+
+__device__ __forceinline__ int64_t clamp_id(int64_t id, int64_t rows) {
+  return (uint64_t)id < (uint64_t)rows ? id : 0;
+}
+
+__device__ __forceinline__ bool bag_in_values(int64_t start, int64_t end, int64_t num_values) {
+  return 0 <= start && start <= end && end <= num_values;
+}
+
+__device__ __forceinline__ void report_bad(const InputCheck& c, int64_t kind, int64_t feature, int64_t bag, int64_t a,
+                                        int64_t b) {
+  if (c.claim == nullptr || atomicCAS(c.claim, 0, 1) != 0) return;
+  volatile int64_t* r = c.report;
+  r[1] = feature; r[2] = bag; r[3] = a; r[4] = b; r[5] = c.num_values;
+  __threadfence_system();
+  r[0] = kind;  // last: a host that sees it sees the rest
+}
+
+// An id clamped into its table; with TRACK, `bad` notes that it was not. The bag is searched for
+// the id to report after the loops (report_bad_ids). Rows of one 16-byte chunk a lane carry the
+// flag through their loop (no spills there); wider rows do not: the flag spilled in their paths
+// (up to 6% slower), and a second read of the bag's ids by all of the group's lanes costs them
+// less (0-2.5%), while at narrow rows with long bags (1-4 lanes a bag) it cost up to 2x (v24).
+template <bool TRACK, typename I>
+__device__ __forceinline__ int64_t checked_id(const I* __restrict__ values, int64_t i, int64_t rows, bool& bad) {
+  const int64_t id = (int64_t)values[i];
+  const bool ok = (uint64_t)id < (uint64_t)rows;
+  if (TRACK) bad |= !ok;
+  return ok ? id : 0;
+}
+
+// The bag's ids again (read just before: cache hits), lane `sl` of `stride` taking every stride-th,
+// reporting one outside the table.
+template <typename I>
+__device__ __forceinline__ void report_bad_ids(const InputCheck& c, const I* __restrict__ values, int64_t start,
+                                               int64_t end, int sl, int stride, int64_t rows, int64_t feature,
+                                               int64_t bag) {
+  for (int64_t i = start + sl; i < end; i += stride) {
+    const int64_t id = (int64_t)values[i];
+    if ((uint64_t)id >= (uint64_t)rows) {
+      report_bad(c, REPORT_ID, feature, bag, id, rows);
+      return;
+    }
+  }
+}
+
 // ---- forward ---------------------------------------------------------------------------------
 // One bag's sum over chunks c0, c0 + G, ... (V of them, those below `chunks`) of 16-byte columns,
 // U rows a step: V * U loads in flight a lane. Rows are added in input order (bit-identical to the
 // one-chunk loop and to the Triton kernel in fp32).
-template <typename W, typename I, int V, int U>
+template <typename W, typename I, int V, int U, bool TRACK>
 __device__ __forceinline__ void pool_vec(const W* __restrict__ table, const I* __restrict__ values,
                                          const float* __restrict__ psw, int64_t start, int64_t end, int64_t dim,
-                                         int c0, int G, int chunks, float inv, float* __restrict__ o) {
+                                         int c0, int G, int chunks, float inv, float* __restrict__ o, int64_t rows,
+                                         bool& bad) {
   float4 acc[V];
   bool on[V];
 #pragma unroll
@@ -115,7 +178,7 @@ __device__ __forceinline__ void pool_vec(const W* __restrict__ table, const I* _
     float4 r[U][V];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const W* w = table + (int64_t)values[i + u] * dim + 4 * c0;
+      const W* w = table + checked_id<TRACK>(values, i + u, rows, bad) * dim + 4 * c0;
 #pragma unroll
       for (int k = 0; k < V; ++k) r[u][k] = on[k] ? load4(w + 4 * k * G) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -131,7 +194,7 @@ __device__ __forceinline__ void pool_vec(const W* __restrict__ table, const I* _
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const bool in = i + u < end;
-      const W* w = table + (in ? (int64_t)values[i + u] * dim : 0) + 4 * c0;
+      const W* w = table + (in ? checked_id<TRACK>(values, i + u, rows, bad) * dim : 0) + 4 * c0;
 #pragma unroll
       for (int k = 0; k < V; ++k) r[u][k] = (in && on[k]) ? load4(w + 4 * k * G) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -171,15 +234,19 @@ template <typename W, typename I, int MAXV, int ROWS>
 __global__ void __launch_bounds__(256, ROWS == 4 ? (sizeof(I) == 8 ? 6 : 5) : 4) pooled_forward_kernel(
     const W* __restrict__ flat, const I* __restrict__ values, const I* __restrict__ offsets,
     const float* __restrict__ psw, const int64_t* __restrict__ meta, const int64_t* __restrict__ key_index,
-    float* __restrict__ out, int64_t batch_size, int64_t total_dim, bool bag_major) {
+    float* __restrict__ out, int64_t batch_size, int64_t total_dim, bool bag_major, InputCheck chk) {
   const unsigned feature = bag_major ? blockIdx.y : blockIdx.x;
   const int64_t bag_block = bag_major ? blockIdx.x : blockIdx.y;
   const int64_t bag_blocks = bag_major ? gridDim.x : gridDim.y;
   const int64_t* m = meta + (int64_t)feature * META_W;
-  const int64_t dim = m[0], base = m[1], col = m[2];
+  const int64_t dim = m[0], base = m[1], col = m[2], rows = m[4];
   const bool mean = m[3] == 1;
   const int64_t key = key_index[feature];
   const bool vec = vec_ok(dim, base, col, total_dim);
+  if (chk.claim && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {  // lengths adding up to the values
+    const int64_t first = offsets[0], last = offsets[chk.last_offset];
+    if (first != 0 || last != chk.num_values) report_bad(chk, REPORT_TOTAL, -1, -1, first, last);
+  }
   const int chunks = vec ? (int)(dim / 4) : (int)dim;
   const int G = group_lanes(chunks);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -189,7 +256,11 @@ __global__ void __launch_bounds__(256, ROWS == 4 ? (sizeof(I) == 8 ? 6 : 5) : 4)
   for (int64_t b = bag_block * bags_per_block + warp * bags_per_warp + sub; b < batch_size;
        b += bag_blocks * bags_per_block) {
     const int64_t bag = key * batch_size + b;
-    const int64_t start = offsets[bag], end = offsets[bag + 1];
+    int64_t start = offsets[bag], end = offsets[bag + 1];
+    if (!bag_in_values(start, end, chk.num_values)) {
+      if (sl == 0) report_bad(chk, REPORT_BAG, feature, b, start, end);
+      start = end = 0;
+    }
     const float inv = (mean && end > start) ? 1.0f / (float)(end - start) : 1.0f;
     float* o = out + b * total_dim + col;
     if (vec) {
@@ -197,34 +268,51 @@ __global__ void __launch_bounds__(256, ROWS == 4 ? (sizeof(I) == 8 ? 6 : 5) : 4)
       // wider rows take more passes) and walks the bag once per pass: 4 to 8 rows' loads in flight
       // a lane, the bag's ids read once rather than once per chunk (v13, perf-notes).
       const int per_lane = (chunks + G - 1) / G;
-      for (int c0 = sl; c0 < chunks; c0 += MAXV * G) {
-        const int left = per_lane - (c0 - sl) / G;  // this lane's chunks from c0 on
-        if (MAXV >= 4 && left >= 3) {
-          pool_vec<W, I, 4, 2>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o);
-        } else if (MAXV >= 2 && left >= 2) {
-          pool_vec<W, I, 2, 4>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o);
-        } else {
-          pool_vec<W, I, 1, ROWS>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o);
+      if (MAXV == 1 || per_lane == 1) {  // one chunk a lane: the flag through the loop
+        bool bad = false;
+        if (sl < chunks)
+          pool_vec<W, I, 1, ROWS, true>(flat + base, values, psw, start, end, dim, sl, G, chunks, inv, o, rows, bad);
+        if (bad && chk.claim) report_bad_ids(chk, values, start, end, 0, 1, rows, feature, b);
+      } else {
+        bool unused = false;
+        for (int c0 = sl; c0 < chunks; c0 += MAXV * G) {
+          const int left = per_lane - (c0 - sl) / G;  // this lane's chunks from c0 on
+          if (MAXV >= 4 && left >= 3) {
+            pool_vec<W, I, 4, 2, false>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o, rows, unused);
+          } else if (MAXV >= 2 && left >= 2) {
+            pool_vec<W, I, 2, 4, false>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o, rows, unused);
+          } else {
+            pool_vec<W, I, 1, ROWS, false>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o, rows,
+                                           unused);
+          }
+        }
+        if (chk.claim) {  // re-read rather than kept through the loops (registers)
+          const int64_t s = offsets[bag], e = offsets[bag + 1];
+          if (bag_in_values(s, e, chk.num_values)) report_bad_ids(chk, values, s, e, sl, G, rows, feature, b);
         }
       }
     } else {
       // Scalar columns (unaligned rows, odd dims): four rows' loads in flight a lane.
+      bool bad = false;
       for (int c = sl; c < chunks; c += G) {
         const W* w = flat + base + c;
         float acc = 0.f;
         int64_t i = start;
         for (; i + 4 <= end; i += 4) {
-          const float r0 = to_f(w[(int64_t)values[i] * dim]), r1 = to_f(w[(int64_t)values[i + 1] * dim]);
-          const float r2 = to_f(w[(int64_t)values[i + 2] * dim]), r3 = to_f(w[(int64_t)values[i + 3] * dim]);
+          const float r0 = to_f(w[checked_id<true>(values, i, rows, bad) * dim]);
+          const float r1 = to_f(w[checked_id<true>(values, i + 1, rows, bad) * dim]);
+          const float r2 = to_f(w[checked_id<true>(values, i + 2, rows, bad) * dim]);
+          const float r3 = to_f(w[checked_id<true>(values, i + 3, rows, bad) * dim]);
           if (psw) {
             acc += r0 * psw[i]; acc += r1 * psw[i + 1]; acc += r2 * psw[i + 2]; acc += r3 * psw[i + 3];
           } else {
             acc += r0; acc += r1; acc += r2; acc += r3;
           }
         }
-        for (; i < end; ++i) acc += to_f(w[(int64_t)values[i] * dim]) * (psw ? psw[i] : 1.f);
+        for (; i < end; ++i) acc += to_f(w[checked_id<true>(values, i, rows, bad) * dim]) * (psw ? psw[i] : 1.f);
         o[c] = acc * inv;
       }
+      if (bad && chk.claim) report_bad_ids(chk, values, start, end, 0, 1, rows, feature, b);
     }
   }
 }
@@ -740,7 +828,7 @@ template <typename W, typename I, int OPT, int V>
 __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton_kernel(
     const I* __restrict__ values, const I* __restrict__ offsets, const float* __restrict__ psw,
     const int64_t* __restrict__ key_index, const uint32_t* __restrict__ multi, const float* __restrict__ grad,
-    PieceArgs a, int64_t batch_size, int64_t total_dim, bool grad_vec, W* __restrict__ out) {
+    PieceArgs a, int64_t batch_size, int64_t total_dim, bool grad_vec, W* __restrict__ out, int64_t num_values) {
   constexpr int UNROLL = V == 1 ? (OPT == 2 ? 1 : 4) : 1;
   const int64_t feature = blockIdx.y;
   const int64_t* m = a.meta + feature * META_W;
@@ -761,8 +849,10 @@ __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton
   for (int64_t b0 = ((int64_t)blockIdx.x * (blockDim.x >> 5) + warp) * per_warp; b0 < batch_size; b0 += stride) {
     const int64_t b = b0 + sub;
     const bool live = b < batch_size;
-    const int64_t start = live ? (int64_t)offsets[key_at + b] : 0;
-    const int len = live ? (int)((int64_t)offsets[key_at + b + 1] - start) : 0;
+    int64_t start = live ? (int64_t)offsets[key_at + b] : 0;
+    int64_t end = live ? (int64_t)offsets[key_at + b + 1] : 0;
+    if (!bag_in_values(start, end, num_values)) start = end = 0;  // the forward reported it
+    const int len = (int)(end - start);
     int most = len;  // the warp's longest bag: the loops below stay warp-uniform (shuffles, finish_row's)
     for (int off = 16; off > 0; off >>= 1) most = max(most, __shfl_xor_sync(0xffffffffu, most, off));
     const float bag_scale = mean ? 1.f / (float)(len > 1 ? len : 1) : 1.f;
@@ -770,7 +860,7 @@ __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton
     for (int j0 = 0; j0 < most; j0 += G) {
       // lane sl of the group: lookup j0 + sl's row, whether it is finished here, its scale
       const bool mine = j0 + sl < len;
-      const long long my_key = row_base + (mine ? (int64_t)values[start + j0 + sl] : 0);
+      const long long my_key = row_base + (mine ? clamp_id((int64_t)values[start + j0 + sl], m[4]) : 0);
       const bool my_fin = mine && !is_multi(multi, my_key);
       const float my_s = psw && my_fin ? bag_scale * psw[start + j0 + sl] : bag_scale;
       const int count = min(G, most - j0);  // warp-uniform
@@ -1042,19 +1132,42 @@ __global__ void __launch_bounds__(256) expand_kernel(
     const int64_t* __restrict__ meta, const int64_t* __restrict__ key_index, const int64_t* __restrict__ feature_base,
     K* __restrict__ row_key, int64_t* __restrict__ src, float* __restrict__ scale, int32_t* __restrict__ feature,
     int32_t* __restrict__ index, float* __restrict__ bag_scale, int64_t batch_size, int64_t total_dim,
-    int block_bags) {
+    int block_bags, int64_t num_values, int64_t last_offset, int64_t n) {
   __shared__ int64_t offs[EXPAND_BAGS + 1];
   const int f = blockIdx.x;
   const int64_t b0 = (int64_t)blockIdx.y * block_bags;
   const int64_t* m = meta + (int64_t)f * META_W;
-  const int64_t col = m[2], pooling = m[3], row_base = m[5];
+  const int64_t col = m[2], pooling = m[3], rows = m[4], row_base = m[5];
   const int64_t key = key_index[f];
   const int bags = (int)(batch_size - b0 < block_bags ? batch_size - b0 : block_bags);
   for (int i = threadIdx.x; i <= bags; i += blockDim.x) offs[i] = (int64_t)offsets[key * batch_size + b0 + i];
   __syncthreads();
-  const int64_t shift = feature_base ? feature_base[f] - (int64_t)offsets[key * batch_size] : 0;
-  const int64_t v1 = offs[bags];
-  for (int64_t pos = offs[0] + threadIdx.x; pos < v1; pos += blockDim.x) {
+  // Entries stay in [0, n) whatever the offsets (the forward reports bad ones): positions within
+  // the values and, with per-feature bases, within the feature's key, clamped into the values as
+  // pooled_triton.lookup_bases counts them.
+  auto clamped = [num_values](int64_t v) { return v < 0 ? 0 : v < num_values ? v : num_values; };
+  const int64_t key_first = clamped((int64_t)offsets[key * batch_size]);
+  const int64_t shift = feature_base ? feature_base[f] - key_first : 0;
+  int64_t v0 = offs[0] > 0 ? offs[0] : 0, v1 = offs[bags] < num_values ? offs[bags] : num_values;
+  if (feature_base) {
+    const int64_t key_last = clamped((int64_t)offsets[(key + 1) * batch_size]);
+    v0 = v0 > key_first ? v0 : key_first;
+    v1 = v1 < key_last ? v1 : key_last;
+  }
+  if (!feature_base && f == 0 && blockIdx.y == 0) {
+    // Positions no bag covers (lengths not adding up to the values) get a harmless entry: row 0
+    // of feature 0's table, from its first bag, scale 0.
+    const int64_t first = (int64_t)offsets[0], last = (int64_t)offsets[last_offset];
+    const int64_t head = first < 0 ? 0 : first < n ? first : n, tail = last < head ? head : last < n ? last : n;
+    for (int part = 0; part < 2; ++part) {
+      for (int64_t at = (part ? tail : 0) + threadIdx.x; at < (part ? n : head); at += blockDim.x) {
+        row_key[at] = (K)row_base;
+        index[at] = PACKED ? 0 : (int32_t)at;
+        if (!PACKED) { src[at] = col; scale[at] = 0.f; feature[at] = 0; }
+      }
+    }
+  }
+  for (int64_t pos = v0 + threadIdx.x; pos < v1; pos += blockDim.x) {
     int lo = 1, hi = bags;  // the first j in [1, bags] with offs[j] > pos; its bag is j - 1
     while (lo < hi) {
       const int mid = (lo + hi) >> 1;
@@ -1067,7 +1180,7 @@ __global__ void __launch_bounds__(256) expand_kernel(
       s = 1.f / (float)(len > 1 ? len : 1);
     }
     const int64_t at = pos + shift;
-    row_key[at] = (K)(row_base + (int64_t)values[pos]);
+    row_key[at] = (K)(row_base + clamp_id((int64_t)values[pos], rows));
     if (PACKED) {
       const int64_t payload = (int64_t)f * batch_size + b0 + j;
       index[at] = (int32_t)payload;

@@ -56,7 +56,7 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
         values.data_ptr<I>(), offsets.data_ptr<I>(), w, meta.data_ptr<int64_t>(), key_index.data_ptr<int64_t>(), fb,
         reinterpret_cast<K*>(row_key.data_ptr()), src.data_ptr<int64_t>(), scale.data_ptr<float>(),
         feature.data_ptr<int32_t>(), index.data_ptr<int32_t>(), bag_scale.data_ptr<float>(), batch_size, total_dim,
-        block_bags);
+        block_bags, values.numel(), offsets.numel() - 1, n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const U* keys_in = reinterpret_cast<const U*>(row_key.data_ptr());
     U* keys_out = reinterpret_cast<U*>(sorted_key.data_ptr());

@@ -16,20 +16,22 @@ def _variants():
     from . import pooled_triton as k
 
     ptr = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64"}
-    for wdtype, idx, has_w, block_d in itertools.product(("fp32", "fp16", "bf16"), ("i32", "i64"),
-                                                         (False, True), (16, 32, 128, 256)):
+    for wdtype, idx, has_w, block_d, report in itertools.product(("fp32", "fp16", "bf16"), ("i32", "i64"),
+                                                                 (False, True), (16, 32, 128, 256), (False, True)):
         block_b = max(8, min(128, 8192 // block_d))
         yield k._pooled_forward_kernel, {
             "flat_ptr": ptr[wdtype], "values_ptr": ptr[idx], "offsets_ptr": ptr[idx],
             "weights_ptr": "*fp32" if has_w else ptr[wdtype], "meta_ptr": "*i64", "key_index_ptr": "*i64",
-            "out_ptr": "*fp32", "batch_size": "i32", "total_dim": "i32",
-        }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d}, \
+            "out_ptr": "*fp32", "batch_size": "i32", "total_dim": "i32", "num_values": "i32", "last_offset": "i32",
+            "claim_ptr": "*i32" if report else "*fp32", "report_ptr": "*i64" if report else "*fp32",
+        }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d, "REPORT": report}, \
             {"num_warps": 2 if block_d >= 128 else 4}
     for key, has_w, block_b, positional in itertools.product(("i32", "i64"), (False, True), (64, 1024), (False, True)):
         yield k._expand_kernel, {
             "values_ptr": ptr[key], "offsets_ptr": ptr[key], "weights_ptr": "*fp32", "meta_ptr": "*i64",
             "key_index_ptr": "*i64", "feature_base_ptr": "*i64", "row_key_ptr": ptr[key], "src_ptr": "*i64",
             "scale_ptr": "*fp32", "feature_ptr": "*i32", "batch_size": "i32", "total_dim": "i32",
+            "num_values": "i32", "last_offset": "i32", "n": "i32",
         }, {"META_W": 8, "HAS_WEIGHTS": has_w, "POSITIONAL": positional, "BLOCK_B": block_b,
              "BLOCK_V": k.EXPAND_LOOKUPS, "SEARCH_STEPS": block_b.bit_length()}, {"num_warps": 4}
     for key in ("i32", "i64"):

@@ -105,22 +105,27 @@ def forward_args(values, offsets, per_sample_weights, feature_meta, key_index):
             key_index.to(torch.int64).contiguous())
 
 
-def forward_launch(flat, values, offsets, psw, feature_meta, key_index, batch_size, total_dim, max_dim, launch):
-    """One forward launch (a FORWARD_LAUNCHES name), on forward_args' inputs."""
+def forward_launch(flat, values, offsets, psw, feature_meta, key_index, batch_size, total_dim, max_dim, launch,
+                   check=None):
+    """One forward launch (a FORWARD_LAUNCHES name), on forward_args' inputs; ``check``: an
+    input_check.KernelReport the kernel reports bad ids and bags to (clamped either way)."""
     bag_major, rows = FORWARD_LAUNCHES[launch]
     return cuda_ext.extension().pooled_forward(flat, values, offsets, psw, feature_meta, key_index, batch_size,
-                                               total_dim, max_dim, bag_major, rows)
+                                               total_dim, max_dim, bag_major, rows,
+                                               None if check is None else check.claim,
+                                               None if check is None else check.words)
 
 
-def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim):
+def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim,
+            check=None):
     if not supports_forward(flat):
         return pooled_triton.forward(flat, values, offsets, per_sample_weights, feature_meta, key_index,
-                                     batch_size, total_dim, max_dim)
+                                     batch_size, total_dim, max_dim, check=check)
     # The arguments (and a first use's build) are ready before a timed trial's first event.
     args = forward_args(values, offsets, per_sample_weights, feature_meta, key_index)
     shape = ForwardLaunchShape.of(flat, values, per_sample_weights, feature_meta, batch_size, total_dim, max_dim)
     return FORWARD_ORDER_TUNER.launch(
-        shape, lambda launch: forward_launch(flat, *args, batch_size, total_dim, max_dim, launch), flat.device)
+        shape, lambda launch: forward_launch(flat, *args, batch_size, total_dim, max_dim, launch, check), flat.device)
 
 
 # What a backward's timing depends on (BACKWARD_PATH_TUNER's key): a forward's shape, the optimizer
@@ -136,7 +141,8 @@ def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, bat
     the piece kernel computes its gradient row instead of gathering it through the sort's order
     (the plan's last item: the batch size it is packed with, or 0 when it carries indices)."""
     key_index = key_index.to(torch.int64).contiguous()
-    positional, feature_base, n = pooled_triton.lookup_bases(offsets, key_index, batch_size, num_lookups)
+    positional, feature_base, n = pooled_triton.lookup_bases(offsets, key_index, batch_size, num_lookups,
+                                                             values.numel())
     if offsets.dtype != values.dtype:
         offsets = offsets.to(values.dtype)
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()

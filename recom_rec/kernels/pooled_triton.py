@@ -35,19 +35,58 @@ def _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
+def _report(claim_ptr, report_ptr, kind, feature, bag, a, b, num_values):
+    """The input check's report (ops/input_check.py; csrc/lookup/kernels.cuh: report_bad): written
+    by the program that takes the claim, the kind last."""
+    if tl.atomic_cas(claim_ptr, 0, 1) == 0:
+        tl.store(report_ptr + 1, feature.to(tl.int64))
+        tl.store(report_ptr + 2, bag.to(tl.int64))
+        tl.store(report_ptr + 3, a.to(tl.int64))
+        tl.store(report_ptr + 4, b.to(tl.int64))
+        tl.store(report_ptr + 5, num_values.to(tl.int64))
+        tl.store(report_ptr + 0, kind.to(tl.int64))
+
+
+@triton.jit
+def _report_first(claim_ptr, report_ptr, kind, flags, feature, bag, a, b, num_values, BLOCK: tl.constexpr):
+    """Reports the first lane of ``flags`` (if any) with its bag and values."""
+    if tl.max(flags.to(tl.int32), axis=0) > 0:
+        lane = tl.arange(0, BLOCK)
+        first = tl.min(tl.where(flags, lane, BLOCK), axis=0)
+        pick = lane == first
+        _report(claim_ptr, report_ptr, tl.full([], kind, tl.int64), feature, tl.sum(tl.where(pick, bag, 0), axis=0),
+                tl.sum(tl.where(pick, a, 0), axis=0), tl.sum(tl.where(pick, b, 0), axis=0), num_values)
+
+
+@triton.jit
 def _pooled_forward_kernel(
     flat_ptr, values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, out_ptr,
-    batch_size, total_dim,
+    batch_size, total_dim, num_values, last_offset, claim_ptr, report_ptr,
     META_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    REPORT: tl.constexpr,
 ):
+    """Ids outside their table read row 0, bags outside the values are empty (ops/input_check.py);
+    REPORT: the first of them is reported."""
     f = tl.program_id(0)
     pid_b = tl.program_id(1)
     dim = tl.load(meta_ptr + f * META_W + 0)
     base = tl.load(meta_ptr + f * META_W + 1)
     col = tl.load(meta_ptr + f * META_W + 2)
     pooling = tl.load(meta_ptr + f * META_W + 3)
+    rows = tl.load(meta_ptr + f * META_W + 4)
     key = tl.load(key_index_ptr + f).to(tl.int64)
     b, b_mask, start, end = _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B)
+    bag_ok = (start >= 0) & (start <= end) & (end <= num_values)
+    if REPORT:
+        if (f == 0) & (pid_b == 0):  # the lengths add up to the values
+            first = tl.load(offsets_ptr).to(tl.int64)
+            last = tl.load(offsets_ptr + last_offset).to(tl.int64)
+            if (first != 0) | (last != num_values):
+                _report(claim_ptr, report_ptr, tl.full([], 3, tl.int64), tl.full([], -1, tl.int64),
+                        tl.full([], -1, tl.int64), first, last, num_values)
+        _report_first(claim_ptr, report_ptr, 2, b_mask & (bag_ok == 0), f, b, start, end, num_values, BLOCK_B)
+    start = tl.where(bag_ok, start, 0)
+    end = tl.where(bag_ok, end, 0)
     length = end - start
     d = tl.arange(0, BLOCK_D)
     d_mask = d < dim
@@ -56,10 +95,17 @@ def _pooled_forward_kernel(
     max_length = tl.max(length, axis=0)
     # A while loop rather than range(): the interpreter cannot take a reduced value as a range
     # bound under numpy >= 2.3, and the compiled code is the same.
+    bad_id = tl.zeros([BLOCK_B], dtype=tl.int64)  # a bag's first id outside its table
+    bad = tl.zeros([BLOCK_B], dtype=tl.int1)
     i = 0
     while i < max_length:
         live = i < length
         idx = tl.load(values_ptr + start + i, mask=live, other=0).to(tl.int64)
+        out_of_table = live & ((idx < 0) | (idx >= rows))
+        if REPORT:
+            bad_id = tl.where(out_of_table & (bad == 0), idx, bad_id)
+            bad = bad | out_of_table
+        idx = tl.where(out_of_table, 0, idx)
         row = tl.load(
             flat_ptr + base + idx[:, None] * dim + d[None, :],
             mask=live[:, None] & d_mask[None, :],
@@ -70,6 +116,9 @@ def _pooled_forward_kernel(
             row = row * w[:, None]
         acc += row
         i += 1
+    if REPORT:
+        _report_first(claim_ptr, report_ptr, 1, bad, f, b, bad_id, tl.zeros([BLOCK_B], tl.int64) + rows, num_values,
+                      BLOCK_B)
     inv_len = 1.0 / tl.maximum(length, 1).to(tl.float32)
     scale = tl.where(pooling == 1, inv_len, tl.full([BLOCK_B], 1.0, tl.float32))
     acc = acc * scale[:, None]
@@ -132,9 +181,24 @@ def _row_meta(meta_ptr, feature, lane, META_W: tl.constexpr):
 
 
 @triton.jit
+def _fill_uncovered(row_key_ptr, src_ptr, scale_ptr, feature_ptr, lo, hi, row_base, col, BLOCK_V: tl.constexpr):
+    """Entries [lo, hi) as a lookup of row 0 of feature 0's table at scale 0 (see _expand_kernel)."""
+    c = lo
+    while c < hi:
+        at = c + tl.arange(0, BLOCK_V)
+        live = at < hi
+        tl.store(row_key_ptr + at, (tl.zeros([BLOCK_V], tl.int64) + row_base).to(row_key_ptr.dtype.element_ty),
+                 mask=live)
+        tl.store(src_ptr + at, tl.zeros([BLOCK_V], tl.int64) + col, mask=live)
+        tl.store(scale_ptr + at, tl.zeros([BLOCK_V], tl.float32), mask=live)
+        tl.store(feature_ptr + at, tl.zeros([BLOCK_V], tl.int32), mask=live)
+        c += BLOCK_V
+
+
+@triton.jit
 def _expand_kernel(
     values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, feature_base_ptr,
-    row_key_ptr, src_ptr, scale_ptr, feature_ptr, batch_size, total_dim,
+    row_key_ptr, src_ptr, scale_ptr, feature_ptr, batch_size, total_dim, num_values, last_offset, n,
     META_W: tl.constexpr, HAS_WEIGHTS: tl.constexpr, POSITIONAL: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
@@ -145,24 +209,38 @@ def _expand_kernel(
 
     A program covers BLOCK_B bags of one feature, a lane per lookup (not per bag: the four
     outputs are then written coalesced); a lane finds its bag by a binary search of the block's
-    bag offsets, which stay in L1."""
+    bag offsets, which stay in L1.
+
+    Whatever the batch holds, entries stay in [0, n) and row keys in their tables (ids outside
+    read row 0, as in the forward, which reports them); positions no bag covers (lengths not adding
+    up to the values) get a harmless entry: row 0 of feature 0's table, scale 0."""
     f = tl.program_id(0)
     pid_b = tl.program_id(1)
     col = tl.load(meta_ptr + f * META_W + 2)
     pooling = tl.load(meta_ptr + f * META_W + 3)
+    rows = tl.load(meta_ptr + f * META_W + 4)
     row_base = tl.load(meta_ptr + f * META_W + 5)
     key = tl.load(key_index_ptr + f).to(tl.int64)
-    if POSITIONAL:
-        first = 0
-        out_base = 0
-    else:
-        first = tl.load(offsets_ptr + key * batch_size).to(tl.int64)
-        out_base = tl.load(feature_base_ptr + f)
     b0 = pid_b * BLOCK_B
     bags = tl.minimum(batch_size - b0, BLOCK_B)
     bag_offsets = offsets_ptr + key * batch_size + b0
-    v0 = tl.load(bag_offsets).to(tl.int64)
-    v1 = tl.load(bag_offsets + bags).to(tl.int64)
+    v0 = tl.maximum(tl.load(bag_offsets).to(tl.int64), 0)
+    v1 = tl.minimum(tl.load(bag_offsets + bags).to(tl.int64), num_values)
+    if POSITIONAL:
+        first = 0
+        out_base = 0
+        if (f == 0) & (pid_b == 0):
+            head = tl.minimum(tl.maximum(tl.load(offsets_ptr).to(tl.int64), 0), n)
+            tail = tl.minimum(tl.maximum(tl.load(offsets_ptr + last_offset).to(tl.int64), head), n)
+            _fill_uncovered(row_key_ptr, src_ptr, scale_ptr, feature_ptr, 0, head, row_base, col, BLOCK_V)
+            _fill_uncovered(row_key_ptr, src_ptr, scale_ptr, feature_ptr, tail, n, row_base, col, BLOCK_V)
+    else:
+        # the key's values, clamped into the values as lookup_bases counts them
+        first = tl.minimum(tl.maximum(tl.load(offsets_ptr + key * batch_size).to(tl.int64), 0), num_values)
+        last = tl.minimum(tl.maximum(tl.load(offsets_ptr + (key + 1) * batch_size).to(tl.int64), 0), num_values)
+        out_base = tl.load(feature_base_ptr + f)
+        v0 = tl.maximum(v0, first)
+        v1 = tl.minimum(v1, last)
     c = v0
     while c < v1:  # a while loop: the interpreter cannot range() over loaded values
         pos = c + tl.arange(0, BLOCK_V)
@@ -179,6 +257,7 @@ def _expand_kernel(
             lo = tl.where(searching & (after == 0), mid + 1, lo)
         j = lo - 1
         idx = tl.load(values_ptr + pos, mask=live, other=0).to(tl.int64)
+        idx = tl.where((idx < 0) | (idx >= rows), 0, idx)
         scale = tl.full([BLOCK_V], 1.0, tl.float32)
         if pooling == 1:
             length = tl.load(bag_offsets + j + 1, mask=live, other=1) - tl.load(bag_offsets + j, mask=live, other=0)
@@ -354,7 +433,10 @@ def forward(
     max_dim: int,
     block_b: Optional[int] = None,
     num_warps: Optional[int] = None,
+    check=None,
 ) -> torch.Tensor:
+    """``check``: an input_check.KernelReport to report bad ids and bags to (they are clamped
+    either way)."""
     out = torch.empty(batch_size, total_dim, dtype=torch.float32, device=flat.device)
     num_features = feature_meta.shape[0]
     if num_features == 0 or batch_size == 0:
@@ -370,9 +452,10 @@ def forward(
     weights = per_sample_weights if per_sample_weights is not None else flat
     _pooled_forward_kernel[grid](
         flat, values, offsets, weights, feature_meta, key_index, out,
-        batch_size, total_dim,
+        batch_size, total_dim, values.numel(), offsets.numel() - 1,
+        check.claim if check is not None else out, check.words if check is not None else out,
         META_W=META_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d,
-        num_warps=num_warps,
+        REPORT=check is not None, num_warps=num_warps,
     )
     return out
 
@@ -415,15 +498,18 @@ def _programs(device: torch.device, wanted: int) -> int:
     return max(1, min(wanted, 16))  # the interpreter runs programs one after another
 
 
-def lookup_bases(offsets, key_index, batch_size, num_lookups):
+def lookup_bases(offsets, key_index, batch_size, num_lookups, values_numel):
     """(positional, feature_base, n): with num_lookups >= 0 every key is read by exactly one
     feature, so a lookup's entry can be its position in values (no per-feature bases to compute:
     fewer small launches, less host time); otherwise feature f's entries start at feature_base[f]
     and counting them syncs with the device."""
     if num_lookups >= 0:
         return True, None, num_lookups
+    # Clamped into the values as the expand kernels clamp them: malformed offsets (reported by the
+    # forward) give no entry outside [0, n).
     bounds = offsets[torch.stack((key_index * batch_size, (key_index + 1) * batch_size))].to(torch.int64)
-    counts = bounds[1] - bounds[0]
+    bounds = bounds.clamp_(0, values_numel)
+    counts = (bounds[1] - bounds[0]).clamp_(min=0)
     return False, torch.cumsum(counts, 0) - counts, int(counts.sum())
 
 
@@ -433,7 +519,7 @@ def _sorted_lookups(values, offsets, per_sample_weights, feature_meta, key_index
     a row's lookups stay in input order). No host sync when ``num_lookups`` is known."""
     device = values.device
     key_index = key_index.to(torch.int64)
-    positional, feature_base, n = lookup_bases(offsets, key_index, batch_size, num_lookups)
+    positional, feature_base, n = lookup_bases(offsets, key_index, batch_size, num_lookups, values.numel())
     # 32-bit keys when they fit: a radix sort of half the passes.
     row_key = torch.empty(n, dtype=torch.int32 if row_count < 2**31 else torch.int64, device=device)
     src = torch.empty(n, dtype=torch.int64, device=device)
@@ -444,7 +530,7 @@ def _sorted_lookups(values, offsets, per_sample_weights, feature_meta, key_index
         block_b = expand_block(n, feature_meta.shape[0] * batch_size)
         _expand_kernel[(feature_meta.shape[0], cdiv(batch_size, block_b))](
             values, offsets, weights, feature_meta, key_index, key_index if positional else feature_base,
-            row_key, src, scale, feature, batch_size, total_dim,
+            row_key, src, scale, feature, batch_size, total_dim, values.numel(), offsets.numel() - 1, n,
             META_W=META_WIDTH, HAS_WEIGHTS=per_sample_weights is not None, POSITIONAL=positional, BLOCK_B=block_b,
             BLOCK_V=EXPAND_LOOKUPS, SEARCH_STEPS=block_b.bit_length(), num_warps=4,
         )

@@ -52,7 +52,8 @@ def force_forward(choice: Optional[str]) -> None:
     FORWARD.force(choice)
 
 
-def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim):
+def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim,
+            check=None):
     cuda_ok = cuda_ext.build_error() is None and pooled_cuda.supports_forward(flat)
     shape = ForwardChoiceShape(ForwardLaunchShape.of(flat, values, per_sample_weights, feature_meta, batch_size,
                                                      total_dim, max_dim), cuda_ok)
@@ -62,8 +63,8 @@ def forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
     def run(choice):
         if choice == TRITON or not cuda_ok:
             return pooled_triton.forward(flat, values, offsets, per_sample_weights, feature_meta, key_index,
-                                         batch_size, total_dim, max_dim)
-        return pooled_cuda.forward_launch(flat, *args, batch_size, total_dim, max_dim, choice[len(CUDA):])
+                                         batch_size, total_dim, max_dim, check=check)
+        return pooled_cuda.forward_launch(flat, *args, batch_size, total_dim, max_dim, choice[len(CUDA):], check)
 
     return FORWARD.launch(shape, run, flat.device)
 

@@ -37,6 +37,7 @@ from ..ops.layout import (
     table_runs,
 )
 from ..ops.plan import FusedStep, GroupPlan, LookupPlan, group_states
+from ..ops.input_check import check_reported
 from ..ops.validation import encode_names
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import FusedOptimizerSpec, spec_from_optimizer
@@ -285,9 +286,13 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
             build is installed) or ``"torch"``.
         validate_inputs: check every batch (ids in ``[0, num_embeddings)``, lengths adding up to
             the number of values) and raise a ``ValueError`` naming the feature and table. The
-            check costs a device-to-host sync per batch on CUDA; switch it off for speed with
-            ``validate_inputs=False`` or later with ``module.validate_inputs = False`` (bad ids
-            then read out of bounds).
+            torch backend (the CPU's) checks before the lookup. The Triton and CUDA kernels check
+            each id as they read it, without a device-to-host sync: a bad id reads row 0 of its
+            table (as fbgemm's default does), a bag outside the values reads nothing, and the
+            error is raised by the module's next call, or at once by ``check_inputs()``. With
+            ``validate_inputs=False`` (or later ``module.validate_inputs = False``) the kernels
+            clamp the same way without reporting, and the torch backend leaves bad ids to torch's
+            own indexing errors.
         ps: ``{table name: recom_rec.ps.PSConfig}`` - parameter-server-backed tables: their rows live
             in a store and a cache of ``cache_rows`` slots in the flat buffer (see ``recom_rec.ps``).
 
@@ -625,6 +630,12 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
     @validate_inputs.setter
     def validate_inputs(self, value: bool) -> None:
         self._plan = self._plan._replace(validate=bool(value))
+
+    def check_inputs(self) -> None:
+        """Waits for the kernels queued on this module's device and raises the input error they
+        reported (see ``validate_inputs``), if any: the synchronous form of the GPU check, for the
+        end of a run or for debugging a data pipeline batch by batch."""
+        check_reported(self._flat(self._groups[0]).device if self._groups else None)
 
     # ----------------------------------------------------------------------------- fused training
     def enable_fused_optimizer(self, optimizer: Any, **kwargs: Any) -> FusedEmbeddingOptimizer:

@@ -15,8 +15,9 @@ from torch import Tensor
 
 from . import torch_backend
 from .backends import resolve_backend
+from .input_check import kernel_report
 from .plan import FusedStep, GroupPlan, LookupPlan, group_states
-from .validation import validate_inputs
+from .validation import check_shapes, decode_names, validate_inputs
 
 @lru_cache(maxsize=None)
 def _triton():
@@ -102,14 +103,26 @@ def pooled_embedding_forward(
 
 def _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim, max_dim,
                   backend, validate, names):
-    if validate:
-        validate_inputs(values, offsets, per_sample_weights, feature_meta, keys, batch_size, names)
     impl = _impl(backend, flat.device, "forward", feature_meta.shape[0], total_dim, max_dim)
     if impl is torch_backend:
+        if validate:
+            validate_inputs(values, offsets, per_sample_weights, feature_meta, keys, batch_size, names)
         return torch_backend.forward(
             flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim
         )
-    return impl.forward(flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim, max_dim)
+    check = None
+    if validate:
+        # The kernels check ids and bags as they read them and report without a sync
+        # (input_check); the host checks what it knows without reading the batch.
+        check_shapes(values, offsets, per_sample_weights, _num_keys(names), batch_size)
+        check = kernel_report(flat, names)
+    return impl.forward(flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim, max_dim,
+                        check=check)
+
+
+@lru_cache(maxsize=256)
+def _num_keys(names: str) -> int:
+    return len(decode_names(names)[0])
 
 
 @pooled_embedding_forward.register_fake

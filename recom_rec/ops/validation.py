@@ -1,7 +1,9 @@
 """Input checks of the fused lookup, with errors that name the feature and the table.
 
-They run inside the custom op (so ``torch.compile`` keeps one graph) and cost a device-to-host
-sync on CUDA; modules switch them off with ``validate_inputs=False``.
+They run inside the custom op (so ``torch.compile`` keeps one graph). ``validate_inputs`` reads the
+batch on the host: a device-to-host sync on CUDA, where the kernels check ids themselves instead
+(ops/input_check.py) and the host checks only what it knows without the device
+(``check_shapes``). Modules switch both off with ``validate_inputs=False``.
 """
 from typing import List, Optional, Tuple
 
@@ -25,7 +27,7 @@ def encode_names(keys: List[str], features: List[str], tables: List[str]) -> str
     return "\x1e".join(records)
 
 
-def _decode_names(names: str) -> Tuple[List[str], List[Tuple[str, str]]]:
+def decode_names(names: str) -> Tuple[List[str], List[Tuple[str, str]]]:
     first, *rest = names.split(_RECORD)
     keys = first.split(_UNIT) if first else []
     return keys, [tuple(r.split(_UNIT, 1)) for r in rest]  # type: ignore[misc]
@@ -34,6 +36,24 @@ def _decode_names(names: str) -> Tuple[List[str], List[Tuple[str, str]]]:
 def _tables_reading(key: str, pairs) -> str:
     tables = [t for f, t in pairs if f == key]
     return ", ".join(repr(t) for t in tables) if tables else "no table"
+
+
+def check_shapes(values: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
+                 num_keys: int, batch_size: int) -> None:
+    """What the host knows of a batch without reading it: shapes and dtypes."""
+    if offsets.dim() != 1 or offsets.numel() != num_keys * batch_size + 1:
+        raise ValueError(
+            f"KeyedJaggedTensor has {offsets.numel()} offsets for {num_keys} keys and batch size "
+            f"{batch_size}; expected {num_keys * batch_size + 1}"
+        )
+    if values.dim() != 1:
+        raise ValueError(f"KeyedJaggedTensor values must be 1-D, got shape {tuple(values.shape)}")
+    if per_sample_weights is not None and per_sample_weights.numel() != values.numel():
+        raise ValueError(
+            f"KeyedJaggedTensor has {per_sample_weights.numel()} weights for {values.numel()} values"
+        )
+    if values.numel() and (values.is_floating_point() or values.dtype == torch.bool):
+        raise ValueError(f"KeyedJaggedTensor values must be integer ids, got {values.dtype}")
 
 
 def validate_inputs(
@@ -45,15 +65,9 @@ def validate_inputs(
     batch_size: int,
     names: str,
 ) -> None:
-    keys, pairs = _decode_names(names)
+    keys, pairs = decode_names(names)
+    check_shapes(values, offsets, per_sample_weights, len(keys), batch_size)
     num_keys = len(keys)
-    if offsets.dim() != 1 or offsets.numel() != num_keys * batch_size + 1:
-        raise ValueError(
-            f"KeyedJaggedTensor has {offsets.numel()} offsets for {num_keys} keys and batch size "
-            f"{batch_size}; expected {num_keys * batch_size + 1}"
-        )
-    if values.dim() != 1:
-        raise ValueError(f"KeyedJaggedTensor values must be 1-D, got shape {tuple(values.shape)}")
     offsets = offsets.to(torch.int64)
     lengths = offsets[1:] - offsets[:-1]
     if num_keys and bool((lengths < 0).any()):
@@ -74,14 +88,8 @@ def validate_inputs(
             f"KeyedJaggedTensor lengths add up to {last - first} but there are {values.numel()} "
             f"values: feature {key!r} (table {_tables_reading(key, pairs)}) is where they disagree"
         )
-    if per_sample_weights is not None and per_sample_weights.numel() != values.numel():
-        raise ValueError(
-            f"KeyedJaggedTensor has {per_sample_weights.numel()} weights for {values.numel()} values"
-        )
     if values.numel() == 0 or feature_meta.shape[0] == 0:
         return
-    if values.is_floating_point() or values.dtype == torch.bool:
-        raise ValueError(f"KeyedJaggedTensor values must be integer ids, got {values.dtype}")
     # Per value: the smallest table size among the features that read its key.
     key_of_value = torch.repeat_interleave(
         torch.arange(num_keys, device=values.device), offsets[batch_size::batch_size] - offsets[:-1:batch_size]
