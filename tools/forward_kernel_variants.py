@@ -50,6 +50,7 @@ def _bounds(text, blocks):
 VARIANTS = {
     "product": (lambda t: t, []),  # 8 rows in flight a lane
     "product-4rows": (lambda t: t, ["-DFORWARD_ROWS=4"]),  # 4 rows at dims <= 128 (the tuner's other launch)
+    "no-report": (lambda t: t, ["-DFORWARD_NO_REPORT"]),  # ids clamped, the report off (validate_inputs=False)
     "all-paths-2blocks": (lambda t: _bounds(t, 2), ["-DFORWARD_MAXV=4"]),  # the kernel before v17
     "all-paths": (lambda t: _bounds(t, 4), ["-DFORWARD_MAXV=4"]),
 }
@@ -63,12 +64,18 @@ def main():
     p.add_argument("--old", default="", help="also these kernels ('old', 'old-4rows'): a git revision, or a file "
                    "holding them (the device machine's copy of the tree has no git history)")
     p.add_argument("--narrow", action="store_true", help="the narrow-row shapes instead of the default ones")
+    p.add_argument("--extra", nargs="*", default=[], metavar="NAME=FILE",
+                   help="more variants: kernel sources in files (a change tried without editing this script)")
     args = p.parse_args()
     text = SOURCE.read_text()
     chosen = {name: (VARIANTS[name][0](text), VARIANTS[name][1]) for name in args.variants}
     if args.old:
         old = pathlib.Path(args.old).read_text() if pathlib.Path(args.old).is_file() else source_at(args.old)
         chosen = {"old": (old, []), "old-4rows": (old, ["-DFORWARD_ROWS=4"]), **chosen}
+    for item in args.extra:  # each with its 4-rows launch too
+        name, _, path = item.partition("=")
+        chosen[name] = (pathlib.Path(path).read_text(), [])
+        chosen[f"{name}-4rows"] = (chosen[name][0], ["-DFORWARD_ROWS=4"])
     compare(chosen, BENCH, args.out, "pooled_forward_kernel", NARROW_SHAPES if args.narrow else SHAPES, args.iters)
 
 
