@@ -48,8 +48,8 @@ def parse_args(argv=None):
                    "redis+cluster://local start a server / a 3-shard cluster on loopback for the run")
     p.add_argument("--peers", nargs="+", default=["recom_rec", "torchrec", "fbgemm", "fbgemm_unchecked"],
                    choices=list(PEERS) + list(PINNED_BACKENDS),
-                   help="fbgemm: its TBE with its default bounds check (as sharded torchrec trains); fbgemm_unchecked: "
-                   "without it, as ours runs here (validate_inputs=False); recom_rec:triton / recom_rec:cuda: ours "
+                   help="fbgemm: its TBE with its default bounds check (as sharded torchrec trains; ours checks ids "
+                   "inside its kernels); fbgemm_unchecked: without it; recom_rec:triton / recom_rec:cuda: ours "
                    "with that backend pinned, beside 'recom_rec' (--backend)")
     p.add_argument("--batch-size", type=int, default=None, help="override every workload's batch size")
     p.add_argument("--phases", nargs="+", default=[p for p in PHASES if p not in ("forward-graph", "inference")],

@@ -16,8 +16,9 @@ runs from the same weights for both and their updated tables are checked to agre
 update's difference over its size: what a backward that drops or doubles a lookup changes).
 Ratios are fbgemm ms / ours ms, against fbgemm as sharded torchrec trains with it (its default
 bounds check: a kernel before each lookup that clamps ids out of range) and against fbgemm without
-it (``fbgemm_unchecked``, "ratio_unchecked"): ours runs unchecked here (``validate_inputs=False``:
-its check is a host sync), so the second is the like-for-like one. At forward points that read
+it (``fbgemm_unchecked``, "ratio_unchecked"). Ours runs at its default, its kernels checking
+every id as they read it (ops/input_check.py), so the first is the like-for-like one and the
+second gives fbgemm the advantage of no check. At forward points that read
 100 MB of rows or more, each peer's forward is also replayed from a CUDA graph (device time alone):
 beside the copy ceiling, that tells a forward its kernels hold back from one its host start-up does.
 
@@ -54,7 +55,7 @@ MAX_LOOKUPS = 16_000_000
 MAX_READ_BYTES = 16e9  # rows a forward reads: bounds the slowest points' time
 MAX_WEIGHT_BYTES = 4e9  # one copy of the tables (ours and fbgemm's each hold one)
 BANDWIDTH_BOUND_BYTES = 100e6  # rows read at or above this: the forward is judged against the copy ceiling
-UNCHECKED = "fbgemm_unchecked"  # fbgemm without its bounds check (like ours here: validate_inputs=False)
+UNCHECKED = "fbgemm_unchecked"  # fbgemm without its bounds check (ours checks ids in its kernels)
 GRAPH_MIN_MS = 30.0  # each peer's graph replays timed at least this long at a bandwidth-bound point
 
 
@@ -139,7 +140,7 @@ class _Ours:
                                      feature_names=[f"f{i}"], pooling=pooling, data_type=data_type)
                   for i in range(p.tables)]
         self.module = recom_rec.EmbeddingBagCollection(tables, is_weighted=p.weighted, device=device,
-                                                       backend=backend, validate_inputs=False)
+                                                       backend=backend)
         with torch.no_grad():
             for i, w in enumerate(weights):
                 self.module.embedding_bags[f"t{i}"].weight.copy_(w)
@@ -404,7 +405,7 @@ def _ratio_stats(rated: List[dict], key: str) -> Optional[dict]:
 
 def format_results(meta: dict, results: List[dict], summary: Dict[str, dict]) -> str:
     lines = [f"sweep on {meta['device']} (copy ceiling {meta['copy_gbs']:.0f} GB/s), ratio = fbgemm ms / ours ms; "
-             f"fbgemm with its default bounds check, 'unchk' without it (ours runs unchecked: validate_inputs=False)"]
+             f"fbgemm with its default bounds check, 'unchk' without it (ours checks ids in its kernels)"]
     head = (f"{'point':52} {'phase':16} {'ours ms':>9} {'fbgemm ms':>9} {'ratio':>6} {'unchk':>6} {'copy%':>6} "
             f"{'graph%':>6} {'choice':>10}")
     lines.append(head)
