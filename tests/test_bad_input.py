@@ -191,3 +191,20 @@ def test_shapes_are_checked_at_the_call(backend):
                             lengths=torch.tensor([1, 1, 1]), weights=torch.ones(2)).to(DEVICE)
     with pytest.raises(ValueError, match="2 weights for 3 values"):
         _module(backend, is_weighted=True)(kjt)
+
+
+def test_report_slots_stay_bounded(monkeypatch):
+    """A process that builds many modules keeps a bounded number of report slots, and a pending
+    report survives the pruning."""
+    from recom_rec.ops import input_check
+
+    monkeypatch.setattr(input_check, "MAX_REPORTS", 8)
+    monkeypatch.setattr(input_check, "_REPORTS", {})
+    flats = [torch.zeros(4, device=DEVICE) for _ in range(20)]
+    pending = input_check.kernel_report(flats[0], "x")
+    pending.words[0] = input_check.REPORT_TOTAL
+    for flat in flats[1:]:
+        input_check.kernel_report(flat, "x")
+        assert len(input_check._REPORTS) <= 8
+    assert any(r is pending for r in input_check._REPORTS.values())
+    pending.words[0] = 0

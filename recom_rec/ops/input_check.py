@@ -51,6 +51,10 @@ class KernelReport:
 
 
 _REPORTS: Dict[Tuple[torch.device, int, str], KernelReport] = {}
+# Slots of freed modules cannot be told apart (the key is an address): past this many, the oldest
+# half of those without a pending report is dropped (a live group's slot is made again on its
+# next call).
+MAX_REPORTS = 4096
 
 
 def kernel_report(flat: torch.Tensor, names: str) -> Optional[KernelReport]:
@@ -64,6 +68,10 @@ def kernel_report(flat: torch.Tensor, names: str) -> Optional[KernelReport]:
     if report is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        if len(_REPORTS) >= MAX_REPORTS:
+            idle = [k for k, r in _REPORTS.items() if not r.pending()]
+            for k in idle[:len(idle) // 2 + 1]:
+                del _REPORTS[k]
         report = _REPORTS[key] = KernelReport(device)
     elif report.pending() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         raise _error(report.take(), names)
