@@ -208,3 +208,35 @@ def test_report_slots_stay_bounded(monkeypatch):
         assert len(input_check._REPORTS) <= 8
     assert any(r is pending for r in input_check._REPORTS.values())
     pending.words[0] = 0
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU (RECOM_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("backend", KERNELS)
+def test_a_captured_forward_reports_bad_input_from_its_replays(backend):
+    """No sync in the check, so a checked forward captures in a CUDA graph; a replay on a bad batch
+    reads row 0 and its report is raised by check_inputs()."""
+    module, reference = _pair(backend)
+    static = _kjt(*AS_ROW_ZERO)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(12):  # the launch tuners decide this shape's kernels first
+                module(static)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = module(static).values()
+        expected = reference(_kjt(*AS_ROW_ZERO)).values()
+        graph.replay()
+        module.check_inputs()
+        torch.testing.assert_close(out, expected)
+        static.values().copy_(torch.tensor(BAD[0], device=DEVICE))
+        graph.replay()
+        with pytest.raises(ValueError, match=r"feature 'item_id' \(table 'item_table'\): id 6"):
+            module.check_inputs()
+        torch.testing.assert_close(out, expected)  # the bad id read row 0
+        static.values().copy_(torch.tensor(AS_ROW_ZERO[0], device=DEVICE))
+        graph.replay()
+        module.check_inputs()  # reported once: later replays report afresh
