@@ -14,7 +14,6 @@ A report is kept per group (its weight buffer's address on its device) and per n
 (validation.encode_names: the KJT's keys and each feature's table), so its feature index always
 decodes to the right names and one module's bad batch is raised by that module.
 """
-from functools import lru_cache
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -89,17 +88,12 @@ def check_reported(device: Optional[torch.device] = None) -> None:
             raise _error(report.take(), key[2])
 
 
-@lru_cache(maxsize=256)
-def _pairs(names: str):
-    return decode_names(names)[1]
-
-
 def _error(report: Tuple[int, ...], names: str) -> ValueError:
     kind, feature, bag, a, b, num_values = report
     late = " (reported by the GPU kernels for a batch already run: there, bad ids read row 0 and bad bags nothing)"
     if kind == REPORT_TOTAL:
         return ValueError(f"KeyedJaggedTensor lengths add up to {b - a} but there are {num_values} values{late}")
-    name, table = _pairs(names)[feature]
+    name, table = decode_names(names)[1][feature]
     if kind == REPORT_BAG:
         return ValueError(
             f"KeyedJaggedTensor lengths add up past its {num_values} values: feature {name!r} (table {table!r}) "

@@ -114,15 +114,11 @@ def _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, keys,
     if validate:
         # The kernels check ids and bags as they read them and report without a sync
         # (input_check); the host checks what it knows without reading the batch.
-        check_shapes(values, offsets, per_sample_weights, _num_keys(names), batch_size)
+        check_shapes(values, offsets, per_sample_weights, len(decode_names(names)[0]), batch_size)
         check = kernel_report(flat, names)
     return impl.forward(flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim, max_dim,
                         check=check)
 
-
-@lru_cache(maxsize=256)
-def _num_keys(names: str) -> int:
-    return len(decode_names(names)[0])
 
 
 @pooled_embedding_forward.register_fake

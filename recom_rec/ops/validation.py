@@ -5,6 +5,7 @@ batch on the host: a device-to-host sync on CUDA, where the kernels check ids th
 (ops/input_check.py) and the host checks only what it knows without the device
 (``check_shapes``). Modules switch both off with ``validate_inputs=False``.
 """
+from functools import lru_cache
 from typing import List, Optional, Tuple
 
 import torch
@@ -27,10 +28,13 @@ def encode_names(keys: List[str], features: List[str], tables: List[str]) -> str
     return "\x1e".join(records)
 
 
-def decode_names(names: str) -> Tuple[List[str], List[Tuple[str, str]]]:
+@lru_cache(maxsize=256)
+def decode_names(names: str) -> Tuple[Tuple[str, ...], Tuple[Tuple[str, str], ...]]:
+    """(the KJT's keys, each feature's (feature, table)); cached: the kernels' check reads the
+    key count every call."""
     first, *rest = names.split(_RECORD)
-    keys = first.split(_UNIT) if first else []
-    return keys, [tuple(r.split(_UNIT, 1)) for r in rest]  # type: ignore[misc]
+    keys = tuple(first.split(_UNIT)) if first else ()
+    return keys, tuple(tuple(r.split(_UNIT, 1)) for r in rest)  # type: ignore[misc]
 
 
 def _tables_reading(key: str, pairs) -> str:
