@@ -9,5 +9,6 @@ def next_power_of_2(n: int) -> int:
 
 
 def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for positive ``b``, as ``triton.cdiv``."""
-    return -(-int(a) // int(b))
+    """``ceil(a / b)`` for positive ``b``, as ``triton.cdiv``. A symbolic ``a`` (export, dynamic
+    shapes) stays symbolic: ``int()`` would specialise it to its example's value."""
+    return -(-a // b)
