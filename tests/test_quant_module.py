@@ -186,3 +186,100 @@ def test_from_float_refuses_parameter_server_tables():
     fused.qconfig = _qconfig(torch.float32)
     with pytest.raises(ValueError, match="parameter-server"):
         QuantEBC.from_float(fused)
+
+
+# ---- bad input: the Triton kernel's own check (ops/input_check.py), as the float kernels' --------
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernel = pytest.mark.skipif(not (torch.cuda.is_available() or recom_rec.ops.backends.triton_interpreting()),
+                                  reason="the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
+
+
+def _kernel_module(backend="triton", **kw):
+    float_ebc = _float_ebc(False)
+    float_ebc.qconfig = _qconfig(torch.float32)
+    return QuantEBC.from_float(float_ebc, backend=backend, **kw).to(KERNEL_DEVICE)
+
+
+def _with_value(kjt, position, value):
+    values = kjt.values().clone()
+    values[position] = value
+    return KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths()).to(KERNEL_DEVICE)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bad_id, message", [(1000, r"id 1000 at batch index \d+ is out of range for 23 rows"),
+                                             (-2, r"id -2 at batch index \d+ is negative")])
+def test_kernel_reports_a_bad_id_on_the_next_call_and_reads_row_zero(bad_id, message):
+    ours, kjt = _kernel_module(), _kjt(False)
+    bad, as_row_zero = _with_value(kjt, -1, bad_id), _with_value(kjt, -1, 0)  # the last value is f4's (t4)
+    out = ours(bad).values()  # no sync and no error yet
+    with pytest.raises(ValueError, match=rf"feature 'f4' \(table 't4'\): {message}.*reported by the GPU kernels"):
+        ours(as_row_zero)
+    assert torch.equal(out, ours(as_row_zero).values())
+    ours.check_inputs()  # reported once
+
+
+@needs_kernel
+def test_check_inputs_raises_the_kernel_s_report_at_once():
+    ours = _kernel_module()
+    ours(_with_value(_kjt(False), -1, 1000))
+    with pytest.raises(ValueError, match=r"feature 'f4' \(table 't4'\): id 1000"):
+        ours.check_inputs()
+
+
+@needs_kernel
+@pytest.mark.parametrize("extra", [-3, 2])
+def test_kernel_lengths_that_do_not_add_up_stay_in_bounds(extra):
+    """Values short of the lengths (a bag ends past them) or longer (values no bag covers): the
+    kernel reads nothing outside them and the error follows."""
+    ours, kjt = _kernel_module(), _kjt(False)
+    n = kjt.values().numel()
+    values = torch.cat([kjt.values(), torch.zeros(max(extra, 0), dtype=kjt.values().dtype)])[:n + extra]
+    out = ours(KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths()).to(KERNEL_DEVICE)).values()
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match=r"lengths add up (to \d+ but there are|past its) \d+ values"):
+        ours.check_inputs()
+
+
+@needs_kernel
+def test_unchecked_kernel_clamps_silently():
+    ours = _kernel_module(validate_inputs=False)
+    kjt = _kjt(False)
+    out = ours(_with_value(kjt, -1, 1000)).values()
+    ours.check_inputs()  # nothing reported
+    assert torch.equal(out, ours(_with_value(kjt, -1, 0)).values())
+
+
+def test_a_traced_module_checks_at_the_call():
+    """Traced (torch.compile, export), the check is an op of the graph: it raises at the call."""
+    ours = torch.compile(_kernel_module(backend="auto"), backend="eager", fullgraph=True)
+    kjt = _kjt(False)
+    ours(kjt.to(KERNEL_DEVICE))
+    with pytest.raises(ValueError, match=r"feature 'f4' \(table 't4'\): id 1000"):
+        ours(_with_value(kjt, -1, 1000))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_captured_quantized_forward_reports_bad_input_from_its_replays():
+    ours, kjt = _kernel_module(), _kjt(False)
+    static, bad = _with_value(kjt, -1, 0), _with_value(kjt, -1, 1000)
+    expected = ours(static).values()
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                ours(static)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ours(static).values()
+    graph.replay()
+    ours.check_inputs()
+    assert torch.equal(out, expected)
+    static.values().copy_(bad.values())
+    graph.replay()
+    with pytest.raises(ValueError, match=r"feature 'f4' \(table 't4'\): id 1000"):
+        ours.check_inputs()
+    assert torch.equal(out, expected)  # the bad id read row 0

@@ -63,15 +63,16 @@ def _quantized_variants(ptr):
 
     # CUDA_ARITHMETIC 2 (a GPU) and 0; 1 is the interpreter's emulation, never compiled
     shapes = [(16, 2048), (64, 2048), (256, 2048), (32, 1), (32, 16), (128, 64)]  # (max_dim, batch)
-    for out, idx, has_w, (max_dim, batch), cuda in itertools.product(("fp32", "fp16", "bf16"), ("i32", "i64"),
-                                                                     (False, True), shapes, (2, 0)):
+    for out, idx, has_w, (max_dim, batch), cuda, report in itertools.product(
+            ("fp32", "fp16", "bf16"), ("i32", "i64"), (False, True), shapes, (2, 0), (False, True)):
         block_b, block_d, num_warps = q.block_shape(max_dim, batch)
         yield q._quantized_forward_kernel, {
             "flat_u8": "*u8", "flat_i32": "*i32", "flat_f16": "*fp16", "flat_f32": "*fp32", "values_ptr": ptr[idx],
             "offsets_ptr": ptr[idx], "weights_ptr": "*fp32", "meta_ptr": "*i64", "key_index_ptr": "*i64",
-            "out_ptr": ptr[out], "batch_size": "i32", "total_dim": "i32",
-        }, {"META_W": 8, "CUDA_ARITHMETIC": cuda, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d}, \
-            {"num_warps": num_warps}
+            "out_ptr": ptr[out], "batch_size": "i32", "total_dim": "i32", "num_values": "i32", "last_offset": "i32",
+            "claim_ptr": "*i32" if report else ptr[out], "report_ptr": "*i64" if report else ptr[out],
+        }, {"META_W": 8, "CUDA_ARITHMETIC": cuda, "HAS_WEIGHTS": has_w, "REPORT": report, "BLOCK_B": block_b,
+            "BLOCK_D": block_d}, {"num_warps": num_warps}
 
 
 def _aligned_pointers(kernel, signature):

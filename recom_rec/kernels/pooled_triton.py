@@ -59,6 +59,38 @@ def _report_first(claim_ptr, report_ptr, kind, flags, feature, bag, a, b, num_va
 
 
 @triton.jit
+def _report_bad_input(claim_ptr, report_ptr, values_ptr, offsets_ptr, key_index_ptr, meta_ptr, batch_size, flagged,
+                      num_values, META_W: tl.constexpr, BLOCK_B: tl.constexpr):
+    """After the loop: ``flagged`` marks the program's bags outside the values or holding an id
+    outside the table's ``rows``; reports the first bag outside the values, else the first bad id
+    of the first bag holding one. A program with no flag pays one reduction. The loop carries only
+    the flags: the feature's metadata, its offsets and the bag's ids are read again here, only in
+    a program with a flag (the first bad id carried through the loop cost the quantized kernel
+    2-6 registers and, at dim 32, a spill)."""
+    if tl.max(flagged.to(tl.int32), axis=0) > 0:
+        f = tl.program_id(0)
+        pid_b = tl.program_id(1)
+        key = tl.load(key_index_ptr + f).to(tl.int64)
+        rows = tl.load(meta_ptr + f * META_W + 4)
+        b, b_mask, start, end = _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B)
+        bag_ok = (start >= 0) & (start <= end) & (end <= num_values)
+        _report_first(claim_ptr, report_ptr, 2, b_mask & (bag_ok == 0), f, b, start, end, num_values, BLOCK_B)
+        lane = tl.arange(0, BLOCK_B)
+        first = tl.min(tl.where(flagged & bag_ok, lane, BLOCK_B), axis=0)
+        if first < BLOCK_B:
+            pick = lane == first
+            j = tl.sum(tl.where(pick, start, 0), axis=0)
+            stop = tl.sum(tl.where(pick, end, 0), axis=0)
+            while j < stop:
+                idx = tl.load(values_ptr + j).to(tl.int64)
+                if (idx < 0) | (idx >= rows):
+                    _report(claim_ptr, report_ptr, tl.full([], 1, tl.int64), f, tl.sum(tl.where(pick, b, 0), axis=0),
+                            idx, rows, num_values)
+                    stop = j
+                j += 1
+
+
+@triton.jit
 def _pooled_forward_kernel(
     flat_ptr, values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, out_ptr,
     batch_size, total_dim, num_values, last_offset, claim_ptr, report_ptr,
@@ -84,7 +116,6 @@ def _pooled_forward_kernel(
             if (first != 0) | (last != num_values):
                 _report(claim_ptr, report_ptr, tl.full([], 3, tl.int64), tl.full([], -1, tl.int64),
                         tl.full([], -1, tl.int64), first, last, num_values)
-        _report_first(claim_ptr, report_ptr, 2, b_mask & (bag_ok == 0), f, b, start, end, num_values, BLOCK_B)
     start = tl.where(bag_ok, start, 0)
     end = tl.where(bag_ok, end, 0)
     length = end - start
@@ -95,16 +126,14 @@ def _pooled_forward_kernel(
     max_length = tl.max(length, axis=0)
     # A while loop rather than range(): the interpreter cannot take a reduced value as a range
     # bound under numpy >= 2.3, and the compiled code is the same.
-    bad_id = tl.zeros([BLOCK_B], dtype=tl.int64)  # a bag's first id outside its table
-    bad = tl.zeros([BLOCK_B], dtype=tl.int1)
+    flagged = b_mask & (bag_ok == 0)  # REPORT: bags outside the values, then bags with a bad id
     i = 0
     while i < max_length:
         live = i < length
         idx = tl.load(values_ptr + start + i, mask=live, other=0).to(tl.int64)
         out_of_table = live & ((idx < 0) | (idx >= rows))
         if REPORT:
-            bad_id = tl.where(out_of_table & (bad == 0), idx, bad_id)
-            bad = bad | out_of_table
+            flagged = flagged | out_of_table
         idx = tl.where(out_of_table, 0, idx)
         row = tl.load(
             flat_ptr + base + idx[:, None] * dim + d[None, :],
@@ -117,8 +146,8 @@ def _pooled_forward_kernel(
         acc += row
         i += 1
     if REPORT:
-        _report_first(claim_ptr, report_ptr, 1, bad, f, b, bad_id, tl.zeros([BLOCK_B], tl.int64) + rows, num_values,
-                      BLOCK_B)
+        _report_bad_input(claim_ptr, report_ptr, values_ptr, offsets_ptr, key_index_ptr, meta_ptr, batch_size, flagged,
+                          num_values, META_W, BLOCK_B)
     inv_len = 1.0 / tl.maximum(length, 1).to(tl.float32)
     scale = tl.where(pooling == 1, inv_len, tl.full([BLOCK_B], 1.0, tl.float32))
     acc = acc * scale[:, None]

@@ -22,7 +22,7 @@ import triton.language as tl
 from ..ops.backends import triton_interpreting
 from ..quant.layout import QMETA_WIDTH
 from .grid_math import cdiv, next_power_of_2
-from .pooled_triton import _bag_block
+from .pooled_triton import _bag_block, _report, _report_bad_input
 
 
 @triton.jit
@@ -61,11 +61,12 @@ def _half_of_exact_sum(s, bias):
 
 @triton.jit
 def _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length, base,
-          row_stride, dim, KIND: tl.constexpr, CUDA_ARITHMETIC: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-          BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+          row_stride, dim, rows, flagged, KIND: tl.constexpr, CUDA_ARITHMETIC: tl.constexpr,
+          HAS_WEIGHTS: tl.constexpr, REPORT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
     """Sum of the bags' dequantized rows (weighted), [BLOCK_B, BLOCK_D] fp32 (columns past
     ``dim`` hold values the caller does not store), rows of type KIND (the RowType codes: 0 FP32,
-    1 FP16, 2 FP8, 3 INT8, 4 INT4, 5 INT2).
+    1 FP16, 2 FP8, 3 INT8, 4 INT4, 5 INT2); an id outside ``[0, rows)`` reads row 0. Also returns
+    ``flagged`` with the bags that met such an id added (with REPORT).
 
     Each lane loads its own elements (a byte, or the byte holding its 4 or 2 bits; an fp16 or fp32
     element): no reshuffle of packed words between lanes. An INT row's fp16 scale and bias are its
@@ -86,9 +87,14 @@ def _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start,
         # Unmasked id loads: a bag past its end (or past the batch) reads a neighbouring bag's id,
         # whose row loads below are masked off. (A masked load of the ids feeding the row
         # addresses fails Triton 3.6's layout pass on sm_90: "mask type matches ptr type". The
-        # loop runs only while some bag has ids, so values[0] exists.)
+        # loop runs only while some bag has ids, and the caller's bags lie within the values,
+        # so values[0] exists.)
         pos = tl.minimum(start + i, tl.maximum(end - 1, 0))
         idx = tl.load(values_ptr + pos).to(tl.int64)
+        out_of_table = (idx < 0) | (idx >= rows)
+        if REPORT:
+            flagged = flagged | (live & out_of_table)
+        idx = tl.where(out_of_table, 0, idx)
         if HAS_WEIGHTS:
             wt = tl.where(live, tl.load(weights_ptr + pos).to(tl.float32), 0.0)
         else:
@@ -129,45 +135,69 @@ def _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start,
                     bias_w = tl.fma(bias, wt, 0.0)
                     acc = tl.fma((scale * wt)[:, None], codes.to(tl.float32), acc + bias_w[:, None])
         i += 1
-    return acc
+    return acc, flagged
 
 
 @triton.jit
 def _quantized_forward_kernel(
     flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, out_ptr,
-    batch_size, total_dim,
-    META_W: tl.constexpr, CUDA_ARITHMETIC: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    batch_size, total_dim, num_values, last_offset, claim_ptr, report_ptr,
+    META_W: tl.constexpr, CUDA_ARITHMETIC: tl.constexpr, HAS_WEIGHTS: tl.constexpr, REPORT: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Ids outside their table read row 0, bags outside the values are empty, as in the float
+    kernels (ops/input_check.py); REPORT: the first of them is reported."""
     f = tl.program_id(0)
     pid_b = tl.program_id(1)
     dim = tl.load(meta_ptr + f * META_W + 0)
     base = tl.load(meta_ptr + f * META_W + 1)
     col = tl.load(meta_ptr + f * META_W + 2)
     pooling = tl.load(meta_ptr + f * META_W + 3)
+    rows = tl.load(meta_ptr + f * META_W + 4)
     row_stride = tl.load(meta_ptr + f * META_W + 5)
     kind = tl.load(meta_ptr + f * META_W + 6)
     key = tl.load(key_index_ptr + f).to(tl.int64)
     b, b_mask, start, end = _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B)
+    bag_ok = (start >= 0) & (start <= end) & (end <= num_values)
+    if REPORT:
+        if (f == 0) & (pid_b == 0):  # the lengths add up to the values
+            first = tl.load(offsets_ptr).to(tl.int64)
+            last = tl.load(offsets_ptr + last_offset).to(tl.int64)
+            if (first != 0) | (last != num_values):
+                _report(claim_ptr, report_ptr, tl.full([], 3, tl.int64), tl.full([], -1, tl.int64),
+                        tl.full([], -1, tl.int64), first, last, num_values)
+    flagged = b_mask & (bag_ok == 0)  # REPORT: bags outside the values, then bags with a bad id
+    start = tl.where(bag_ok, start, 0)
+    end = tl.where(bag_ok, end, 0)
     length = end - start
     max_length = tl.max(length, axis=0)
     if kind == 3:
-        acc = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length,
-                    base, row_stride, dim, 3, CUDA_ARITHMETIC, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc, flagged = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length,
+                             max_length, base, row_stride, dim, rows, flagged, 3, CUDA_ARITHMETIC, HAS_WEIGHTS, REPORT,
+                             BLOCK_B, BLOCK_D)
     elif kind == 4:
-        acc = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length,
-                    base, row_stride, dim, 4, CUDA_ARITHMETIC, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc, flagged = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length,
+                             max_length, base, row_stride, dim, rows, flagged, 4, CUDA_ARITHMETIC, HAS_WEIGHTS, REPORT,
+                             BLOCK_B, BLOCK_D)
     elif kind == 1:
-        acc = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length,
-                    base, row_stride, dim, 1, CUDA_ARITHMETIC, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc, flagged = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length,
+                             max_length, base, row_stride, dim, rows, flagged, 1, CUDA_ARITHMETIC, HAS_WEIGHTS, REPORT,
+                             BLOCK_B, BLOCK_D)
     elif kind == 5:
-        acc = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length,
-                    base, row_stride, dim, 5, CUDA_ARITHMETIC, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc, flagged = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length,
+                             max_length, base, row_stride, dim, rows, flagged, 5, CUDA_ARITHMETIC, HAS_WEIGHTS, REPORT,
+                             BLOCK_B, BLOCK_D)
     elif kind == 2:
-        acc = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length,
-                    base, row_stride, dim, 2, CUDA_ARITHMETIC, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc, flagged = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length,
+                             max_length, base, row_stride, dim, rows, flagged, 2, CUDA_ARITHMETIC, HAS_WEIGHTS, REPORT,
+                             BLOCK_B, BLOCK_D)
     else:
-        acc = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length, max_length,
-                    base, row_stride, dim, 0, CUDA_ARITHMETIC, HAS_WEIGHTS, BLOCK_B, BLOCK_D)
+        acc, flagged = _pool(flat_u8, flat_i32, flat_f16, flat_f32, values_ptr, weights_ptr, start, end, length,
+                             max_length, base, row_stride, dim, rows, flagged, 0, CUDA_ARITHMETIC, HAS_WEIGHTS, REPORT,
+                             BLOCK_B, BLOCK_D)
+    if REPORT:
+        _report_bad_input(claim_ptr, report_ptr, values_ptr, offsets_ptr, key_index_ptr, meta_ptr, batch_size, flagged,
+                          num_values, META_W, BLOCK_B)
     # fbgemm multiplies by 1/L (not a division by L), 1/L rounded correctly (Triton's "/" on fp32
     # is the approximate division); an empty bag stays 0.
     inv_len = tl.math.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.maximum(length, 1).to(tl.float32))
@@ -201,11 +231,12 @@ def _rounding(cuda_arithmetic: bool) -> int:
 
 def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per_sample_weights, feature_meta: torch.Tensor,
             key_index: torch.Tensor, batch_size: int, total_dim: int, max_dim: int, output_dtype: torch.dtype,
-            wrap=None, cuda_arithmetic: Optional[bool] = None) -> torch.Tensor:
+            wrap=None, cuda_arithmetic: Optional[bool] = None, check=None) -> torch.Tensor:
     """Launches the kernel; ``wrap`` is ``torch.library.wrap_triton`` when the launch is to be
     traced (the custom op under torch.compile / AOTInductor: Inductor then compiles the kernel
     into its own code). ``cuda_arithmetic`` (default: on a GPU) gives fbgemm's CUDA results
-    rather than its CPU ones (they differ in INT rows' rounding; see _pool)."""
+    rather than its CPU ones (they differ in INT rows' rounding; see _pool). ``check``: an
+    input_check.KernelReport to report bad ids and bags to (they are clamped either way)."""
     num_features = feature_meta.shape[0]
     if num_features == 0 or batch_size == 0:
         return torch.zeros(batch_size, total_dim, dtype=output_dtype, device=flat.device)
@@ -216,8 +247,10 @@ def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per
     kernel = _quantized_forward_kernel if wrap is None else wrap(_quantized_forward_kernel)
     kernel[(num_features, cdiv(batch_size, block_b))](
         flat, words, halves, floats, values, offsets, weights, feature_meta, key_index,
-        out, batch_size, total_dim,
+        out, batch_size, total_dim, values.numel(), offsets.numel() - 1,
+        check.claim if check is not None else out, check.words if check is not None else out,
         META_W=QMETA_WIDTH, CUDA_ARITHMETIC=_rounding(flat.is_cuda if cuda_arithmetic is None else cuda_arithmetic),
-        HAS_WEIGHTS=per_sample_weights is not None, BLOCK_B=block_b, BLOCK_D=block_d, num_warps=num_warps,
+        HAS_WEIGHTS=per_sample_weights is not None, REPORT=check is not None, BLOCK_B=block_b, BLOCK_D=block_d,
+        num_warps=num_warps,
     )
     return out

@@ -8,9 +8,13 @@ CUDA, the vectorised torch path (ops/quantized_torch.py) on the CPU (or the Trit
 It is a ``torch.library.triton_op``: ``torch.export`` keeps it as one node, and Inductor
 (``torch.compile``, AOTInductor) traces into it and compiles the Triton kernel into its own code,
 so an AOTInductor package runs it without Python. The parts Inductor cannot see into are opaque
-custom ops of their own: the input check (``quantized_lookup_checked_offsets``) and the CPU path
-(``quantized_pooled_lookup_host``). In plain eager mode ``quantized_lookup`` skips the custom-op
-layers (their host time is more than a small batch's kernel, docs/perf-notes.md v7).
+custom ops of their own: the traced graph's input check (``quantized_lookup_checked_offsets``,
+on the host, with a sync) and the CPU path (``quantized_pooled_lookup_host``). In plain eager mode
+``quantized_lookup`` skips the custom-op layers (their host time is more than a small batch's
+kernel, docs/perf-notes.md v7), and the Triton kernel checks ids and bags as it reads them and
+reports without a sync (ops/input_check.py), as the float kernels do. Whether checked or not, the
+kernel reads nothing out of bounds: an id outside its table reads row 0 (fbgemm's default
+clamps so too), a bag outside the values reads nothing.
 """
 from functools import lru_cache
 from typing import Optional
@@ -20,8 +24,9 @@ from torch import Tensor
 
 from . import quantized_torch
 from .backends import resolve_backend
+from .input_check import kernel_report
 from .pooled_embedding import _eager_ok
-from .validation import validate_inputs
+from .validation import check_shapes, decode_names, validate_inputs
 
 OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -48,10 +53,10 @@ def _(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, 
 
 
 def _host(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim,
-          output_dtype, backend):
+          output_dtype, backend, check=None):
     if resolve_backend(backend, flat.device) == "triton":  # the interpreter (or a GPU, eagerly)
         return _triton().forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
-                                 total_dim, max_dim, output_dtype)
+                                 total_dim, max_dim, output_dtype, check=check)
     return quantized_torch.forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
                                    total_dim, max_dim, output_dtype)
 
@@ -75,18 +80,23 @@ def _lookup(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
             output_dtype, backend, validate, names, traced: bool):
     if output_dtype not in OUTPUT_DTYPES:
         raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {output_dtype}")
+    kernel = resolve_backend(backend, flat.device) == "triton"
+    check = None
     if validate:
-        if traced:
+        if traced:  # Inductor compiles the kernel into its own code: no report slot to hand it
             offsets = checked_offsets(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, names)
+        elif kernel:
+            check_shapes(values, offsets, per_sample_weights, len(decode_names(names)[0]), batch_size)
+            check = kernel_report(flat, names)
         else:
             validate_inputs(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, names)
-    if flat.device.type == "cuda" and resolve_backend(backend, flat.device) == "triton":
+    if flat.device.type == "cuda" and kernel:
         return _triton().forward(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
                                  total_dim, max_dim, output_dtype,
-                                 wrap=torch.library.wrap_triton if traced else None)
+                                 wrap=torch.library.wrap_triton if traced else None, check=check)
     args = (flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim,
             output_dtype, backend)
-    return quantized_pooled_lookup_host(*args) if traced else _host(*args)
+    return quantized_pooled_lookup_host(*args) if traced else _host(*args, check=check)
 
 
 @torch.library.triton_op("recom_rec::quantized_pooled_lookup", mutates_args=())

@@ -19,6 +19,7 @@ from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
 from ..modules.embedding_modules import check_uniform_batch, key_routing
 from ..ops.backends import check_backend
+from ..ops.input_check import check_reported
 from ..ops.layout import POOLING_MEAN, POOLING_SUM
 from ..ops.quantized_lookup import OUTPUT_DTYPES, quantized_lookup
 from .layout import QuantTableSlot, buffer_bytes, pack_quant_tables, quant_feature_meta
@@ -59,7 +60,12 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         order of the input is always cached).
     Args (ours): ``backend`` (``"auto"``: the Triton kernel on CUDA, vectorised torch on the CPU;
         ``"triton"``, ``"torch"``), ``validate_inputs`` (check ids and lengths every batch and
-        raise a ``ValueError`` naming feature and table; a device-to-host sync on CUDA).
+        raise a ``ValueError`` naming feature and table: before the lookup on the torch backend;
+        on the Triton kernel's, as the kernel reads each id, without a device-to-host sync: a bad
+        id reads row 0 of its table (as fbgemm's default does), a bag outside the values reads
+        nothing, and the error is raised by the module's next call or at once by
+        ``check_inputs()``; in a graph traced by ``torch.compile`` or exported, the check runs on
+        the host with a sync). Unchecked, the kernel clamps the same way without reporting.
 
     ``embedding_bags[name].weight`` are the tables' rows in fbgemm's layout (uint8
     ``[rows, row_bytes]``: fp16 scale and bias, elements, padding; INT4 / INT2 wrapped in torchrec's
@@ -191,6 +197,11 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def _get_name(self) -> str:
         return "QuantizedEmbeddingBagCollection"
+
+    def check_inputs(self) -> None:
+        """Waits for the kernels queued on this module's device and raises the input error they
+        reported (see ``validate_inputs``), if any."""
+        check_reported(self._flat_rows.device)
 
     @classmethod
     def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False,
