@@ -2,20 +2,22 @@
 quantized EmbeddingBagCollection, same rows, same inputs.
 
 Per workload and row type: the forward at the workload's batch, then the latency at batches 1, 16
-and 64 replayed from a CUDA graph (on the CPU: eager, there are no CUDA graphs). All three hold the
+and 64 replayed from a CUDA graph (on the CPU: eager, there are no CUDA graphs). The peers are
+timed interleaved (A B B A rounds), as in the sweep. All three hold the
 same rows (ours loads torchrec's state_dict, fbgemm's TBE gets the same rows) and their outputs are
 checked against each other before anything is timed.
 """
 import gc
+import statistics
 import sys
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torchrec.modules.embedding_configs import DataType
 from tqdm import tqdm
 
 from ..quant.rows import row_bytes, row_type
-from .timing import time_ms
+from .timing import time_interleaved
 from .workloads import Workload, get_workload
 
 ROW_TYPES = {"int8": DataType.INT8, "int4": DataType.INT4, "int2": DataType.INT2, "fp16": DataType.FP16}
@@ -72,7 +74,8 @@ def build_peers(w: Workload, data_type: DataType, device: torch.device, wanted) 
         _fill_rows(tbe)
     peers: Dict[str, _Forward] = {}
     if "recom_rec" in wanted:
-        ours = QuantEBC(_quant_tables(w, data_type), is_weighted=False, device=device, validate_inputs=False)
+        # At its defaults, ids checked (in the kernel on a GPU): fbgemm at its defaults is the like-for-like peer.
+        ours = QuantEBC(_quant_tables(w, data_type), is_weighted=False, device=device)
         ours.load_state_dict(theirs.state_dict())
         peers["recom_rec"] = _Forward(lambda kjt: ours(kjt).values())
     if "fbgemm" in wanted or "fbgemm_unchecked" in wanted:
@@ -94,7 +97,7 @@ def build_peers(w: Workload, data_type: DataType, device: torch.device, wanted) 
 
             def unchecked_forward(kjt):
                 # The same TBE with its bounds check off for the call (it reads the mode each
-                # forward): torchrec's inference helpers build their TBEs so, and ours runs unchecked.
+                # forward), as torchrec's inference helpers build their TBEs: less work than ours.
                 checked, tbe.bounds_check_mode_int = tbe.bounds_check_mode_int, BoundsCheckMode.NONE.value
                 try:
                     return fbgemm_forward(kjt)
@@ -115,6 +118,34 @@ def _agree(peers: Dict[str, _Forward], kjt) -> str:
         return "-"
     diff = (outs["recom_rec"] - ref).abs().max().item()
     return "bits" if diff == 0 else f"{diff:.1e}"
+
+
+def _time_peers(peers: Dict[str, _Forward], steps: Dict[str, Callable[[], object]], device: torch.device, args,
+                base: dict, failed: Optional[Dict[str, str]] = None) -> List[dict]:
+    """One row per peer: the median ms of its step, the steps timed interleaved (A B B A rounds,
+    timing.time_interleaved), so that a drift of the host or device between the peers' timings
+    falls on all of them alike. A peer whose step fails is recorded with its error."""
+    errors = dict(failed or {})
+    for name in list(steps):
+        try:
+            with torch.no_grad():
+                steps[name]()
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            errors[name] = str(e)[:200]
+            del steps[name]
+    samples: Dict[str, List[float]] = {}
+    if steps:
+        with torch.no_grad():
+            samples = time_interleaved(steps, device, warmup=args.warmup, min_iters=args.iters)
+    rows = []
+    for name in peers:
+        row = {**base, "peer": name}
+        if name in samples:
+            row["ms"] = statistics.median(samples[name])
+        else:
+            row["error"] = errors.get(name, "not timed")
+        rows.append(row)
+    return rows
 
 
 def run_inference(args, device: torch.device, ceiling: float, small: bool) -> List[dict]:
@@ -139,34 +170,28 @@ def run_inference(args, device: torch.device, ceiling: float, small: bool) -> Li
                 continue
             kjt = w.make_input(device)
             agree = _agree(peers, kjt)
-            for name, peer in peers.items():
-                row = {"workload": wname, "peer": name, "phase": f"{type_name} B={w.batch_size}", "agree": agree}
-                try:
-                    with torch.no_grad():
-                        row["ms"] = time_ms(lambda: peer.forward(kjt), device, warmup=args.warmup, iters=args.iters)
+            rows = _time_peers(peers, {name: (lambda p=peer: p.forward(kjt)) for name, peer in peers.items()},
+                               device, args, {"workload": wname, "phase": f"{type_name} B={w.batch_size}",
+                                              "agree": agree})
+            for row in rows:
+                if "ms" in row:
                     row["gbs"] = lookup_bytes(w, data_type) / (row["ms"] * 1e-3) / 1e9
                     row["ceiling_share"] = row["gbs"] / ceiling
-                except (RuntimeError, torch.OutOfMemoryError) as e:
-                    row["error"] = str(e)[:200]
-                results.append(row)
+            results += rows
             for batch in GRAPH_BATCHES:
                 small_batch = get_workload(wname, small)
                 small_batch.batch_size = batch
                 small_kjt = small_batch.make_input(device, seed=batch)
                 mode = "graph" if device.type == "cuda" else "eager"
+                steps, failed = {}, {}
                 for name, peer in peers.items():
-                    row = {"workload": wname, "peer": name, "phase": f"{type_name} B={batch} {mode}"}
                     try:
-                        if device.type == "cuda":
-                            step = graph_replay(peer, small_kjt, device)
-                        else:
-                            def step():
-                                with torch.no_grad():
-                                    peer.forward(small_kjt)
-                        row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
+                        steps[name] = (graph_replay(peer, small_kjt, device) if device.type == "cuda"
+                                       else (lambda p=peer: p.forward(small_kjt)))
                     except Exception as e:  # noqa: BLE001 - a peer whose forward cannot be captured
-                        row["error"] = str(e)[:200]
-                    results.append(row)
+                        failed[name] = str(e)[:200]
+                results += _time_peers(peers, steps, device, args,
+                                       {"workload": wname, "phase": f"{type_name} B={batch} {mode}"}, failed)
             del peers
             gc.collect()
             if device.type == "cuda":
