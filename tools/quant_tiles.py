@@ -1,6 +1,7 @@
 """Times the quantized kernel under several tile rules (BLOCK_B x BLOCK_D and warps) on the inference workloads, beside fbgemm's IntN TBE on the same rows: the data behind
 ``quantized_triton.block_shape``. Batches of 64 or less are timed as CUDA-graph replays (as the
-benchmark's latency rows), larger ones eagerly. GPU only.
+benchmark's latency rows), larger ones eagerly; the rules and fbgemm interleaved (A B B A rounds),
+ours at its defaults (ids checked in the kernel). GPU only.
 
     python tools/quant_tiles.py [--workloads dlrm-kaggle many-500 many-4000] [--row-types int8 int4 fp16]
                                 [--batches 64 0]   (0: the workload's own batch)
@@ -10,9 +11,10 @@ import argparse
 import torch
 import triton
 
-from recom_rec.bench.timing import graph_replay
+import statistics
+
 from recom_rec.bench.inference import ROW_TYPES, build_peers
-from recom_rec.bench.timing import time_ms
+from recom_rec.bench.timing import graph_replay, time_interleaved
 from recom_rec.bench.workloads import get_workload
 from recom_rec.kernels import quantized_triton
 
@@ -38,6 +40,8 @@ RULES = {  # (v14's first runs also had 8K-16K tiles with 2-8 warps: 0.5-0.9x of
     "2K/16 w2-2": rule(2048, 16, 2, 2),
     "256/4 w1-1": rule(256, 4, 1, 1),
     "4K/128 w4-4": rule(4096, 128, 4, 4),
+    "512/16 w1-1": rule(512, 16, 1, 1),
+    "1K/16 w1-1": rule(1024, 16, 1, 1),
 }
 
 
@@ -47,9 +51,10 @@ def main():
     p.add_argument("--row-types", nargs="+", default=["int8", "int4", "fp16"])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--batches", nargs="+", type=int, default=[0], help="0: the workload's own batch")
+    p.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES))
     args = p.parse_args()
     device = torch.device("cuda")
-    print(f"{'workload':<12} {'rows':<5} {'batch':>6} {'fbgemm':>8} " + " ".join(f"{r:>13}" for r in RULES))
+    print(f"{'workload':<12} {'rows':<5} {'batch':>6} {'fbgemm':>8} " + " ".join(f"{r:>13}" for r in args.rules))
     for wname in args.workloads:
         w = get_workload(wname, False)
         for t in args.row_types:
@@ -60,30 +65,45 @@ def main():
                 kjt = sized.make_input(device, seed=batch)
                 with torch.no_grad():
                     ref = peers["fbgemm"].forward(kjt)
-                    fb = _time(peers["fbgemm"], kjt, device, args.iters)
-                    cells = []
-                    for name, r in RULES.items():
-                        quantized_triton.block_shape = r
+                    steps, cells = {"fbgemm": _step(peers["fbgemm"], kjt, device)}, {}
+                    for name in args.rules:
+                        quantized_triton.block_shape = RULES[name]
                         try:
-                            out = peers["recom_rec"].forward(kjt)
-                            same = torch.equal(out.float(), ref.float())
-                            ms = _time(peers["recom_rec"], kjt, device, args.iters)
-                            cells.append(f"{ms:8.4f} {fb / ms:3.2f}{'' if same else '!'}")
+                            same = torch.equal(peers["recom_rec"].forward(kjt).float(), ref.float())
+                            steps[name] = _step(peers["recom_rec"], kjt, device, RULES[name])
+                            cells[name] = "" if same else "!"
                         except Exception as e:  # noqa: BLE001 - a rule that does not compile or fit
-                            cells.append(f"{'err ' + type(e).__name__[:8]:>13}")
+                            cells[name] = "err " + type(e).__name__[:8]
                         finally:
                             quantized_triton.block_shape = DEFAULT
-                print(f"{wname:<12} {t:<5} {sized.batch_size:>6} {fb:8.4f} " + " ".join(f"{c:>13}" for c in cells),
-                      flush=True)
+                    samples = time_interleaved(steps, device, min_iters=args.iters)
+                    fb = statistics.median(samples["fbgemm"])
+                    for name in args.rules:
+                        if name in samples:
+                            ms = statistics.median(samples[name])
+                            cells[name] = f"{ms:8.4f} {fb / ms:3.2f}{cells[name]}"
+                row = " ".join(f"{cells[r]:>13}" for r in args.rules)
+                print(f"{wname:<12} {t:<5} {sized.batch_size:>6} {fb:8.4f} {row}", flush=True)
             del peers
             torch.cuda.empty_cache()
 
 
-def _time(peer, kjt, device, iters):
-    """ms: a CUDA-graph replay (as the benchmark's latency rows) at batches up to 64, else eager."""
+def _step(peer, kjt, device, shape=None):
+    """One timed run: a CUDA-graph replay (as the benchmark's latency rows) at batches up to 64,
+    else an eager forward; ``shape``: the tile rule the launch uses (set for the run, so that the
+    rules can be interleaved)."""
+    def forward():
+        if shape is not None:
+            quantized_triton.block_shape = shape
+        try:
+            return peer.forward(kjt)
+        finally:
+            quantized_triton.block_shape = DEFAULT
+
     if kjt.stride() <= 64:
-        return time_ms(graph_replay(peer, kjt, device), device, warmup=5, iters=max(iters, 100))
-    return time_ms(lambda: peer.forward(kjt), device, warmup=5, iters=iters)
+        ruled = peer if shape is None else type("Ruled", (), {"forward": staticmethod(lambda _kjt: forward())})()
+        return graph_replay(ruled, kjt, device)
+    return forward
 
 
 if __name__ == "__main__":
