@@ -2,10 +2,10 @@
 quantized EmbeddingBagCollection, same rows, same inputs.
 
 Per workload and row type: the forward at the workload's batch, then the latency at batches 1, 16
-and 64 replayed from a CUDA graph (on the CPU: eager, there are no CUDA graphs). The peers are
-timed interleaved (A B B A rounds), as in the sweep. All three hold the
-same rows (ours loads torchrec's state_dict, fbgemm's TBE gets the same rows) and their outputs are
-checked against each other before anything is timed.
+and 64 replayed from a CUDA graph (on the CPU: eager, there are no CUDA graphs), the peers timed
+interleaved (A B B A rounds) as in the sweep. All of them hold the same rows (ours loads
+torchrec's state_dict, fbgemm's TBE gets the same rows) and their outputs are checked against each
+other before anything is timed. Ours runs at its defaults (ids checked).
 """
 import gc
 import statistics
@@ -74,7 +74,7 @@ def build_peers(w: Workload, data_type: DataType, device: torch.device, wanted) 
         _fill_rows(tbe)
     peers: Dict[str, _Forward] = {}
     if "recom_rec" in wanted:
-        # At its defaults, ids checked (in the kernel on a GPU): fbgemm at its defaults is the like-for-like peer.
+        # At its defaults (ids checked, in the kernel on a GPU): fbgemm at its defaults is the like-for-like peer.
         ours = QuantEBC(_quant_tables(w, data_type), is_weighted=False, device=device)
         ours.load_state_dict(theirs.state_dict())
         peers["recom_rec"] = _Forward(lambda kjt: ours(kjt).values())
