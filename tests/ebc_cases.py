@@ -17,6 +17,22 @@ DEVICE = torch.device(os.environ.get("RECOM_TEST_DEVICE", "cpu"))
 KERNEL_BACKENDS = ["torch", "triton"] + (["cuda"] if DEVICE.type == "cuda" else [])
 
 
+
+def capture_forward(forward, warmup_runs: int):
+    """A CUDA graph of ``forward()`` and the output it writes on each replay. ``forward`` runs
+    ``warmup_runs`` times on a side stream first (launch tuners decide, report slots exist)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_runs):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    return graph, out
+
 @dataclass
 class Case:
     tables: List[EmbeddingBagConfig]

@@ -6,7 +6,7 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 import recom_rec
-from ebc_cases import DEVICE, KERNEL_BACKENDS
+from ebc_cases import DEVICE, KERNEL_BACKENDS, capture_forward
 
 TABLES = [
     EmbeddingBagConfig(name="users", embedding_dim=4, num_embeddings=10, feature_names=["user_id"]),
@@ -218,16 +218,8 @@ def test_a_captured_forward_reports_bad_input_from_its_replays(backend):
     module, reference = _pair(backend)
     static = _kjt(*AS_ROW_ZERO)
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(12):  # the launch tuners decide this shape's kernels first
-                module(static)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = module(static).values()
+        # 12 runs first: the launch tuners decide this shape's kernels
+        graph, out = capture_forward(lambda: module(static).values(), 12)
         expected = reference(_kjt(*AS_ROW_ZERO)).values()
         graph.replay()
         module.check_inputs()

@@ -13,6 +13,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import recom_rec
 import recom_rec.ops.backends
 from recom_rec.quant import EmbeddingBagCollection as QuantEBC
+from ebc_cases import capture_forward
 
 WEIGHT_DTYPES = {"t0": torch.qint8, "t1": torch.quint4x2, "t2": torch.quint2x4, "t3": torch.half,
                  "t4": torch.float, "t5": torch.qint8}
@@ -265,16 +266,7 @@ def test_a_captured_quantized_forward_reports_bad_input_from_its_replays():
     static, bad = _with_value(kjt, -1, 0), _with_value(kjt, -1, 1000)
     expected = ours(static).values()
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                ours(static)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ours(static).values()
+        graph, out = capture_forward(lambda: ours(static).values(), 3)
     graph.replay()
     ours.check_inputs()
     assert torch.equal(out, expected)

@@ -10,15 +10,10 @@ import statistics
 
 import torch
 
-from recom_rec.bench.inference import ROW_TYPES, _quant_tables
+from recom_rec.bench.inference import ROW_TYPES, _Forward, _quant_tables
 from recom_rec.bench.timing import graph_replay, time_interleaved
 from recom_rec.bench.workloads import get_workload
 from recom_rec.quant import EmbeddingBagCollection as QuantEBC
-
-
-class _Peer:
-    def __init__(self, module):
-        self.forward = lambda kjt: module(kjt).values()
 
 
 def main():
@@ -39,7 +34,8 @@ def main():
             unchecked = QuantEBC(_quant_tables(w, ROW_TYPES[row_type]), is_weighted=False, device=device,
                                  validate_inputs=False)
             unchecked.load_state_dict(checked.state_dict())
-            peers = {"checked": _Peer(checked), "unchecked": _Peer(unchecked)}
+            peers = {name: _Forward(lambda kjt, m=m: m(kjt).values())
+                     for name, m in (("checked", checked), ("unchecked", unchecked))}
             runs = [(w.batch_size, "eager", w.make_input(device))]
             for b in args.batches:
                 small = get_workload(name, False)

@@ -13,7 +13,7 @@ import triton
 
 import statistics
 
-from recom_rec.bench.inference import ROW_TYPES, build_peers
+from recom_rec.bench.inference import ROW_TYPES, _Forward, build_peers
 from recom_rec.bench.timing import graph_replay, time_interleaved
 from recom_rec.bench.workloads import get_workload
 from recom_rec.kernels import quantized_triton
@@ -101,8 +101,7 @@ def _step(peer, kjt, device, shape=None):
             quantized_triton.block_shape = DEFAULT
 
     if kjt.stride() <= 64:
-        ruled = peer if shape is None else type("Ruled", (), {"forward": staticmethod(lambda _kjt: forward())})()
-        return graph_replay(ruled, kjt, device)
+        return graph_replay(peer if shape is None else _Forward(lambda _kjt: forward()), kjt, device)
     return forward
 
 

@@ -35,6 +35,24 @@ def _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
+def _checked_bag_block(offsets_ptr, key, pid_b, batch_size, num_values, last_offset, claim_ptr, report_ptr,
+                       REPORT: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``_bag_block`` under the input check (ops/input_check.py): a bag whose [start, end) leaves
+    the values is empty, and is returned in ``outside``; with REPORT, program (0, 0) also reports
+    lengths that do not add up to the values. Returns (b, b_mask, start, end, outside)."""
+    b, b_mask, start, end = _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B)
+    bag_ok = (start >= 0) & (start <= end) & (end <= num_values)
+    if REPORT:
+        if (tl.program_id(0) == 0) & (pid_b == 0):  # the lengths add up to the values
+            first = tl.load(offsets_ptr).to(tl.int64)
+            last = tl.load(offsets_ptr + last_offset).to(tl.int64)
+            if (first != 0) | (last != num_values):
+                _report(claim_ptr, report_ptr, tl.full([], 3, tl.int64), tl.full([], -1, tl.int64),
+                        tl.full([], -1, tl.int64), first, last, num_values)
+    return b, b_mask, tl.where(bag_ok, start, 0), tl.where(bag_ok, end, 0), b_mask & (bag_ok == 0)
+
+
+@triton.jit
 def _report(claim_ptr, report_ptr, kind, feature, bag, a, b, num_values):
     """The input check's report (ops/input_check.py; csrc/lookup/kernels.cuh: report_bad): written
     by the program that takes the claim, the kind last."""
@@ -107,17 +125,9 @@ def _pooled_forward_kernel(
     pooling = tl.load(meta_ptr + f * META_W + 3)
     rows = tl.load(meta_ptr + f * META_W + 4)
     key = tl.load(key_index_ptr + f).to(tl.int64)
-    b, b_mask, start, end = _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B)
-    bag_ok = (start >= 0) & (start <= end) & (end <= num_values)
-    if REPORT:
-        if (f == 0) & (pid_b == 0):  # the lengths add up to the values
-            first = tl.load(offsets_ptr).to(tl.int64)
-            last = tl.load(offsets_ptr + last_offset).to(tl.int64)
-            if (first != 0) | (last != num_values):
-                _report(claim_ptr, report_ptr, tl.full([], 3, tl.int64), tl.full([], -1, tl.int64),
-                        tl.full([], -1, tl.int64), first, last, num_values)
-    start = tl.where(bag_ok, start, 0)
-    end = tl.where(bag_ok, end, 0)
+    # flagged (REPORT): bags outside the values, then bags with a bad id
+    b, b_mask, start, end, flagged = _checked_bag_block(offsets_ptr, key, pid_b, batch_size, num_values, last_offset,
+                                                        claim_ptr, report_ptr, REPORT, BLOCK_B)
     length = end - start
     d = tl.arange(0, BLOCK_D)
     d_mask = d < dim
@@ -126,7 +136,6 @@ def _pooled_forward_kernel(
     max_length = tl.max(length, axis=0)
     # A while loop rather than range(): the interpreter cannot take a reduced value as a range
     # bound under numpy >= 2.3, and the compiled code is the same.
-    flagged = b_mask & (bag_ok == 0)  # REPORT: bags outside the values, then bags with a bad id
     i = 0
     while i < max_length:
         live = i < length

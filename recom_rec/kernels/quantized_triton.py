@@ -22,7 +22,7 @@ import triton.language as tl
 from ..ops.backends import triton_interpreting
 from ..quant.layout import QMETA_WIDTH
 from .grid_math import cdiv, next_power_of_2
-from .pooled_triton import _bag_block, _report, _report_bad_input
+from .pooled_triton import _checked_bag_block, _report_bad_input
 
 
 @triton.jit
@@ -157,18 +157,9 @@ def _quantized_forward_kernel(
     row_stride = tl.load(meta_ptr + f * META_W + 5)
     kind = tl.load(meta_ptr + f * META_W + 6)
     key = tl.load(key_index_ptr + f).to(tl.int64)
-    b, b_mask, start, end = _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B)
-    bag_ok = (start >= 0) & (start <= end) & (end <= num_values)
-    if REPORT:
-        if (f == 0) & (pid_b == 0):  # the lengths add up to the values
-            first = tl.load(offsets_ptr).to(tl.int64)
-            last = tl.load(offsets_ptr + last_offset).to(tl.int64)
-            if (first != 0) | (last != num_values):
-                _report(claim_ptr, report_ptr, tl.full([], 3, tl.int64), tl.full([], -1, tl.int64),
-                        tl.full([], -1, tl.int64), first, last, num_values)
-    flagged = b_mask & (bag_ok == 0)  # REPORT: bags outside the values, then bags with a bad id
-    start = tl.where(bag_ok, start, 0)
-    end = tl.where(bag_ok, end, 0)
+    # flagged (REPORT): bags outside the values, then bags with a bad id
+    b, b_mask, start, end, flagged = _checked_bag_block(offsets_ptr, key, pid_b, batch_size, num_values, last_offset,
+                                                        claim_ptr, report_ptr, REPORT, BLOCK_B)
     length = end - start
     max_length = tl.max(length, axis=0)
     if kind == 3:
