@@ -1,0 +1,98 @@
+"""GPU investigation (not a benchmark): the random-row gather ceiling by row width, beside ours' and
+fbgemm's forward on the same rows.
+
+The sweep judges a forward that reads >= 100 MB of rows against the device-to-device copy rate.
+Rows of 16-32 bytes are read at random, a 32-byte sector (or more) at a time, and no kernel may
+reach the copy rate there. This measures what a gather can reach on the sweep's own points: a
+minimal Triton kernel that reads each lookup's row (its flat row index precomputed, 4 bytes) and
+sums a block of them (no bags, no ids check, no output to speak of), at several block sizes, the
+best taken. Ours (backend auto, checked as it runs by default) and fbgemm (checked and unchecked)
+run the point's forward on the same KJT; all are CUDA-graph replays (device time), timed
+interleaved. Shares are the rows' bytes over each time, over the copy rate.
+
+Usage (GPU machine): PYTHONPATH=. python tools/gather_ceiling.py [--dims 4 8 16 32 64] [--ids 10 50 200]
+"""
+import argparse
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+
+from recom_rec.bench.sweep import Point, _Fbgemm, _Ours, make_kjt
+from recom_rec.bench.timing import copy_bandwidth_gbs, graph_replay, time_interleaved
+
+BLOCKS = ((128, 2), (256, 4), (512, 4), (1024, 8), (2048, 8))  # (lookups a program, warps)
+
+
+@triton.jit
+def _gather_sum(weights, rows, out, n, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    lookups = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = lookups < n
+    row = tl.load(rows + lookups, mask=inside, other=0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    tile = tl.load(weights + row[:, None] * D + cols[None, :], mask=inside[:, None] & (cols[None, :] < D), other=0.0)
+    tl.store(out + pid * BLOCK_D + cols, tl.sum(tile.to(tl.float32), axis=0))
+
+
+class _Gather:
+    """The minimal gather as a peer: ``forward`` launches it over every lookup of the KJT."""
+
+    def __init__(self, p: Point, weights: torch.Tensor, kjt, block: int, warps: int):
+        per_table = kjt.lengths().view(p.tables, -1).sum(1)
+        table = torch.repeat_interleave(torch.arange(p.tables, device=weights.device), per_table)
+        self.rows = (kjt.values() + table * p.rows).to(torch.int32)
+        self.weights, self.dim, self.block, self.warps = weights, p.dim, block, warps
+        self.grid = (triton.cdiv(self.rows.numel(), block),)
+        self.out = torch.empty(self.grid[0], triton.next_power_of_2(p.dim), device=weights.device)
+
+    def forward(self, kjt):
+        _gather_sum[self.grid](self.weights, self.rows, self.out, self.rows.numel(), D=self.dim,
+                               BLOCK_D=triton.next_power_of_2(self.dim), BLOCK_N=self.block, num_warps=self.warps)
+        return self.out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dims", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    ap.add_argument("--ids", type=int, nargs="+", default=[10, 50, 200])
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    copy_gbs = copy_bandwidth_gbs(device)
+    print(f"{torch.cuda.get_device_name(device)}: copy {copy_gbs:.0f} GB/s")
+    print(f"{'point':<34} {'rows MB':>8} | {'gather ms':>9} {'block':>10} {'share':>6} | {'ours ms':>8} {'share':>6}"
+          f" {'of gather':>9} | {'fbgemm':>7} {'unchecked':>9}")
+    for dim in args.dims:
+        for ids in args.ids:
+            p = Point("grid", dim=dim, ids=ids).fitted()
+            kjt = make_kjt(p, device)
+            weights = torch.randn(p.tables * p.rows, p.dim, device=device)
+            tables = list(weights.view(p.tables, p.rows, p.dim))
+            peers = {"ours": _Ours(p, device, None, tables, "auto"), "fbgemm": _Fbgemm(p, device, None, tables),
+                     "unchecked": _Fbgemm(p, device, None, tables, bounds_checked=False)}
+            peers.update({f"gather {b}/{w}": _Gather(p, weights, kjt, b, w) for b, w in BLOCKS})
+            with torch.no_grad():
+                sums = {name: peer.forward(kjt).double().sum().item() for name, peer in peers.items()}
+            reference = sums["fbgemm"]
+            bad = {n: s for n, s in sums.items() if abs(s - reference) > 1e-3 * (abs(reference) + 1)}
+            assert not bad, f"{p.label()}: sums disagree with fbgemm's {reference}: {bad}"
+            replays = {name: graph_replay(peer, kjt, device) for name, peer in peers.items()}
+            samples = time_interleaved(replays, device, warmup=2, min_iters=args.iters, min_ms=20.0)
+            ms = {name: statistics.median(t) for name, t in samples.items()}
+            best = min((n for n in ms if n.startswith("gather")), key=ms.get)
+            rows_bytes = kjt.values().numel() * p.dim * 4
+
+            def share(t):
+                return rows_bytes / (t * 1e-3) / 1e9 / copy_gbs
+
+            print(f"{p.label():<34} {rows_bytes / 1e6:8.0f} | {ms[best]:9.4f} {best[7:]:>10} {share(ms[best]):6.0%} | "
+                  f"{ms['ours']:8.4f} {share(ms['ours']):6.0%} {ms[best] / ms['ours']:9.0%} | "
+                  f"{ms['fbgemm']:7.4f} {ms['unchecked']:9.4f}", flush=True)
+            del peers, replays, kjt, weights, tables
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
