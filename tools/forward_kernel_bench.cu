@@ -44,7 +44,12 @@ int main(int argc, char** argv) {
 #endif
   const InputCheck chk{n, T * B, claim, report};
   auto launch = [&] {
+#ifdef RECOM_REC_FORWARD_ROUNDS
+    kernel<<<shape.grid, FORWARD_THREADS>>>(flat, dv, doff, nullptr, dmeta, dkey, out, B, total_dim, bag_major,
+                                            shape.round_bag_blocks, shape.items, chk);
+#else
     kernel<<<shape.grid, FORWARD_THREADS>>>(flat, dv, doff, nullptr, dmeta, dkey, out, B, total_dim, bag_major, chk);
+#endif
   };
 #else
   auto launch = [&] {

@@ -104,6 +104,7 @@ __device__ __forceinline__ bool vec_ok(int64_t dim, int64_t base, int64_t col, i
 // call. A batch without bad input pays a compare a lookup, and at rows wider than one 16-byte
 // chunk a lane a second read of its ids: 0-4% of the forward kernel (perf-notes v24).
 #define RECOM_REC_INPUT_CHECK 1  // tools/*_kernel_bench.cu: the kernels take an InputCheck
+#define RECOM_REC_FORWARD_ROUNDS 1  // tools/forward_kernel_bench.cu: the forward takes round_bag_blocks, items
 enum : int64_t { REPORT_NONE = 0, REPORT_ID = 1, REPORT_BAG = 2, REPORT_TOTAL = 3 };
 struct InputCheck {
   int64_t num_values;   // the KJT's values
@@ -219,7 +220,14 @@ __device__ __forceinline__ void pool_vec(const W* __restrict__ table, const I* _
 // Grid (features, blocks of bags), or (blocks of bags, features) when `bag_major`: blocks are
 // scheduled x-fastest, so feature-major runs every feature's first bags at once (the output rows
 // of those bags are written together) and bag-major runs one feature's bags at once (its table's
-// repeated rows are read while they are in L2). Every group of G lanes pools one bag: G = lanes
+// repeated rows are read while they are in L2). Bag-major in rounds (ROUNDS, `items` > 0): a 1-D
+// grid of items / rounds blocks, each pooling the items (feature, bag block of `round_bag_blocks`)
+// it is dealt in feature order, so that a round runs a 1/rounds share of the features at once.
+// Where the whole grid fits the GPU at once, plain bag-major runs every table together; rounds
+// keep fewer tables' rows competing for L2 (H100, 16 tables of 32-byte rows, 200 ids a bag: L2
+// hit rate 28% against fbgemm's 63%, DRAM reads 1.5x the rows' bytes; perf-notes v26). The rounds
+// kernel runs at two blocks an SM (it runs fewer blocks anyway): its loop state would spill the
+// one-pass kernels at their 40-64 registers. Every group of G lanes pools one bag: G = lanes
 // for the feature's dim, so narrow tables pack several bags per warp. A bag's ids are summed in
 // input order in fp32 (the same order as the Triton kernel: equal results in fp32).
 // MAXV: the most 16-byte chunks a lane holds in one pass, from the group's widest dim (1 up to 128,
@@ -230,108 +238,124 @@ __device__ __forceinline__ void pool_vec(const W* __restrict__ table, const I* _
 // registers; 5 blocks with int32 ids, which spill 72 bytes at 40): faster on short bags, slower
 // on long bags of narrow rows (few lanes a bag), so the launch tuner measures both where the
 // group's rows take one chunk a lane.
-template <typename W, typename I, int MAXV, int ROWS>
-__global__ void __launch_bounds__(256, ROWS == 4 ? (sizeof(I) == 8 ? 6 : 5) : 4) pooled_forward_kernel(
+template <typename W, typename I, int MAXV, int ROWS, bool ROUNDS = false>
+__global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 ? 6 : 5) : 4) pooled_forward_kernel(
     const W* __restrict__ flat, const I* __restrict__ values, const I* __restrict__ offsets,
     const float* __restrict__ psw, const int64_t* __restrict__ meta, const int64_t* __restrict__ key_index,
-    float* __restrict__ out, int64_t batch_size, int64_t total_dim, bool bag_major, InputCheck chk) {
-  const unsigned feature = bag_major ? blockIdx.y : blockIdx.x;
-  const int64_t bag_block = bag_major ? blockIdx.x : blockIdx.y;
-  const int64_t bag_blocks = bag_major ? gridDim.x : gridDim.y;
-  const int64_t* m = meta + (int64_t)feature * META_W;
-  const int64_t dim = m[0], base = m[1], col = m[2], rows = m[4];
-  const bool mean = m[3] == 1;
-  const int64_t key = key_index[feature];
-  const bool vec = vec_ok(dim, base, col, total_dim);
-  if (chk.claim && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {  // lengths adding up to the values
-    const int64_t first = offsets[0], last = offsets[chk.last_offset];
-    if (first != 0 || last != chk.num_values) report_bad(chk, REPORT_TOTAL, -1, -1, first, last);
-  }
-  const int chunks = vec ? (int)(dim / 4) : (int)dim;
-  const int G = group_lanes(chunks);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int sub = lane / G, sl = lane % G;
-  const int bags_per_warp = 32 / G;
-  const int bags_per_block = bags_per_warp * (blockDim.x >> 5);
-  for (int64_t b = bag_block * bags_per_block + warp * bags_per_warp + sub; b < batch_size;
-       b += bag_blocks * bags_per_block) {
-    const int64_t bag = key * batch_size + b;
-    int64_t start = offsets[bag], end = offsets[bag + 1];
-    if (!bag_in_values(start, end, chk.num_values)) {
-      if (sl == 0) report_bad(chk, REPORT_BAG, feature, b, start, end);
-      start = end = 0;
+    float* __restrict__ out, int64_t batch_size, int64_t total_dim, bool bag_major, int64_t round_bag_blocks,
+    int64_t items, InputCheck chk) {
+  for (int64_t item = ROUNDS ? blockIdx.x : 0; !ROUNDS || item < items; item += gridDim.x) {
+    const unsigned feature = ROUNDS ? (unsigned)(item / round_bag_blocks) : bag_major ? blockIdx.y : blockIdx.x;
+    const int64_t bag_block = ROUNDS ? item % round_bag_blocks : bag_major ? blockIdx.x : blockIdx.y;
+    const int64_t bag_blocks = ROUNDS ? round_bag_blocks : bag_major ? gridDim.x : gridDim.y;
+    const int64_t* m = meta + (int64_t)feature * META_W;
+    const int64_t dim = m[0], base = m[1], col = m[2], rows = m[4];
+    const bool mean = m[3] == 1;
+    const int64_t key = key_index[feature];
+    const bool vec = vec_ok(dim, base, col, total_dim);
+    if (chk.claim && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {  // lengths adding up to the values
+      const int64_t first = offsets[0], last = offsets[chk.last_offset];
+      if (first != 0 || last != chk.num_values) report_bad(chk, REPORT_TOTAL, -1, -1, first, last);
     }
-    const float inv = (mean && end > start) ? 1.0f / (float)(end - start) : 1.0f;
-    float* o = out + b * total_dim + col;
-    if (vec) {
-      // A lane holds up to four of the row's 16-byte chunks (dims up to 512 in one pass at G = 32;
-      // wider rows take more passes) and walks the bag once per pass: 4 to 8 rows' loads in flight
-      // a lane, the bag's ids read once rather than once per chunk (v13, perf-notes).
-      const int per_lane = (chunks + G - 1) / G;
-      if (MAXV == 1 || per_lane == 1) {  // one chunk a lane: the flag through the loop
-        bool bad = false;
-        if (sl < chunks)
-          pool_vec<W, I, 1, ROWS, true>(flat + base, values, psw, start, end, dim, sl, G, chunks, inv, o, rows, bad);
-        if (bad && chk.claim) report_bad_ids(chk, values, start, end, 0, 1, rows, feature, b);
+    const int chunks = vec ? (int)(dim / 4) : (int)dim;
+    const int G = group_lanes(chunks);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane / G, sl = lane % G;
+    const int bags_per_warp = 32 / G;
+    const int bags_per_block = bags_per_warp * (blockDim.x >> 5);
+    for (int64_t b = bag_block * bags_per_block + warp * bags_per_warp + sub; b < batch_size;
+         b += bag_blocks * bags_per_block) {
+      const int64_t bag = key * batch_size + b;
+      int64_t start = offsets[bag], end = offsets[bag + 1];
+      if (!bag_in_values(start, end, chk.num_values)) {
+        if (sl == 0) report_bad(chk, REPORT_BAG, feature, b, start, end);
+        start = end = 0;
+      }
+      const float inv = (mean && end > start) ? 1.0f / (float)(end - start) : 1.0f;
+      float* o = out + b * total_dim + col;
+      if (vec) {
+        // A lane holds up to four of the row's 16-byte chunks (dims up to 512 in one pass at G = 32;
+        // wider rows take more passes) and walks the bag once per pass: 4 to 8 rows' loads in flight
+        // a lane, the bag's ids read once rather than once per chunk (v13, perf-notes).
+        const int per_lane = (chunks + G - 1) / G;
+        if (MAXV == 1 || per_lane == 1) {  // one chunk a lane: the flag through the loop
+          bool bad = false;
+          if (sl < chunks)
+            pool_vec<W, I, 1, ROWS, true>(flat + base, values, psw, start, end, dim, sl, G, chunks, inv, o, rows, bad);
+          if (bad && chk.claim) report_bad_ids(chk, values, start, end, 0, 1, rows, feature, b);
+        } else {
+          bool unused = false;
+          for (int c0 = sl; c0 < chunks; c0 += MAXV * G) {
+            const int left = per_lane - (c0 - sl) / G;  // this lane's chunks from c0 on
+            if (MAXV >= 4 && left >= 3) {
+              pool_vec<W, I, 4, 2, false>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o, rows,
+                                          unused);
+            } else if (MAXV >= 2 && left >= 2) {
+              pool_vec<W, I, 2, 4, false>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o, rows,
+                                          unused);
+            } else {
+              pool_vec<W, I, 1, ROWS, false>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o, rows,
+                                             unused);
+            }
+          }
+          if (chk.claim) {  // re-read rather than kept through the loops (registers)
+            const int64_t s = offsets[bag], e = offsets[bag + 1];
+            if (bag_in_values(s, e, chk.num_values)) report_bad_ids(chk, values, s, e, sl, G, rows, feature, b);
+          }
+        }
       } else {
-        bool unused = false;
-        for (int c0 = sl; c0 < chunks; c0 += MAXV * G) {
-          const int left = per_lane - (c0 - sl) / G;  // this lane's chunks from c0 on
-          if (MAXV >= 4 && left >= 3) {
-            pool_vec<W, I, 4, 2, false>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o, rows, unused);
-          } else if (MAXV >= 2 && left >= 2) {
-            pool_vec<W, I, 2, 4, false>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o, rows, unused);
-          } else {
-            pool_vec<W, I, 1, ROWS, false>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o, rows,
-                                           unused);
+        // Scalar columns (unaligned rows, odd dims): four rows' loads in flight a lane.
+        bool bad = false;
+        for (int c = sl; c < chunks; c += G) {
+          const W* w = flat + base + c;
+          float acc = 0.f;
+          int64_t i = start;
+          for (; i + 4 <= end; i += 4) {
+            const float r0 = to_f(w[checked_id<true>(values, i, rows, bad) * dim]);
+            const float r1 = to_f(w[checked_id<true>(values, i + 1, rows, bad) * dim]);
+            const float r2 = to_f(w[checked_id<true>(values, i + 2, rows, bad) * dim]);
+            const float r3 = to_f(w[checked_id<true>(values, i + 3, rows, bad) * dim]);
+            if (psw) {
+              acc += r0 * psw[i]; acc += r1 * psw[i + 1]; acc += r2 * psw[i + 2]; acc += r3 * psw[i + 3];
+            } else {
+              acc += r0; acc += r1; acc += r2; acc += r3;
+            }
           }
+          for (; i < end; ++i) acc += to_f(w[checked_id<true>(values, i, rows, bad) * dim]) * (psw ? psw[i] : 1.f);
+          o[c] = acc * inv;
         }
-        if (chk.claim) {  // re-read rather than kept through the loops (registers)
-          const int64_t s = offsets[bag], e = offsets[bag + 1];
-          if (bag_in_values(s, e, chk.num_values)) report_bad_ids(chk, values, s, e, sl, G, rows, feature, b);
-        }
+        if (bad && chk.claim) report_bad_ids(chk, values, start, end, 0, 1, rows, feature, b);
       }
-    } else {
-      // Scalar columns (unaligned rows, odd dims): four rows' loads in flight a lane.
-      bool bad = false;
-      for (int c = sl; c < chunks; c += G) {
-        const W* w = flat + base + c;
-        float acc = 0.f;
-        int64_t i = start;
-        for (; i + 4 <= end; i += 4) {
-          const float r0 = to_f(w[checked_id<true>(values, i, rows, bad) * dim]);
-          const float r1 = to_f(w[checked_id<true>(values, i + 1, rows, bad) * dim]);
-          const float r2 = to_f(w[checked_id<true>(values, i + 2, rows, bad) * dim]);
-          const float r3 = to_f(w[checked_id<true>(values, i + 3, rows, bad) * dim]);
-          if (psw) {
-            acc += r0 * psw[i]; acc += r1 * psw[i + 1]; acc += r2 * psw[i + 2]; acc += r3 * psw[i + 3];
-          } else {
-            acc += r0; acc += r1; acc += r2; acc += r3;
-          }
-        }
-        for (; i < end; ++i) acc += to_f(w[checked_id<true>(values, i, rows, bad) * dim]) * (psw ? psw[i] : 1.f);
-        o[c] = acc * inv;
-      }
-      if (bad && chk.claim) report_bad_ids(chk, values, start, end, 0, 1, rows, feature, b);
     }
+    if (!ROUNDS) break;  // a 2-D grid's block: its one (feature, bag block)
   }
 }
 
 // The forward's launch shape (pooled_forward's, and tools/forward_kernel_bench.cu's): blocks of
 // FORWARD_THREADS, bags per block for the group's widest table (narrower features stride over
 // more bags a block), and the most 16-byte chunks a lane of that table holds (the kernel's MAXV).
+// rounds > 1: bag-major in rounds, the kernel's `items` (feature, bag block) pairs dealt to
+// items / rounds blocks.
 constexpr int FORWARD_THREADS = 256;
 struct ForwardShape {
   dim3 grid;
   int lane_chunks;
+  int64_t round_bag_blocks, items;  // 0, 0 unless in rounds
 };
-inline ForwardShape forward_shape(int64_t features, int64_t batch_size, int64_t max_dim, bool bag_major) {
+inline ForwardShape forward_shape(int64_t features, int64_t batch_size, int64_t max_dim, bool bag_major,
+                                  int64_t rounds = 1) {
   const int g = group_lanes((int)((max_dim + 3) / 4));
   const int64_t bags_per_block = (32 / g) * (FORWARD_THREADS / 32);
   const int64_t bag_blocks = (batch_size + bags_per_block - 1) / bags_per_block;
+  const int lane_chunks = (int)(((max_dim + 3) / 4 + g - 1) / g);
+  if (rounds > 1) {
+    const int64_t items = features * bag_blocks;
+    const int64_t blocks = std::min<int64_t>((items + rounds - 1) / rounds, INT32_MAX);
+    return ForwardShape{dim3((unsigned)blocks), lane_chunks, bag_blocks, items};
+  }
   const dim3 grid = bag_major ? dim3((unsigned)std::min<int64_t>(bag_blocks, INT32_MAX), (unsigned)features)
                               : dim3((unsigned)features, (unsigned)std::min<int64_t>(bag_blocks, 65535));
-  return ForwardShape{grid, (int)(((max_dim + 3) / 4 + g - 1) / g)};
+  return ForwardShape{grid, lane_chunks, 0, 0};
 }
 
 // ---- backward: the piece and split-row kernels ----------------------------------------------

@@ -9,7 +9,7 @@
 at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, const at::Tensor& offsets,
                           const c10::optional<at::Tensor>& psw, const at::Tensor& meta, const at::Tensor& key_index,
                           int64_t batch_size, int64_t total_dim, int64_t max_dim, bool bag_major,
-                          int64_t rows_in_flight, const c10::optional<at::Tensor>& claim,
+                          int64_t rows_in_flight, int64_t rounds, const c10::optional<at::Tensor>& claim,
                           const c10::optional<at::Tensor>& report);
 
 std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor& offsets,

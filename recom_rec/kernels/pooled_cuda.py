@@ -62,20 +62,25 @@ def fewest_piece_lanes(max_dim: int) -> int:
 
 BACKWARD_PATH_TUNER = LaunchOrderTuner(names={n: n for n in BACKWARD_PATHS}, candidates=backward_paths,
                                        default="pieces", name="backward_path", memory=REMEMBERED)
-# The forward's launches by name: (bag_major, rows in flight a lane). See pooled_forward_kernel in
-# the source: the two orders, and 4 rows in flight (more blocks an SM) where rows take one 16-byte
-# chunk a lane, which wins on short bags and loses on long bags of narrow rows.
-FORWARD_LAUNCHES = {"features": (False, 8), "bags": (True, 8), "features/4 rows": (False, 4),
-                    "bags/4 rows": (True, 4)}
+# The forward's launches by name: (bag_major, rows in flight a lane, rounds). See
+# pooled_forward_kernel in the source: the two orders; 4 rows in flight (more blocks an SM) where
+# rows take one 16-byte chunk a lane, which wins on short bags and loses on long bags of narrow
+# rows; bag-major in 2 or 4 rounds, a share of the features at a time, so that fewer tables' rows
+# compete for L2 where the whole grid would run at once.
+FORWARD_LAUNCHES = {"features": (False, 8, 1), "bags": (True, 8, 1), "features/4 rows": (False, 4, 1),
+                    "bags/4 rows": (True, 4, 1), "bags/2 rounds": (True, 8, 2), "bags/4 rounds": (True, 8, 4)}
 FOUR_ROWS_MAX_DIM = 128  # one float4 chunk a lane at 32 lanes
 
 
 def forward_launches(shape) -> tuple:
     """The forward launches worth measuring for a ForwardLaunchShape: bag-major only where the
-    features fit the grid's y axis, 4 rows in flight only where it builds a different kernel."""
+    features fit the grid's y axis, 4 rows in flight only where it builds a different kernel,
+    rounds only where there are features to share out."""
     names = ("features", "bags") if shape.num_features <= MAX_BAG_MAJOR_FEATURES else ("features",)
     if shape.max_dim <= FOUR_ROWS_MAX_DIM:
         names += tuple(f"{n}/4 rows" for n in names)
+    if shape.num_features >= 2:
+        names += ("bags/2 rounds", "bags/4 rounds")
     return names
 
 
@@ -110,9 +115,9 @@ def forward_launch(flat, values, offsets, psw, feature_meta, key_index, batch_si
                    check=None):
     """One forward launch (a FORWARD_LAUNCHES name), on forward_args' inputs; ``check``: an
     input_check.KernelReport the kernel reports bad ids and bags to (clamped either way)."""
-    bag_major, rows = FORWARD_LAUNCHES[launch]
+    bag_major, rows, rounds = FORWARD_LAUNCHES[launch]
     return cuda_ext.extension().pooled_forward(flat, values, offsets, psw, feature_meta, key_index, batch_size,
-                                               total_dim, max_dim, bag_major, rows,
+                                               total_dim, max_dim, bag_major, rows, rounds,
                                                None if check is None else check.claim,
                                                None if check is None else check.words)
 
