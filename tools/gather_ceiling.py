@@ -18,7 +18,6 @@ import statistics
 import torch
 import triton
 import triton.language as tl
-from torchrec import KeyedJaggedTensor
 
 from recom_rec.bench.sweep import Point, _choices, _Fbgemm, _forget_choices, _Ours, make_kjt
 from recom_rec.bench.timing import copy_bandwidth_gbs, graph_replay, settle, time_interleaved
@@ -63,8 +62,7 @@ def main() -> None:
     ap.add_argument("--ids", type=int, nargs="+", default=[10, 50, 200])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--fixed", action="store_true",
-                    help="also every bag exactly --ids long (the sweep's are uniform in [0, 2 x ids]): the same "
-                         "lookups without the spread of bag lengths")
+                    help="also every bag exactly --ids long (the sweep's grid has them uniform in [0, 2 x ids])")
     ap.add_argument("--launches", nargs="*", default=[], choices=list(FORWARD_LAUNCHES),
                     help="also ours with each of these CUDA forward launches forced")
     ap.add_argument("--ncu", action="store_true",
@@ -78,13 +76,8 @@ def main() -> None:
           f" {'of gather':>9} | {'fbgemm':>7} {'unchecked':>9}")
     shapes = [(d, i, f) for d in args.dims for i in args.ids for f in ((False, True) if args.fixed else (False,))]
     for dim, ids, fixed in shapes:
-        p = Point("grid", dim=dim, ids=ids).fitted()
+        p = Point("grid", dim=dim, ids=ids, fixed=fixed).fitted()
         kjt = make_kjt(p, device)
-        if fixed:  # the same ids, every bag ids long
-            n = p.tables * p.batch * ids
-            values = kjt.values().repeat(n // kjt.values().numel() + 1)[:n]
-            kjt = KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=values,
-                                                      lengths=torch.full((p.tables * p.batch,), ids, device=device))
         weights = torch.randn(p.tables * p.rows, p.dim, device=device)
         tables = list(weights.view(p.tables, p.rows, p.dim))
         peers = {"ours": _Ours(p, device, None, tables, "auto"), "fbgemm": _Fbgemm(p, device, None, tables),
@@ -104,7 +97,7 @@ def main() -> None:
                     peers[name].forward(kjt)
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()
-            print(f"profiled {p.label()}{' fixed' if fixed else ''}: ours {_choices().get('forward')}", flush=True)
+            print(f"profiled {p.label()}: ours {_choices().get('forward')}", flush=True)
             _forget_choices()
             continue
         replays = {name: graph_replay(peer, kjt, device) for name, peer in peers.items()}
@@ -121,8 +114,7 @@ def main() -> None:
         def share(t):
             return rows_bytes / (t * 1e-3) / 1e9 / copy_gbs
 
-        label = p.label() + (" fixed" if fixed else "")
-        print(f"{label:<40} {rows_bytes / 1e6:8.0f} | {ms[best]:9.4f} {best[7:]:>10} {share(ms[best]):6.0%} | "
+        print(f"{p.label():<40} {rows_bytes / 1e6:8.0f} | {ms[best]:9.4f} {best[7:]:>10} {share(ms[best]):6.0%} | "
               f"{ms['ours']:8.4f} {share(ms['ours']):6.0%} {ms[best] / ms['ours']:9.0%} | "
               f"{ms['fbgemm']:7.4f} {ms['unchecked']:9.4f}  ours: {choice}", flush=True)
         if args.launches:

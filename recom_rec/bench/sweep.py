@@ -4,8 +4,8 @@ layouts, to find the shapes where the fused kernel loses (issue 18).
 The points: a base point (16 tables x 100k rows, dim 64, batch 4096, ragged bags of mean 10
 ids, uniform ids, sum pooling, fp32) varied one axis at a time (batch, table count, Zipf ids,
 sample weights, mean pooling, fp16/bf16 tables, odd dims for ours alone: fbgemm wants multiples
-of 4), plus a dim x ids-per-bag grid. Ragged bags have lengths uniform in [0, 2 * mean]; "1"
-means exactly one id per bag. A point's batch and rows shrink where the table count or bag
+of 4, bags all of one length), plus a dim x ids-per-bag grid. Ragged bags have lengths uniform in
+[0, 2 * mean] ("~50 ids"); "1 id" and "fixed bags" points ("50 ids") have every bag that long. A point's batch and rows shrink where the table count or bag
 length would exceed fixed memory and time caps (MAX_LOOKUPS, MAX_READ_BYTES, MAX_WEIGHT_BYTES),
 and the printed point says so.
 
@@ -72,13 +72,14 @@ class Point:
     mean: bool = False
     dtype: str = "fp32"
     fbgemm: bool = True  # fbgemm takes dims in multiples of 4 only
+    fixed: bool = False  # every bag exactly `ids` long (padded histories), not ragged
 
     @property
     def itemsize(self) -> int:
         return 4 if self.dtype == "fp32" else 2
 
     def label(self) -> str:
-        ids = "1 id" if self.ids == 1 else f"~{self.ids} ids"
+        ids = "1 id" if self.ids == 1 else f"{self.ids} ids" if self.fixed else f"~{self.ids} ids"
         extra = [x for x, on in (("zipf", self.zipf), ("weighted", self.weighted), ("mean", self.mean)) if on]
         return (f"{self.tables}x{self.rows} D={self.dim} B={self.batch} {ids} {self.dtype}"
                 + (" " + " ".join(extra) if extra else ""))
@@ -97,7 +98,7 @@ def points(small: bool) -> List[Point]:
         grid = [replace(base, axis="grid", dim=d, ids=i) for d in (4, 16) for i in (1, 3)]
         axes = [replace(base, axis="zipf", zipf=True), replace(base, axis="weighted", weighted=True),
                 replace(base, axis="mean", mean=True), replace(base, axis="dtype", dtype="fp16"),
-                replace(base, axis="odd dim", dim=17, fbgemm=False)]
+                replace(base, axis="odd dim", dim=17, fbgemm=False), replace(base, axis="fixed bags", fixed=True)]
         return [p.fitted() for p in grid + axes]
     base = Point("base")
     grid = [replace(base, axis="grid", dim=d, ids=i) for d in GRID_DIMS for i in GRID_IDS]
@@ -108,6 +109,8 @@ def points(small: bool) -> List[Point]:
              replace(base, axis="dtype", dtype="fp16"), replace(base, axis="dtype", dtype="bf16"),
              replace(base, axis="dtype", dtype="fp16", dim=256, ids=50)]
     axes += [replace(base, axis="odd dim", dim=d, fbgemm=False) for d in (17, 100)]
+    axes += [replace(base, axis="fixed bags", fixed=True, dim=d, ids=i) for d, i in ((8, 200), (16, 50), (64, 50),
+                                                                                    (256, 50))]
     return [p.fitted() for p in grid + axes]
 
 
@@ -118,7 +121,7 @@ _DATA_TYPES = {"fp32": (DataType.FP32, torch.float32), "fp16": (DataType.FP16, t
 def make_kjt(p: Point, device: torch.device, seed: int = 0) -> KeyedJaggedTensor:
     """Table-major KJT (key ``f{i}`` for table ``i``), int64 ids, ragged lengths (or exactly 1)."""
     rng = np.random.default_rng(seed)
-    lengths = (np.ones((p.tables, p.batch), dtype=np.int64) if p.ids == 1
+    lengths = (np.full((p.tables, p.batch), p.ids, dtype=np.int64) if p.ids == 1 or p.fixed
                else rng.integers(0, 2 * p.ids + 1, (p.tables, p.batch)))
     count = int(lengths.sum())
     ids = zipf_ids(rng, 1.1, p.rows, count) if p.zipf else rng.integers(0, p.rows, count)

@@ -7,9 +7,10 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-# Warm-up runs beyond ``warmup`` while the product's tuners still have a shape on trial: a training
-# step carries two tuners (forward kernels, backward path) of up to 3 candidates x 31 launches.
-MAX_SETTLE_RUNS = 200
+# Warm-up runs beyond ``warmup`` while the product's tuners still have a shape on trial: a forward
+# of up to 7 candidates (6 CUDA launches and Triton) takes up to 7 x 31 launches when unclear, and a
+# training step adds the backward path's.
+MAX_SETTLE_RUNS = 400
 
 
 def _timed_run(fn: Callable[[], object], device: torch.device) -> float:
