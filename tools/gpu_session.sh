@@ -46,9 +46,9 @@ if [[ " $STAGES " == *" bench "* ]]; then
     | tee "$OUT/bench.log" | tail -30; cp /tmp/bench.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STAGES " == *" sweep "* ]]; then
-  # The tuners' remembered choices (kernels/remembered_choices): the first run starts with none (it
-  # measures every shape), or with the files in CHOICES_FROM (a folder an earlier call brought back);
-  # later runs take the earlier runs'. The files come back in $OUT/choices.
+  # The tuners' remembered choices (kernels/remembered_choices): the first run starts from none, or
+  # from the files in CHOICES_FROM (a folder an earlier call brought back); later runs from the
+  # earlier runs'. The files come back in $OUT/choices.
   choices_dir="${RECOM_REC_CACHE:-$HOME/.cache/recom_rec}/choices"
   rm -rf "$choices_dir"; mkdir -p "$choices_dir"
   [ -n "${CHOICES_FROM:-}" ] && cp "$CHOICES_FROM"/*.json "$choices_dir"/

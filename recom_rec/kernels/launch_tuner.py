@@ -19,14 +19,14 @@ The host never waits for a timing: events are read with ``query()`` on later lau
 stays undecided (running its default, untimed) until its samples have finished. While a stream
 is capturing a CUDA graph nothing is recorded or queried (a timing event would become part of the
 graph, and the capture must stay free of host-side CUDA calls); the capture gets the shape's
-decided choice, or the default.
+decided choice, or its incumbent (below).
 
-A tuner given a memory (remembered_choices) keeps each decision for the next process on this GPU
-model, and a shape remembered there runs its remembered choice from its first launch, unmeasured:
-no trial launches, a capture gets it at once, and every process makes the same choice.
+A shape's trials start from the choice a previous process decided for it on this GPU model
+(remembered_choices), where there is one: it takes the default's place as the incumbent a candidate
+must clearly beat, runs while the shape is undecided and in a capture, and each decision is kept for
+the next process.
 
-Tests and tools force one choice with :meth:`LaunchOrderTuner.force` (the product measures, or
-takes the remembered choice).
+Tests and tools force one choice with :meth:`LaunchOrderTuner.force` (the product always measures).
 """
 import math
 import statistics
@@ -153,6 +153,7 @@ class _ShapeTrials:
     """An undecided shape's launches: those planned and not made yet, finished samples (ms) and
     those still in flight."""
     candidates: tuple
+    incumbent: object  # what a candidate must clearly beat: the remembered choice, else the default
     planned: List[Tuple[object, bool]] = field(default_factory=list)  # (choice, timed), in launch order
     rounds: int = 0  # timed rounds planned so far
     samples: Dict[object, List[float]] = field(default_factory=dict)
@@ -200,7 +201,7 @@ class LaunchOrderTuner:
         self._candidates = candidates or _orders_for
         self.default = default
         # ``memory`` (a remembered_choices.ChoiceMemory) keeps decisions between processes under
-        # ``name``; None: every process measures its shapes.
+        # ``name``; None: every process starts from the default.
         self.name, self._memory = name, memory
         self.forced_order = None  # a choice every shape runs, unmeasured (force)
         self._record_event = record_event
@@ -231,14 +232,9 @@ class LaunchOrderTuner:
             with self._lock:
                 self._decided[shape] = candidates[0]
             return run(candidates[0])
-        if shape not in self._trials:  # its first launch (or a capture before any): remembered?
-            remembered = self._remembered(shape, candidates, device)
-            if remembered is not None:
-                with self._lock:
-                    self._decided[shape] = remembered
-                return run(remembered)
         if self._capturing(device):
-            return run(self.default)
+            trials = self._trials.get(shape)
+            return run(trials.incumbent if trials is not None else self._incumbent(shape, candidates, device))
         with self._lock:
             self.trial_launches += 1
             order, timed = self._next_launch(shape, candidates, device)
@@ -255,25 +251,27 @@ class LaunchOrderTuner:
                 trials.in_flight.append((order, start, end))
         return result
 
-    def _remembered(self, shape, candidates, device):
-        """The choice an earlier process decided for ``shape`` on this GPU model, where it is still
-        one of the candidates; else None."""
-        if self._memory is None or self.name is None:
-            return None
-        name = self._memory.recall(device, self.name, shape)
-        return next((c for c in candidates if name is not None and self.names.get(c) == name), None)
+    def _incumbent(self, shape, candidates, device):
+        """The choice a candidate must clearly beat: the one remembered for ``shape`` where it is
+        still a candidate, else the default (else the first candidate)."""
+        if self._memory is not None and self.name is not None:
+            remembered = self._memory.recall(device, self.name, shape)
+            for choice in candidates:
+                if self.names.get(choice) == remembered:
+                    return choice
+        return self.default if self.default in candidates else candidates[0]
 
     def _next_launch(self, shape, candidates, device) -> Tuple[bool, bool]:
         """(choice, whether to time it) for an undecided shape; decides it once its samples are
         in and the verdict is clear (or MAX_TRIALS samples did not make it clear)."""
         trials = self._trials.get(shape)
         if trials is None:
-            trials = self._trials[shape] = _ShapeTrials(candidates, [(c, False) for c in candidates])
+            trials = self._trials[shape] = _ShapeTrials(candidates, self._incumbent(shape, candidates, device),
+                                                        [(c, False) for c in candidates])
             trials.plan_rounds(self.min_trials)
         trials.collect_finished()
         if trials.all_in():
-            default = self.default if self.default in candidates else candidates[0]
-            choice, clear = decide(candidates, trials.samples, default, self.margin, self.z)
+            choice, clear = decide(candidates, trials.samples, trials.incumbent, self.margin, self.z)
             if clear or trials.rounds >= self.max_trials:
                 self._decided[shape] = choice
                 del self._trials[shape]
@@ -283,7 +281,7 @@ class LaunchOrderTuner:
             trials.plan_rounds(min(2, self.max_trials - trials.rounds))  # one more A B B A pair
         if trials.planned:
             return trials.planned.pop(0)
-        return self.default if self.default in candidates else candidates[0], False  # wait for samples, untimed
+        return trials.incumbent, False  # wait for the samples, untimed
 
     def forget(self) -> None:
         """Drop every decision and trial. A model built where a freed one's weights were gets the

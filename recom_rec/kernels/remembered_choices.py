@@ -1,21 +1,20 @@
 """The launch tuners' decisions kept on disk between processes, one file per GPU model.
 
-A shape measured once on a GPU model keeps its choice: later processes run it from the shape's
-first launch, without trial launches. So every process makes the same choices (issue 18: two
-sweeps on one H100 that each measured afresh differed in 12 to 24 of 156 choices, also when the
-second started its measurement from the first's choices, on a host where each peer's own times
-moved 8% between runs), a CUDA-graph capture gets the measured choice at once instead of the
-default, and a new process (a restarted job, a serving replica) launches no slower candidate on
-trial. Every candidate gives the same bits, so a remembered choice changes speed only: at most
-the difference between the candidates, should the measurement that made it have been unlucky.
+A shape's last decided choice is the incumbent that the next process's measurement starts from
+(``launch_tuner.decide`` walks from it): a candidate replaces it only when clearly faster, as it
+replaces the default in a first run. Candidates within the tuner's margin of each other therefore
+keep the choice a previous run made instead of flipping with this run's noise (issue 18: 13-20 of
+156 sweep choices differed between two runs on one H100, all between launches a few percent
+apart), and a CUDA-graph capture made before a shape's trials end records the remembered choice
+instead of the default. The file is a prior, never a verdict: every process still measures.
 
-The key is the launch shape without the weights' address (``portable_key``): models of one
-shape with other id distributions share a choice (the first one measured makes it).
+The key is the launch shape without the weights' address (``portable_key``), so models of one
+shape with other id distributions share a prior; each still decides by its own measurement.
 
-Where: ``$RECOM_REC_CACHE/choices/<GPU name>.json`` (default ``~/.cache/recom_rec``). Delete the
-file to measure afresh (after a driver or recom_rec upgrade, say). Writes are atomic (a temporary
-file renamed over the old one) and merge what other processes (ranks) wrote meanwhile; a file that
-cannot be read or written is ignored with one warning, and the tuners measure as without it.
+Where: ``$RECOM_REC_CACHE/choices/<GPU name>.json`` (default ``~/.cache/recom_rec``). Deleting the
+file makes the next process start from the defaults. Writes are atomic (a temporary file renamed
+over the old one) and merge what other processes (ranks) wrote meanwhile; a file that cannot be
+read or written is ignored with one warning, and the tuners work as without it.
 """
 import json
 import os

@@ -6,8 +6,8 @@ The candidates compute the same pooled output: the Triton kernel, and the CUDA k
 first launches of a shape run each once untimed, then in A B B A order timed with CUDA events;
 the shape keeps the default (CUDA feature-major) unless another is clearly faster, by
 launch_tuner.MARGIN beyond the samples' spread (launch_tuner.LaunchOrderTuner, whose key includes
-the weights' address, so two models of one shape tune apart; a shape decided in an earlier
-process on this GPU model takes that choice unmeasured: remembered_choices). Where the CUDA extension is
+the weights' address, so two models of one shape tune apart; a choice decided in an earlier
+process on this GPU model is the incumbent instead of the default: remembered_choices). Where the CUDA extension is
 unavailable or does not cover the group (a weight buffer that is not 16-byte aligned), Triton
 runs.
 
