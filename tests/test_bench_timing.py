@@ -161,10 +161,6 @@ def test_compare_cli_prints_the_report_and_refuses_other_json(tmp_path, capsys):
     bench_main(["--workloads", "sweep", "--compare", str(a), str(b)])
     out = capsys.readouterr().out
     assert "choices: 1 of 2 differ" in out and "within 5%: 2 of 2" in out, out
-    assert "remembered" not in out  # neither run started from remembered choices
-    b.write_text(json.dumps({"meta": {"remembered_choices_at_start": 12}, "results": sweep_rows([1.0, 1.5])}))
-    bench_main(["--workloads", "sweep", "--compare", str(a), str(b)])
-    assert f"{b}: started from 12 choices remembered by earlier runs" in capsys.readouterr().out
     other = tmp_path / "bench.json"
     other.write_text(json.dumps({"meta": {}, "results": [{"workload": "zipf", "peer": "fbgemm", "ms": 1.0}]}))
     with pytest.raises(SystemExit, match="not a sweep JSON"):

@@ -5,7 +5,7 @@
 # GPU), then the benchmarks. Each stage has its own time limit; logs under $OUT. A fresh build comes
 # back as $OUT/_lookup_cuda.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that
 # folder, so the next machine loads it instead of building while the source is unchanged.
-#   STAGES="tests nccl dlrm bench sweep ps quant bwdvar profile" SWEEP_RUNS=2 CHOICES_FROM=dir BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests nccl dlrm bench sweep ps quant bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
 set -o pipefail
 source .gpu/setup.sh
@@ -46,12 +46,6 @@ if [[ " $STAGES " == *" bench "* ]]; then
     | tee "$OUT/bench.log" | tail -30; cp /tmp/bench.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STAGES " == *" sweep "* ]]; then
-  # The tuners' remembered choices (kernels/remembered_choices): the first run starts from none, or
-  # from the files in CHOICES_FROM (a folder an earlier call brought back); later runs from the
-  # earlier runs'. The files come back in $OUT/choices.
-  choices_dir="${RECOM_REC_CACHE:-$HOME/.cache/recom_rec}/choices"
-  rm -rf "$choices_dir"; mkdir -p "$choices_dir"
-  [ -n "${CHOICES_FROM:-}" ] && cp "$CHOICES_FROM"/*.json "$choices_dir"/
   for run in $(seq 1 ${SWEEP_RUNS:-1}); do  # a second run shows whether the measured choices are stable
     name=sweep$([ $run = 1 ] || echo $run)
     stage $name
@@ -64,7 +58,6 @@ if [[ " $STAGES " == *" sweep "* ]]; then
     python3 -m recom_rec.bench --compare "$OUT/sweep.json" "$OUT/sweep$run.json" 2>&1 \
       | tee "$OUT/sweep-compare$run.log" | head -40
   done
-  mkdir -p "$OUT/choices"; cp "$choices_dir"/*.json "$OUT/choices/" 2>/dev/null
 fi
 if [[ " $STAGES " == *" ps "* ]]; then
   stage ps

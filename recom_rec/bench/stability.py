@@ -96,9 +96,4 @@ def compare_files(path_a: str, path_b: str) -> str:
             raise SystemExit(f"{path}: not a sweep JSON (python -m recom_rec.bench --workloads sweep writes one)")
     text = format_comparison(compare(a["results"], b["results"]), (path_a, path_b))
     cut = [p for p, d in ((path_a, a), (path_b, b)) if d.get("meta", {}).get("complete") is False]
-    text += "".join(f"\n{p}: a run cut off before its end (its points so far)" for p in cut)
-    for path, data in ((path_a, a), (path_b, b)):  # a run's tuners started from an earlier run's choices
-        remembered = data.get("meta", {}).get("remembered_choices_at_start")
-        if remembered:
-            text += f"\n{path}: started from {remembered} choices remembered by earlier runs on this GPU model"
-    return text
+    return text + "".join(f"\n{p}: a run cut off before its end (its points so far)" for p in cut)

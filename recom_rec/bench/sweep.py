@@ -477,10 +477,6 @@ def main_sweep(args, device: torch.device, ceiling: float) -> None:
     small = args.small or device.type == "cpu"
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "copy_gbs": ceiling, "small": small, "backend": args.backend}
-    if device.type == "cuda":  # a run that starts from an earlier run's choices says so (stability reports)
-        from ..kernels.remembered_choices import REMEMBERED
-
-        meta["remembered_choices_at_start"] = REMEMBERED.count(device)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     done: List[dict] = []
     started = time.perf_counter()

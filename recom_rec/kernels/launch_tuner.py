@@ -19,12 +19,7 @@ The host never waits for a timing: events are read with ``query()`` on later lau
 stays undecided (running its default, untimed) until its samples have finished. While a stream
 is capturing a CUDA graph nothing is recorded or queried (a timing event would become part of the
 graph, and the capture must stay free of host-side CUDA calls); the capture gets the shape's
-decided choice, or its incumbent (below).
-
-A shape's trials start from the choice a previous process decided for it on this GPU model
-(remembered_choices), where there is one: it takes the default's place as the incumbent a candidate
-must clearly beat, runs while the shape is undecided and in a capture, and each decision is kept for
-the next process.
+decided choice, or the default.
 
 Tests and tools force one choice with :meth:`LaunchOrderTuner.force` (the product always measures).
 """
@@ -153,7 +148,6 @@ class _ShapeTrials:
     """An undecided shape's launches: those planned and not made yet, finished samples (ms) and
     those still in flight."""
     candidates: tuple
-    incumbent: object  # what a candidate must clearly beat: the remembered choice, else the default
     planned: List[Tuple[object, bool]] = field(default_factory=list)  # (choice, timed), in launch order
     rounds: int = 0  # timed rounds planned so far
     samples: Dict[object, List[float]] = field(default_factory=dict)
@@ -189,8 +183,7 @@ class LaunchOrderTuner:
     def __init__(self, min_trials: int = MIN_TRIALS, max_trials: int = MAX_TRIALS, margin: float = MARGIN,
                  z: float = CONFIDENCE_Z, record_event: Callable = record_timing_event,
                  capturing: Callable = stream_is_capturing, names: Dict[bool, str] = ORDER_NAMES,
-                 candidates: Optional[Callable] = None, default=DEFAULT_ORDER, name: Optional[str] = None,
-                 memory=None):
+                 candidates: Optional[Callable] = None, default=DEFAULT_ORDER):
         if not 1 <= min_trials <= max_trials:
             raise ValueError(f"need 1 <= min_trials <= max_trials (got {min_trials}, {max_trials})")
         self.min_trials, self.max_trials, self.margin, self.z = min_trials, max_trials, margin, z
@@ -200,9 +193,6 @@ class LaunchOrderTuner:
         # and stays unless a candidate is clearly faster.
         self._candidates = candidates or _orders_for
         self.default = default
-        # ``memory`` (a remembered_choices.ChoiceMemory) keeps decisions between processes under
-        # ``name``; None: every process starts from the default.
-        self.name, self._memory = name, memory
         self.forced_order = None  # a choice every shape runs, unmeasured (force)
         self._record_event = record_event
         self._capturing = capturing
@@ -233,11 +223,10 @@ class LaunchOrderTuner:
                 self._decided[shape] = candidates[0]
             return run(candidates[0])
         if self._capturing(device):
-            trials = self._trials.get(shape)
-            return run(trials.incumbent if trials is not None else self._incumbent(shape, candidates, device))
+            return run(self.default)
         with self._lock:
             self.trial_launches += 1
-            order, timed = self._next_launch(shape, candidates, device)
+            order, timed = self._next_launch(shape, candidates)
             trials = self._trials.get(shape)
         if not timed:
             return run(order)
@@ -251,37 +240,25 @@ class LaunchOrderTuner:
                 trials.in_flight.append((order, start, end))
         return result
 
-    def _incumbent(self, shape, candidates, device):
-        """The choice a candidate must clearly beat: the one remembered for ``shape`` where it is
-        still a candidate, else the default (else the first candidate)."""
-        if self._memory is not None and self.name is not None:
-            remembered = self._memory.recall(device, self.name, shape)
-            for choice in candidates:
-                if self.names.get(choice) == remembered:
-                    return choice
-        return self.default if self.default in candidates else candidates[0]
-
-    def _next_launch(self, shape, candidates, device) -> Tuple[bool, bool]:
+    def _next_launch(self, shape, candidates) -> Tuple[bool, bool]:
         """(choice, whether to time it) for an undecided shape; decides it once its samples are
         in and the verdict is clear (or MAX_TRIALS samples did not make it clear)."""
         trials = self._trials.get(shape)
         if trials is None:
-            trials = self._trials[shape] = _ShapeTrials(candidates, self._incumbent(shape, candidates, device),
-                                                        [(c, False) for c in candidates])
+            trials = self._trials[shape] = _ShapeTrials(candidates, [(c, False) for c in candidates])
             trials.plan_rounds(self.min_trials)
         trials.collect_finished()
         if trials.all_in():
-            choice, clear = decide(candidates, trials.samples, trials.incumbent, self.margin, self.z)
+            default = self.default if self.default in candidates else candidates[0]
+            choice, clear = decide(candidates, trials.samples, default, self.margin, self.z)
             if clear or trials.rounds >= self.max_trials:
                 self._decided[shape] = choice
                 del self._trials[shape]
-                if self._memory is not None and self.name is not None:
-                    self._memory.remember(device, self.name, shape, self.names[choice])
                 return choice, False
             trials.plan_rounds(min(2, self.max_trials - trials.rounds))  # one more A B B A pair
         if trials.planned:
             return trials.planned.pop(0)
-        return trials.incumbent, False  # wait for the samples, untimed
+        return self.default if self.default in candidates else candidates[0], False  # wait for samples, untimed
 
     def forget(self) -> None:
         """Drop every decision and trial. A model built where a freed one's weights were gets the

@@ -24,7 +24,6 @@ import torch
 
 from . import cuda_ext, pooled_triton
 from .launch_tuner import MAX_BAG_MAJOR_FEATURES, ForwardLaunchShape, LaunchOrderTuner
-from .remembered_choices import REMEMBERED
 
 build_error = cuda_ext.build_error  # the ops ask the backend whether it can run here
 MAX_DIM = 1024  # the backward kernels' widest variant: 8 float4 accumulators per lane x 32 lanes
@@ -61,7 +60,7 @@ def fewest_piece_lanes(max_dim: int) -> int:
 
 
 BACKWARD_PATH_TUNER = LaunchOrderTuner(names={n: n for n in BACKWARD_PATHS}, candidates=backward_paths,
-                                       default="pieces", name="backward_path", memory=REMEMBERED)
+                                       default="pieces")
 # The forward's launches by name: (bag_major, rows in flight a lane, rounds). See
 # pooled_forward_kernel in the source: the two orders; 4 rows in flight (more blocks an SM) where
 # rows take one 16-byte chunk a lane, which wins on short bags and loses on long bags of narrow
@@ -86,7 +85,7 @@ def forward_launches(shape) -> tuple:
 
 # The forward's launch per shape, measured on its first launches.
 FORWARD_ORDER_TUNER = LaunchOrderTuner(names={n: n for n in FORWARD_LAUNCHES}, candidates=forward_launches,
-                                       default="features", name="forward_order", memory=REMEMBERED)
+                                       default="features")
 
 
 def supports(flat: torch.Tensor, max_dim: int) -> bool:

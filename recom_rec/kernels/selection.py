@@ -6,8 +6,7 @@ The candidates compute the same pooled output: the Triton kernel, and the CUDA k
 first launches of a shape run each once untimed, then in A B B A order timed with CUDA events;
 the shape keeps the default (CUDA feature-major) unless another is clearly faster, by
 launch_tuner.MARGIN beyond the samples' spread (launch_tuner.LaunchOrderTuner, whose key includes
-the weights' address, so two models of one shape tune apart; a choice decided in an earlier
-process on this GPU model is the incumbent instead of the default: remembered_choices). Where the CUDA extension is
+the weights' address, so two models of one shape tune apart). Where the CUDA extension is
 unavailable or does not cover the group (a weight buffer that is not 16-byte aligned), Triton
 runs.
 
@@ -18,7 +17,6 @@ from typing import Optional
 
 from . import cuda_ext, pooled_cuda, pooled_triton
 from .launch_tuner import ForwardLaunchShape, LaunchOrderTuner
-from .remembered_choices import REMEMBERED
 
 TRITON, CUDA = "triton", "cuda:"
 CUDA_FEATURES = CUDA + "features"  # the default
@@ -43,8 +41,7 @@ class ForwardChoiceShape(tuple):
     num_features = property(lambda self: self[0].num_features)
 
 
-FORWARD = LaunchOrderTuner(names={c: c for c in CHOICES}, candidates=_candidates, default=CUDA_FEATURES,
-                            name="forward", memory=REMEMBERED)
+FORWARD = LaunchOrderTuner(names={c: c for c in CHOICES}, candidates=_candidates, default=CUDA_FEATURES)
 
 
 def force_forward(choice: Optional[str]) -> None:
