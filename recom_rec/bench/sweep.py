@@ -5,9 +5,9 @@ The points: a base point (16 tables x 100k rows, dim 64, batch 4096, ragged bags
 ids, uniform ids, sum pooling, fp32) varied one axis at a time (batch, table count, Zipf ids,
 sample weights, mean pooling, fp16/bf16 tables, odd dims for ours alone: fbgemm wants multiples
 of 4, bags all of one length), plus a dim x ids-per-bag grid. Ragged bags have lengths uniform in
-[0, 2 * mean] ("~50 ids"); "1 id" and "fixed bags" points ("50 ids") have every bag that long. A point's batch and rows shrink where the table count or bag
-length would exceed fixed memory and time caps (MAX_LOOKUPS, MAX_READ_BYTES, MAX_WEIGHT_BYTES),
-and the printed point says so.
+[0, 2 * mean] ("~50 ids"); "1 id" and "fixed bags" points ("50 ids") have every bag that long. A
+point's batch and rows shrink where the table count or bag length would exceed fixed memory and
+time caps (MAX_LOOKUPS, MAX_READ_BYTES, MAX_WEIGHT_BYTES), and the printed point says so.
 
 Each point builds ours and fbgemm with the same weights, checks their forward outputs agree on
 the same KJT, then times the forward (no_grad), a fused SGD step and a fused row-wise Adagrad
@@ -119,7 +119,8 @@ _DATA_TYPES = {"fp32": (DataType.FP32, torch.float32), "fp16": (DataType.FP16, t
 
 
 def make_kjt(p: Point, device: torch.device, seed: int = 0) -> KeyedJaggedTensor:
-    """Table-major KJT (key ``f{i}`` for table ``i``), int64 ids, ragged lengths (or exactly 1)."""
+    """Table-major KJT (key ``f{i}`` for table ``i``), int64 ids, ragged lengths (or every bag
+    ``ids`` long: one id, fixed bags)."""
     rng = np.random.default_rng(seed)
     lengths = (np.full((p.tables, p.batch), p.ids, dtype=np.int64) if p.ids == 1 or p.fixed
                else rng.integers(0, 2 * p.ids + 1, (p.tables, p.batch)))
