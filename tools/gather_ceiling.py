@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from recom_rec.bench.sweep import Point, _choices, _Fbgemm, _forget_choices, _Ours, make_kjt
+from recom_rec.bench.sweep import Point, _choices, _Fbgemm, _forget_choices, _Ours, make_kjt, rows_read_bytes
 from recom_rec.bench.timing import copy_bandwidth_gbs, graph_replay, settle, time_interleaved
 from recom_rec.kernels import selection
 from recom_rec.kernels.pooled_cuda import FORWARD_LAUNCHES
@@ -109,7 +109,7 @@ def main() -> None:
         ms = {name: statistics.median(t) for name, t in samples.items()}
         choice = _choices().get("forward", "?")
         best = min((n for n in ms if n.startswith("gather")), key=ms.get)
-        rows_bytes = kjt.values().numel() * p.dim * 4
+        rows_bytes = rows_read_bytes(p, kjt)
 
         def share(t):
             return rows_bytes / (t * 1e-3) / 1e9 / copy_gbs
