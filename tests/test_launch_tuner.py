@@ -8,7 +8,9 @@ import torch
 from recom_rec.kernels.launch_tuner import (
     BAG_MAJOR,
     FEATURE_MAJOR,
+    HOLD_SLACK_MS,
     MARGIN,
+    MAX_HOLD_MS,
     MAX_TRIALS,
     MIN_TRIALS,
     ForwardLaunchShape,
@@ -38,26 +40,46 @@ class FakeEvent:
 
 class FakeStream:
     """Launches take ``ms[order]``: a number, a list consumed one per launch of that order (its
-    last value repeats), or a function called once per launch (noisy timings)."""
+    last value repeats), or a function called once per launch (noisy timings). Each launch's call
+    takes ``host_ms`` of the host's clock: a number, a list consumed one per launch, or a dict of
+    numbers by order."""
 
-    def __init__(self, ms, finished=True):
+    def __init__(self, ms, finished=True, host_ms=0.05):
         self.ms = {order: list(v) if isinstance(v, (list, tuple)) else v for order, v in ms.items()}
         self.finished = finished  # whether every recorded event has finished (the GPU caught up)
         self.capturing = False
         self.now = 0.0
         self.launches = []  # the bag_major flag of each launch
         self.events = 0
+        self.host_ms = host_ms if isinstance(host_ms, dict) else list(host_ms) if isinstance(host_ms, (list, tuple)) \
+            else [host_ms]
+        self.host_s = 0.0  # the host's clock
+        self.log = []  # ("hold", ms), ("event",) and ("run", order), in the order they happened
 
     def record_event(self, device):
         assert not self.capturing, "no event may be recorded while capturing a graph"
         self.events += 1
+        self.log.append(("event",))
         return FakeEvent(self, self.now)
+
+    def hold(self, device, ms):
+        assert not self.capturing, "nothing may be queued for a timing while capturing a graph"
+        self.log.append(("hold", ms))
+
+    def clock(self):
+        return self.host_s
+
+    def holds(self):
+        return [entry[1] for entry in self.log if entry[0] == "hold"]
 
     def is_capturing(self, device):
         return self.capturing
 
     def run(self, bag_major):
         self.launches.append(bag_major)
+        self.log.append(("run", bag_major))
+        host = self.host_ms
+        self.host_s += (host[bag_major] if isinstance(host, dict) else host.pop(0) if len(host) > 1 else host[0]) / 1e3
         ms = self.ms[bag_major]
         if callable(ms):
             ms = ms()
@@ -65,7 +87,8 @@ class FakeStream:
         return f"pooled {bag_major}"
 
     def tuner(self, **kwargs):
-        return LaunchOrderTuner(record_event=self.record_event, capturing=self.is_capturing, **kwargs)
+        return LaunchOrderTuner(record_event=self.record_event, capturing=self.is_capturing, hold=self.hold,
+                                clock=self.clock, **kwargs)
 
 
 def shape(num_features=26, lookups=1000):
@@ -94,6 +117,40 @@ def test_warms_up_then_times_orders_abba_then_keeps_the_faster_median_untimed(ms
     assert tuner.decisions() == {shape(): faster}
     assert stream.launches[8:] == [faster == "bags"] * 5
     assert stream.events == 12  # decided: nothing more is recorded
+
+
+def test_each_timed_launch_runs_behind_a_hold_covering_the_hosts_call():
+    """The device is held busy ahead of each timed launch's start event, for twice the host's last
+    call of the shape plus the slack, so the interval holds the kernels alone; untimed and decided
+    launches are not held."""
+    stream = FakeStream({F: 2.0, B: 1.0}, host_ms=0.1)
+    tuner = stream.tuner(min_trials=3)
+    launch(tuner, stream, 12)
+    assert tuner.decisions() == {shape(): "bags"}
+    timed = [("hold", pytest.approx(2 * 0.1 + HOLD_SLACK_MS)), ("event",), "run", ("event",)]
+    runs = [("run", order) for order in (F, B, F, B, B, F, F, B)]
+    expected = runs[:2] + [entry for run in runs[2:] for entry in timed[:2] + [run] + timed[3:]] + [("run", B)] * 4
+    assert stream.log == expected
+
+
+def test_a_first_call_that_compiles_holds_at_most_max_hold_ms():
+    stream = FakeStream({F: 2.0, B: 1.0}, host_ms=[5000.0, 5000.0, 0.05])  # each candidate's first call compiles
+    tuner = stream.tuner(min_trials=3)
+    launch(tuner, stream, 4)
+    assert stream.holds() == [MAX_HOLD_MS, pytest.approx(2 * 0.05 + HOLD_SLACK_MS)]
+
+
+@pytest.mark.parametrize("other_host_path, bags_host_ms, faster", [
+    (False, 1.5, "bags"),  # one host path: the device's time decides, the host's is not counted
+    (True, 1.5, "features"),  # bags' own host path outlasts its kernels: 1.5 ms a launch against 1.0
+    (True, 0.5, "bags"),  # its host call is shorter than its kernels: the device's time decides
+])
+def test_a_candidate_with_its_own_host_path_is_compared_on_the_longer_of_device_and_host(
+        other_host_path, bags_host_ms, faster):
+    stream = FakeStream({F: 1.0, B: 0.8}, host_ms={F: 0.1, B: bags_host_ms})
+    tuner = stream.tuner(host_path=(lambda order: order == B) if other_host_path else None)
+    decide_by_launching(stream, tuner)
+    assert tuner.decisions() == {shape(): faster}
 
 
 def test_a_linear_drift_favours_neither_order():
@@ -151,7 +208,7 @@ def test_graph_capture_records_nothing_and_uses_the_default_then_the_decided_ord
     stream.capturing = True
     launch(tuner, stream, 2)
     assert stream.launches[-2:] == [B, B]
-    assert stream.events == 12
+    assert stream.events == 12 and len(stream.holds()) == 6  # a hold ahead of each timed launch only
 
 
 @pytest.mark.parametrize("value, order", [("features", F), ("bags", B)])
@@ -160,7 +217,7 @@ def test_force_runs_one_order_unmeasured(value, order):
     tuner = stream.tuner()
     tuner.force(value)
     launch(tuner, stream, 8)
-    assert stream.launches == [order] * 8 and stream.events == 0
+    assert stream.launches == [order] * 8 and stream.events == 0 and stream.holds() == []
     # Bag-major cannot take more than 65535 features: a forced "bags" runs those feature-major.
     launch(tuner, stream, 1, shape(num_features=70000))
     assert stream.launches[-1] == F
@@ -341,6 +398,11 @@ def test_decide_walks_from_the_default_and_keeps_the_first_of_near_equal_winners
     choice, clear = decide(("a", "b"), samples, "a")
     assert choice == "a" and not clear
     assert decide(("a", "b"), {"a": [1.0] * 4, "b": [1.0 - MARGIN * 1.1] * 4}, "a") == ("b", True)
+    # host times count only between choices of different host paths ("t" has its own)
+    samples, host = {"a": [1.0] * 4, "b": [0.8] * 4, "t": [0.6] * 4}, {"a": [0.2] * 4, "b": [2.0] * 4, "t": [2.0] * 4}
+    assert decide(("a", "b", "t"), samples, "a", host=host, host_path=lambda c: c == "t") == ("b", True)
+    host["t"] = [0.7] * 4
+    assert decide(("a", "b", "t"), samples, "a", host=host, host_path=lambda c: c == "t") == ("t", True)
 
 
 def test_trial_launches_count_launches_of_undecided_shapes_only():

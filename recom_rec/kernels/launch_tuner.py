@@ -9,6 +9,16 @@ many-500/1000, bag-major on mixed and zipf) and zipf's win depends on the id dis
 rule on the shape decides: the first launches of each shape run each candidate once untimed, then
 in rounds of A B B A order timed with CUDA events (a drift over the rounds favours none).
 
+A timed trial measures the kernels alone: a sleep kernel queued ahead of its start event keeps the
+device busy while the host makes the call (``hold_device``), so the interval holds no host time.
+On an idle device the start event would fire at once and the interval would also hold the host's
+time until the kernels start: 10-50 us that jitter on the GPU hosts, against kernels of 20-300 us,
+and choices then differed between runs and between models of one shape (docs/perf-notes.md v27).
+Candidates whose host paths are one code path (the CUDA launches: one call to the extension with
+other flags) are compared on their device time alone. A candidate with a host path of its own (the
+Triton kernel, whose launch costs the host more) is compared on the longer of its device time and
+its host time in the call: a shape whose host call outlasts its kernels runs at the host's pace.
+
 A shape keeps its default unless a candidate is faster by a clear margin (see ``decide``): MARGIN
 (3%) on the medians, beyond what the samples' spread allows. While that is unclear, another pair
 of rounds runs, up to MAX_TRIALS samples a candidate; still unclear then, the default stays. So
@@ -26,6 +36,7 @@ Tests and tools force one choice with :meth:`LaunchOrderTuner.force` (the produc
 import math
 import statistics
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, TypeVar
 
@@ -50,6 +61,14 @@ MARGIN = 0.03
 # launches timed with their host-side work spread by 10-30%; with equal candidates at a 15-30%
 # spread, 3.5 switched in under 1% of simulated runs (3: 1-2%).
 CONFIDENCE_Z = 3.5
+# The hold ahead of a timed trial: twice the host's last call for the shape plus HOLD_SLACK_MS (its
+# time jitters; a call that outlasts the hold gives one slow sample, which the medians ignore), at
+# most MAX_HOLD_MS (a first call may compile for seconds). Held only while a shape is on trial.
+HOLD_SLACK_MS = 0.02
+MAX_HOLD_MS = 2.0
+# torch.cuda._sleep counts clock cycles: at 3 GHz, above any GPU's clock, a hold lasts at least as
+# long as asked.
+HOLD_CYCLES_PER_MS = 3_000_000
 
 Result = TypeVar("Result")
 
@@ -84,6 +103,12 @@ def record_timing_event(device: torch.device):
     event = torch.cuda.Event(enable_timing=True)
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def hold_device(device: torch.device, ms: float) -> None:
+    """Queues a kernel that keeps ``device``'s current stream busy for at least ``ms``."""
+    with torch.cuda.device(device):
+        torch.cuda._sleep(int(ms * HOLD_CYCLES_PER_MS))
 
 
 def stream_is_capturing(device: torch.device) -> bool:
@@ -125,17 +150,26 @@ def relative_gain(current: List[float], challenger: List[float]) -> Tuple[float,
 
 
 def decide(candidates: tuple, samples: Dict[object, List[float]], default, margin: float = MARGIN,
-           z: float = CONFIDENCE_Z) -> Tuple[object, bool]:
+           z: float = CONFIDENCE_Z, host: Optional[Dict[object, List[float]]] = None,
+           host_path: Optional[Callable[[object], object]] = None) -> Tuple[object, bool]:
     """(choice, clear): the default, or a candidate clearly faster. Walks the candidates from the
     default on: one replaces the current choice when its median is below the current one's by more
     than ``margin`` (relative) plus ``z`` standard errors. ``clear`` is False when a comparison
     could go either way (its gain within ``z`` errors of the margin): more samples may settle it.
     Candidates' order breaks ties the same way every run, so the result does not depend on which
-    of two near-equal candidates happened to measure faster."""
+    of two near-equal candidates happened to measure faster. ``samples`` are device times; two
+    candidates whose ``host_path`` differs are compared on each trial's longer of the device's and
+    the host's time (``host``, the same trials in the same order)."""
     current = default if default in candidates else candidates[0]
     clear = True
+
+    def cost(choice, other):
+        if host is None or host_path is None or host_path(choice) == host_path(other):
+            return samples[choice]
+        return [max(d, h) for d, h in zip(samples[choice], host[choice])]
+
     for challenger in [c for c in candidates if c != current]:
-        gain, error = relative_gain(samples[current], samples[challenger])
+        gain, error = relative_gain(cost(current, challenger), cost(challenger, current))
         if gain - z * error > margin:
             current = challenger
         elif gain + z * error > margin:
@@ -150,8 +184,13 @@ class _ShapeTrials:
     candidates: tuple
     planned: List[Tuple[object, bool]] = field(default_factory=list)  # (choice, timed), in launch order
     rounds: int = 0  # timed rounds planned so far
-    samples: Dict[object, List[float]] = field(default_factory=dict)
-    in_flight: List[Tuple[object, object, object]] = field(default_factory=list)  # (choice, start, end)
+    samples: Dict[object, List[float]] = field(default_factory=dict)  # device ms
+    host: Dict[object, List[float]] = field(default_factory=dict)  # the host's ms in the same trials' calls
+    in_flight: List[Tuple[object, object, object, float]] = field(default_factory=list)  # (choice, start, end, host)
+    host_ms: float = MAX_HOLD_MS  # the host's time in the shape's last call
+
+    def hold_ms(self) -> float:
+        return min(MAX_HOLD_MS, 2 * self.host_ms + HOLD_SLACK_MS)
 
     def plan_rounds(self, n: int) -> None:
         for k in range(self.rounds, self.rounds + n):
@@ -160,11 +199,12 @@ class _ShapeTrials:
 
     def collect_finished(self) -> None:
         still_running = []
-        for choice, start, end in self.in_flight:
+        for choice, start, end, host_ms in self.in_flight:
             if end.query():  # non-blocking; the end finished so the start (earlier, same stream) did
                 self.samples.setdefault(choice, []).append(start.elapsed_time(end))
+                self.host.setdefault(choice, []).append(host_ms)
             else:
-                still_running.append((choice, start, end))
+                still_running.append((choice, start, end, host_ms))
         self.in_flight = still_running
 
     def all_in(self) -> bool:
@@ -177,13 +217,15 @@ class LaunchOrderTuner:
     """Per ``ForwardLaunchShape``, the launch order (the extension's ``bag_major`` flag) that
     measured clearly faster than the default, else the default; or, with other ``names``, any
     launches that compute the same thing, keyed by any hashable shape with a ``num_features``.
-    ``record_event(device)`` and ``capturing(device)`` are the CUDA hooks, to be replaced by fakes
-    in tests."""
+    ``record_event(device)``, ``hold(device, ms)`` and ``capturing(device)`` are the CUDA hooks and
+    ``clock()`` the host's (seconds), to be replaced by fakes in tests."""
 
     def __init__(self, min_trials: int = MIN_TRIALS, max_trials: int = MAX_TRIALS, margin: float = MARGIN,
                  z: float = CONFIDENCE_Z, record_event: Callable = record_timing_event,
                  capturing: Callable = stream_is_capturing, names: Dict[bool, str] = ORDER_NAMES,
-                 candidates: Optional[Callable] = None, default=DEFAULT_ORDER):
+                 candidates: Optional[Callable] = None, default=DEFAULT_ORDER,
+                 host_path: Optional[Callable[[object], object]] = None, hold: Callable = hold_device,
+                 clock: Callable[[], float] = time.perf_counter):
         if not 1 <= min_trials <= max_trials:
             raise ValueError(f"need 1 <= min_trials <= max_trials (got {min_trials}, {max_trials})")
         self.min_trials, self.max_trials, self.margin, self.z = min_trials, max_trials, margin, z
@@ -193,9 +235,14 @@ class LaunchOrderTuner:
         # and stays unless a candidate is clearly faster.
         self._candidates = candidates or _orders_for
         self.default = default
+        # ``host_path(choice)``: equal for choices whose host calls are one code path (compared on
+        # device time); None: all are.
+        self.host_path = host_path
         self.forced_order = None  # a choice every shape runs, unmeasured (force)
         self._record_event = record_event
         self._capturing = capturing
+        self._hold = hold
+        self._clock = clock
         self._decided: Dict[ForwardLaunchShape, bool] = {}
         self._trials: Dict[ForwardLaunchShape, _ShapeTrials] = {}
         # Launches that ran while their shape was undecided (the benchmark warms up until a step
@@ -228,16 +275,22 @@ class LaunchOrderTuner:
             self.trial_launches += 1
             order, timed = self._next_launch(shape, candidates)
             trials = self._trials.get(shape)
-        if not timed:
+        if trials is None:  # decided by this call
             return run(order)
-        start = self._record_event(device)
+        if timed:  # the device busy until the call has queued the trial's kernels
+            self._hold(device, trials.hold_ms())
+            start = self._record_event(device)
+        began = self._clock()
         result = run(order)
+        host_ms = trials.host_ms = (self._clock() - began) * 1e3
+        if not timed:
+            return result
         end = self._record_event(device)
         with self._lock:
             # else another thread decided meanwhile, or the trials were forgotten and begun anew:
             # this sample belongs to none
             if self._trials.get(shape) is trials:
-                trials.in_flight.append((order, start, end))
+                trials.in_flight.append((order, start, end, host_ms))
         return result
 
     def _next_launch(self, shape, candidates) -> Tuple[bool, bool]:
@@ -250,7 +303,8 @@ class LaunchOrderTuner:
         trials.collect_finished()
         if trials.all_in():
             default = self.default if self.default in candidates else candidates[0]
-            choice, clear = decide(candidates, trials.samples, default, self.margin, self.z)
+            choice, clear = decide(candidates, trials.samples, default, self.margin, self.z, trials.host,
+                                   self.host_path)
             if clear or trials.rounds >= self.max_trials:
                 self._decided[shape] = choice
                 del self._trials[shape]

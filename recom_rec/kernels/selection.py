@@ -3,8 +3,9 @@ them (issue 18), rather than by a rule on dims.
 
 The candidates compute the same pooled output: the Triton kernel, and the CUDA kernel's launches
 (feature-major or bag-major, 8 or 4 rows in flight a lane: pooled_cuda.FORWARD_LAUNCHES). The
-first launches of a shape run each once untimed, then in A B B A order timed with CUDA events;
-the shape keeps the default (CUDA feature-major) unless another is clearly faster, by
+first launches of a shape run each once untimed, then in A B B A order timed with CUDA events
+(the kernels' device time; against Triton, whose launch costs the host more, the longer of device
+and host time); the shape keeps the default (CUDA feature-major) unless another is clearly faster, by
 launch_tuner.MARGIN beyond the samples' spread (launch_tuner.LaunchOrderTuner, whose key includes
 the weights' address, so two models of one shape tune apart). Where the CUDA extension is
 unavailable or does not cover the group (a weight buffer that is not 16-byte aligned), Triton
@@ -41,7 +42,10 @@ class ForwardChoiceShape(tuple):
     num_features = property(lambda self: self[0].num_features)
 
 
-FORWARD = LaunchOrderTuner(names={c: c for c in CHOICES}, candidates=_candidates, default=CUDA_FEATURES)
+# The CUDA launches are one call to the extension with other flags: device time decides among them.
+# Triton's launch costs the host more, so it is compared on the longer of its device and host times.
+FORWARD = LaunchOrderTuner(names={c: c for c in CHOICES}, candidates=_candidates, default=CUDA_FEATURES,
+                           host_path=lambda choice: choice == TRITON)
 
 
 def force_forward(choice: Optional[str]) -> None:
