@@ -4,12 +4,13 @@ its choices are (issue 18 item 3; docs/perf-notes.md v27).
 Three ways, put in through the tuners' hooks (kernels/launch_tuner.py):
 
 - ``device`` (the product's): a sleep kernel queued ahead of each timed trial's start event covers
-  the host's call, so the interval holds the kernels alone;
+  the host's call, so the interval holds the kernels alone (the product compares Triton against
+  the CUDA launches on the longer of device and host time: the tuners' ``host_path``);
 - ``wall`` (the product's before v27): no hold. On an idle device the start event fires at once and
   the interval also holds the host's time until the kernels start (10-50 us that jitter on the GPU
   hosts, against kernels of 20-300 us);
-- ``max``: as ``device``, and a sample is the longer of that device time and the host's time in the
-  call (a stream of such launches runs at the slower of the two).
+- ``max``: as ``device``, and every sample is the longer of that device time and the host's time
+  in the call (a stream of such launches runs at the slower of the two).
 
 For each point (the sweep's, by label) and each of ``--instances`` fresh models (weights at new
 addresses, an unused allocation of random size ahead of them), every way tunes its own model
