@@ -58,8 +58,8 @@ MAX_TRIALS = 30
 MARGIN = 0.03
 # ... and only when the gain is beyond the margin by CONFIDENCE_Z standard errors. 3.5 rather than
 # the textbook 2-3: a shape's verdict is looked at up to 12 times (after each pair of rounds), and
-# launches timed with their host-side work spread by 10-30%; with equal candidates at a 15-30%
-# spread, 3.5 switched in under 1% of simulated runs (3: 1-2%).
+# samples that hold host time (Triton's, against a CUDA launch) spread by 10-30%; with equal
+# candidates at a 15-30% spread, 3.5 switched in under 1% of simulated runs (3: 1-2%).
 CONFIDENCE_Z = 3.5
 # The hold ahead of a timed trial: twice the host's last call for the shape plus HOLD_SLACK_MS (its
 # time jitters; a call that outlasts the hold gives one slow sample, which the medians ignore), at
