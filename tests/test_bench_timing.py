@@ -148,6 +148,21 @@ def test_compare_reports_the_ratios_of_the_tenth_percentiles_where_recorded():
     assert "10th percentile: |B/A - 1| median 6.0%, max 10.0%, within 5%: 1 of 2" in text
 
 
+def test_compare_reports_how_far_the_forwards_device_time_ratios_moved():
+    a, b = sweep_rows([1.0, 2.0, 1.0]), sweep_rows([1.0, 2.0, 1.0])
+    for row, (ours, theirs, unchecked) in zip(a + b, ((0.10, 0.15, 0.12), (0.20, 0.30, None), (None, None, None),
+                                                      (0.10, 0.153, 0.12), (0.20, 0.36, None), (None, None, None))):
+        row.update({k: v for k, v in (("recom_rec_graph_ms", ours), ("fbgemm_graph_ms", theirs),
+                                      ("fbgemm_unchecked_graph_ms", unchecked)) if v is not None})
+    c = stability.compare(a, b)
+    assert c["device_ratios"]["fbgemm"]["points"] == 2 and c["device_ratios"]["fbgemm"]["within"] == 1
+    assert c["device_ratios"]["fbgemm"]["max"] == pytest.approx(0.2)
+    assert c["device_ratios"]["fbgemm_unchecked"] == {"points": 1, "median": 0.0, "max": 0.0, "within": 1}
+    text = stability.format_comparison(c)
+    assert ("forward device-time ratios (fbgemm graph ms / ours): 2 compared, |B/A - 1| median 11.00%, "
+            "max 20.00%, within 5%: 1 of 2") in text
+
+
 def test_compare_reads_sweeps_written_before_the_choices_record():
     c = stability.compare(sweep_rows([1.0, 1.0], old_format=True),
                           sweep_rows([1.0, 1.0], choices={1: "singletons"}, old_format=True))

@@ -4,7 +4,9 @@ runs on one machine"): `python -m recom_rec.bench --compare A.json B.json` on tw
 Per (point, phase) present in both: whether ours' measured choices are the same (the "choices"
 record: forward kernels, launch order, backward path; JSONs from before it had only "choice"),
 and how far the ratio (fbgemm ms / ours ms) moved: |ratio B / ratio A - 1|. Each peer's own
-median ms is compared the same way, to tell which side of a moved ratio moved."""
+median ms is compared the same way, to tell which side of a moved ratio moved; so are the ratios
+of the forwards replayed from CUDA graphs (device time, no host: how far the kernels' ratios
+repeat), against fbgemm and against fbgemm unchecked."""
 import json
 import statistics
 from typing import List, Tuple
@@ -42,6 +44,14 @@ def compare(a: List[dict], b: List[dict]) -> dict:
     # the same from each peer's 10th percentile (sweeps from v20 on record it)
     rated_p10 = [k for k in common if rows_a[k].get("ratio_p10") and rows_b[k].get("ratio_p10")]
     moved_p10 = [_moved(rows_a[k]["ratio_p10"], rows_b[k]["ratio_p10"]) for k in rated_p10]
+    device = {}
+    for peer in ("fbgemm", "fbgemm_unchecked"):
+        keys = ("recom_rec_graph_ms", f"{peer}_graph_ms")
+        timed = [_moved(rows_a[k][keys[1]] / rows_a[k][keys[0]], rows_b[k][keys[1]] / rows_b[k][keys[0]])
+                 for k in common if all(rows_a[k].get(x) and rows_b[k].get(x) for x in keys)]
+        if timed:
+            device[peer] = {"points": len(timed), "median": statistics.median(timed), "max": max(timed),
+                            "within": sum(x <= RATIO_TOLERANCE for x in timed)}
     return {
         "ratios_p10": len(moved_p10),
         "ratio_p10_median": statistics.median(moved_p10) if moved_p10 else None,
@@ -54,6 +64,7 @@ def compare(a: List[dict], b: List[dict]) -> dict:
         "ratios_within": sum(x <= RATIO_TOLERANCE for x, _ in moved),
         "most_moved": [(k, rows_a[k]["ratio"], rows_b[k]["ratio"], x) for x, k in moved[:10]],
         "peers": peers,
+        "device_ratios": device,
         "only_in_one": len(set(rows_a) ^ set(rows_b)),
     }
 
@@ -76,6 +87,10 @@ def format_comparison(c: dict, names: Tuple[str, str] = ("A", "B")) -> str:
         lines.append(f"ratios from each peer's 10th percentile: |B/A - 1| median {100 * c['ratio_p10_median']:.1f}%, "
                      f"max {100 * c['ratio_p10_max']:.1f}%, within {100 * RATIO_TOLERANCE:.0f}%: "
                      f"{c['ratios_p10_within']} of {c['ratios_p10']}")
+    for peer, s in c.get("device_ratios", {}).items():
+        lines.append(f"forward device-time ratios ({peer} graph ms / ours): {s['points']} compared, |B/A - 1| median "
+                     f"{100 * s['median']:.2f}%, max {100 * s['max']:.2f}%, within {100 * RATIO_TOLERANCE:.0f}%: "
+                     f"{s['within']} of {s['points']}")
     for peer, s in c["peers"].items():
         lines.append(f"{peer} ms: |B/A - 1| median {100 * s['median']:.1f}%, max {100 * s['max']:.1f}%, "
                      f"within {100 * RATIO_TOLERANCE:.0f}%: {s['within']} of {s['points']}")
