@@ -1,7 +1,7 @@
 """GPU investigation (not a benchmark): how a tuner's way of timing its trials decides how stable
 its choices are (issue 18 item 3; docs/perf-notes.md v27).
 
-Three ways, put in through the tuners' hooks (kernels/launch_tuner.py):
+Three ways, put in through the tuners' hooks and host paths (kernels/launch_tuner.py):
 
 - ``device`` (the product's): a sleep kernel queued ahead of each timed trial's start event covers
   the host's call, so the interval holds the kernels alone (the product compares Triton against
@@ -25,11 +25,10 @@ import argparse
 import collections
 import random
 import statistics
-import time
 
 import torch
 
-from recom_rec.bench.sweep import _choices, _forget_choices, _Ours, _step, make_kjt, points
+from recom_rec.bench.sweep import _DATA_TYPES, _choices, _forget_choices, _Ours, _step, make_kjt, points
 from recom_rec.bench.timing import graph_replay, settle, time_interleaved
 from recom_rec.kernels import launch_tuner, pooled_cuda, selection
 
@@ -50,43 +49,16 @@ WAYS = ("wall", "device", "max")
 TUNERS = (selection.FORWARD, pooled_cuda.FORWARD_ORDER_TUNER, pooled_cuda.BACKWARD_PATH_TUNER)
 
 
-class _HostTimedStart:
-    """A start event whose elapsed_time to its end is the longer of the device's and the host's."""
-
-    def __init__(self, event):
-        self.event = event
-
-    def elapsed_time(self, end):
-        return max(self.event.elapsed_time(end.event), end.host_ms)
-
-
-class _HostTimedEnd:
-    def __init__(self, event, host_ms):
-        self.event, self.host_ms = event, host_ms
-
-    def query(self):
-        return self.event.query()
-
-
-class _HostTimedEvents:
-    """The ``max`` way's ``record_event`` hook: called for a trial's start, then its end."""
-
-    def __init__(self):
-        self.starting, self.t0 = True, 0.0
-
-    def __call__(self, device):
-        event = launch_tuner.record_timing_event(device)
-        if self.starting:
-            self.starting, self.t0 = False, time.perf_counter()
-            return _HostTimedStart(event)
-        self.starting = True
-        return _HostTimedEnd(event, (time.perf_counter() - self.t0) * 1e3)
+# The product's host paths (selection.FORWARD: Triton's own), restored after each tuning.
+PRODUCT_HOST_PATHS = {tuner: tuner.host_path for tuner in TUNERS}
 
 
 def _set_way(way):
+    """``wall``: no hold, no host time counted (before v27); ``device``: the product's; ``max``: every
+    candidate its own host path, so every comparison takes each trial's longer of device and host time."""
     for tuner in TUNERS:
         tuner._hold = (lambda device, ms: None) if way == "wall" else launch_tuner.hold_device
-        tuner._record_event = _HostTimedEvents() if way == "max" else launch_tuner.record_timing_event
+        tuner.host_path = {"wall": None, "max": lambda choice: choice}.get(way, PRODUCT_HOST_PATHS[tuner])
 
 
 def tune(p, phase, device, tables, kjt, grad, way):
@@ -106,11 +78,9 @@ def tune(p, phase, device, tables, kjt, grad, way):
 
 def forced_forward_ms(peer, kjt, device, iters):
     """Each forward candidate of this model, forced, as graph replays timed interleaved (ms)."""
-    shape_candidates = None
-    for shape in selection.FORWARD.decisions():
-        shape_candidates = selection._candidates(shape)
+    shape = next(iter(selection.FORWARD.decisions()), None)  # the model's one forward shape
     replays = {}
-    for choice in shape_candidates or ():
+    for choice in selection._candidates(shape) if shape is not None else ():
         selection.force_forward(choice)
         replays[choice] = graph_replay(peer, kjt, device)
     selection.force_forward(None)
@@ -134,8 +104,8 @@ def main() -> None:
         p = by_label[label]
         kjt = make_kjt(p, device)
         gen = torch.Generator(device=device).manual_seed(1)
-        tables = [(torch.rand(p.rows, p.dim, generator=gen, device=device) - 0.5).to(
-            {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]) for _ in range(p.tables)]
+        tables = [(torch.rand(p.rows, p.dim, generator=gen, device=device) - 0.5).to(_DATA_TYPES[p.dtype][1])
+                  for _ in range(p.tables)]
         grad = torch.ones(p.batch, p.tables * p.dim, device=device)
         made = collections.defaultdict(list)
         print(f"== {label} {phase}", flush=True)
