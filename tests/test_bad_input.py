@@ -63,6 +63,18 @@ def test_lengths_that_do_not_add_up(backend, lengths):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lengths,message", [
+    ([0, 0, 0, 1, 0, 0], r"feature 'item_id' \(table 'item_table'\): id 6 at batch index 1"),
+    ([0, 0, 0, 0, 0, 0], r"lengths add up to 0 but there are 1 values"),
+])
+def test_one_value_in_all(backend, lengths, message):
+    # One value: a compiled Triton kernel takes the values' count as a constexpr 1, and its report
+    # must still compile and name the feature and table.
+    with pytest.raises(ValueError, match=message):
+        _run(_module(backend), _kjt([6], lengths))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_missing_feature(backend):
     with pytest.raises(ValueError, match=r"missing feature\(s\) 'item_id' \(table 'item_table'\)"):
         _module(backend)(_kjt([1, 2, 0, 1], [1, 1, 1, 1], keys=("user_id", "shared")))

@@ -92,6 +92,23 @@ def test_batch_of_one_with_a_group_at_an_odd_column(backend, weighted):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_one_id_in_all(backend, weighted, batch_size):
+    # A launch passing 1 for an integer argument (the values' count here) makes it a constexpr in a
+    # compiled Triton kernel: the input check's report must compile with it (a random case hit this
+    # on the H100; the interpreter does not specialise).
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=5, num_embeddings=4, feature_names=["f"],
+                                 pooling=PoolingType.MEAN)]
+    lengths = torch.zeros(batch_size, dtype=torch.int64)
+    lengths[-1] = 1
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([2]), lengths,
+                                              weights=torch.tensor([0.5]) if weighted else None)
+    from ebc_cases import Case
+    _check_forward_backward(Case(tables, kjt, weighted), backend)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_all_bags_empty(backend):
     from torchrec import EmbeddingBagConfig, PoolingType
     tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=5, feature_names=["f"],

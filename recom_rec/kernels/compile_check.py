@@ -81,6 +81,13 @@ def _aligned_pointers(kernel, signature):
             for name, kind in signature.items() if kind.startswith("*")}
 
 
+def _integers_one(signature, constexprs):
+    """A launch passing 1 for an integer argument (a batch of one, a single id) makes it a
+    constexpr 1 (Triton's specialisation): the kernel must compile with every such argument 1."""
+    ones = {name: 1 for name, kind in signature.items() if kind in ("i32", "i64")}
+    return {**signature, **{name: "constexpr" for name in ones}}, {**constexprs, **ones}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
@@ -96,18 +103,22 @@ def main(argv=None) -> int:
     failures = 0
     count = 0
     for kernel, signature, constexprs, options in _variants():
-        signature = {**signature, **{name: "constexpr" for name in constexprs}}
-        # Both specialisations a launch makes: pointers of unknown alignment, and (the usual case,
-        # which takes other paths through the layout passes) every pointer 16-byte aligned.
-        for attrs in ({}, _aligned_pointers(kernel, signature)):
+        aligned = _aligned_pointers(kernel, signature)
+        # The specialisations a launch makes: pointers of unknown alignment, (the usual case, which
+        # takes other paths through the layout passes) every pointer 16-byte aligned, and integer
+        # arguments equal to 1.
+        for name, (sig, consts), attrs in (("", (signature, constexprs), {}),
+                                           ("aligned", (signature, constexprs), aligned),
+                                           ("aligned, integers 1", _integers_one(signature, constexprs), aligned)):
             count += 1
+            sig = {**sig, **{n: "constexpr" for n in consts}}
             try:
-                triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                                target=target, options=options)
             except Exception as e:  # noqa: BLE001 - report every failing variant
                 failures += 1
-                print(f"FAILED {kernel.__name__} {constexprs} {'aligned' if attrs else ''}: "
-                      f"{str(e).splitlines()[0][:300]}", file=sys.stderr)
+                print(f"FAILED {kernel.__name__} {constexprs} {name}: {str(e).splitlines()[0][:300]}",
+                      file=sys.stderr)
     print(f"compiled {count - failures}/{count} kernel variants for sm_{args.arch}")
     return 1 if failures else 0
 
