@@ -6,6 +6,8 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -89,9 +91,6 @@ def test_cuda_host_code_compiles_against_the_installed_torch(tmp_path):
     compiles with nvcc against the installed torch's headers, no GPU or CUDA build of torch needed:
     a build error shows here rather than in a GPU session's build. The device code goes to PTX
     only (its SASS and spills are the test above)."""
-    from concurrent.futures import ThreadPoolExecutor
-    import sysconfig
-
     import torch
     from recom_rec.native_build import LOOKUP_SOURCES, csrc_dir
 

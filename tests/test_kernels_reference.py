@@ -104,7 +104,6 @@ def test_one_id_in_all(backend, weighted, batch_size):
     lengths[-1] = 1
     kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([2]), lengths,
                                               weights=torch.tensor([0.5]) if weighted else None)
-    from ebc_cases import Case
     _check_forward_backward(Case(tables, kjt, weighted), backend)
 
 
