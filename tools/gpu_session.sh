@@ -6,6 +6,7 @@
 # back as $OUT/_lookup_cuda.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that
 # folder, so the next machine loads it instead of building while the source is unchanged.
 #   STAGES="tests nccl dlrm bench sweep ps quant bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   (TESTS="files" TEST_K="a or b" TEST_TIMEOUT=300: which tests, and how long, in the tests stage)
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
 set -o pipefail
 source .gpu/setup.sh
@@ -24,9 +25,10 @@ echo "build/load $(( $(date +%s) - t0 )) s"
 stage() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 if [[ " $STAGES " == *" tests "* ]]; then
   stage tests
+  # TESTS: files or node ids; TEST_K: a pytest -k expression (spaces kept)
   RECOM_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider \
     ${TESTS:-tests/test_kernels_reference.py tests/test_fused_optimizers.py tests/test_parity_torchrec.py tests/test_bad_input.py tests/ps} \
-    > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head
+    ${TEST_K:+-k "$TEST_K"} > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head
 fi
 if [[ " $STAGES " == *" nccl "* ]]; then
   stage nccl
