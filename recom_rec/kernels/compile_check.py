@@ -81,11 +81,10 @@ def _aligned_pointers(kernel, signature):
             for name, kind in signature.items() if kind.startswith("*")}
 
 
-def _integers_one(signature, constexprs):
+def _integers_one(signature):
     """A launch passing 1 for an integer argument (a batch of one, a single id) makes it a
     constexpr 1 (Triton's specialisation): the kernel must compile with every such argument 1."""
-    ones = {name: 1 for name, kind in signature.items() if kind in ("i32", "i64")}
-    return {**signature, **{name: "constexpr" for name in ones}}, {**constexprs, **ones}
+    return {name: 1 for name, kind in signature.items() if kind in ("i32", "i64")}
 
 
 def main(argv=None) -> int:
@@ -107,11 +106,10 @@ def main(argv=None) -> int:
         # The specialisations a launch makes: pointers of unknown alignment, (the usual case, which
         # takes other paths through the layout passes) every pointer 16-byte aligned, and integer
         # arguments equal to 1.
-        for name, (sig, consts), attrs in (("", (signature, constexprs), {}),
-                                           ("aligned", (signature, constexprs), aligned),
-                                           ("aligned, integers 1", _integers_one(signature, constexprs), aligned)):
+        for name, consts, attrs in (("", constexprs, {}), ("aligned", constexprs, aligned),
+                                    ("aligned, integers 1", {**constexprs, **_integers_one(signature)}, aligned)):
             count += 1
-            sig = {**sig, **{n: "constexpr" for n in consts}}
+            sig = {**signature, **{n: "constexpr" for n in consts}}
             try:
                 triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                                target=target, options=options)
