@@ -66,6 +66,8 @@ def main():
     p.add_argument("--narrow", action="store_true", help="the narrow-row shapes instead of the default ones")
     p.add_argument("--extra", nargs="*", default=[], metavar="NAME=FILE",
                    help="more variants: kernel sources in files (a change tried without editing this script)")
+    p.add_argument("--shape", action="append", default=[], metavar="T,ROWS,DIM,BATCH,IDS,ZIPF,BAG_MAJOR",
+                   help="these shapes instead of a list above (repeat the option for more)")
     args = p.parse_args()
     text = SOURCE.read_text()
     chosen = {name: (VARIANTS[name][0](text), VARIANTS[name][1]) for name in args.variants}
@@ -76,7 +78,8 @@ def main():
         name, _, path = item.partition("=")
         chosen[name] = (pathlib.Path(path).read_text(), [])
         chosen[f"{name}-4rows"] = (chosen[name][0], ["-DFORWARD_ROWS=4"])
-    compare(chosen, BENCH, args.out, "pooled_forward_kernel", NARROW_SHAPES if args.narrow else SHAPES, args.iters)
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape] or (NARROW_SHAPES if args.narrow else SHAPES)
+    compare(chosen, BENCH, args.out, "pooled_forward_kernel", shapes, args.iters)
 
 
 if __name__ == "__main__":

@@ -162,7 +162,7 @@ __device__ __forceinline__ void report_bad_ids(const InputCheck& c, const I* __r
 // One bag's sum over chunks c0, c0 + G, ... (V of them, those below `chunks`) of 16-byte columns,
 // U rows a step: V * U loads in flight a lane. Rows are added in input order (bit-identical to the
 // one-chunk loop and to the Triton kernel in fp32).
-template <typename W, typename I, int V, int U, bool TRACK>
+template <typename W, typename I, int V, int U, bool TRACK, bool PREFETCH = false>
 __device__ __forceinline__ void pool_vec(const W* __restrict__ table, const I* __restrict__ values,
                                          const float* __restrict__ psw, int64_t start, int64_t end, int64_t dim,
                                          int c0, int G, int chunks, float inv, float* __restrict__ o, int64_t rows,
@@ -177,6 +177,12 @@ __device__ __forceinline__ void pool_vec(const W* __restrict__ table, const I* _
   int64_t i = start;
   for (; i + U <= end; i += U) {
     float4 r[U][V];
+    if (PREFETCH) {
+      // The line of ids two steps on, asked for now: a step then waits for its rows alone, not
+      // for ids from DRAM first every other step (a 128-byte line holds two steps' ids).
+      const I* ahead = values + (i + 2 * U < end ? i + 2 * U : end - 1);
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(ahead));
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const W* w = table + checked_id<TRACK>(values, i + u, rows, bad) * dim + 4 * c0;
@@ -280,7 +286,13 @@ __global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 
         const int per_lane = (chunks + G - 1) / G;
         if (MAXV == 1 || per_lane == 1) {  // one chunk a lane: the flag through the loop
           bool bad = false;
-          if (sl < chunks)
+          // The ids prefetched a line ahead where a warp pools at most 8 bags (G >= 4): 3-9%
+          // faster at dims 16-128 with 50-200 ids a bag. At 1-2 lanes a bag a warp's 16-32 bags
+          // each prefetch their own line, and it was up to 14% slower (perf-notes v29).
+          if (sl < chunks && G >= 4)
+            pool_vec<W, I, 1, ROWS, true, true>(flat + base, values, psw, start, end, dim, sl, G, chunks, inv, o, rows,
+                                                bad);
+          else if (sl < chunks)
             pool_vec<W, I, 1, ROWS, true>(flat + base, values, psw, start, end, dim, sl, G, chunks, inv, o, rows, bad);
           if (bad && chk.claim) report_bad_ids(chk, values, start, end, 0, 1, rows, feature, b);
         } else {
