@@ -57,8 +57,10 @@ if [[ " $STAGES " == *" sweep "* ]]; then
   done
   for run in $(seq 2 ${SWEEP_RUNS:-1}); do  # the stability report: choices and ratios, run 1 against run N
     stage "sweep-compare 1 vs $run"
+    # the whole report to the log (a `tee | head` pipe would cut the log off where head stops)
     python3 -m recom_rec.bench --compare "$OUT/sweep.json" "$OUT/sweep$run.json" 2>&1 \
-      | tee "$OUT/sweep-compare$run.log" | head -40
+      | grep -v "Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|WARNING" > "$OUT/sweep-compare$run.log"
+    head -40 "$OUT/sweep-compare$run.log"
   done
 fi
 if [[ " $STAGES " == *" ps "* ]]; then
