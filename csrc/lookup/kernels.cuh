@@ -286,10 +286,12 @@ __global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 
         const int per_lane = (chunks + G - 1) / G;
         if (MAXV == 1 || per_lane == 1) {  // one chunk a lane: the flag through the loop
           bool bad = false;
-          // The ids prefetched a line ahead where a warp pools at most 8 bags (G >= 4): 3-9%
-          // faster at dims 16-128 with 50-200 ids a bag. At 1-2 lanes a bag a warp's 16-32 bags
-          // each prefetch their own line, and it was up to 14% slower (perf-notes v29).
-          if (sl < chunks && G >= 4)
+          // The ids prefetched a line ahead where a warp pools at most 8 bags (G >= 4), in the
+          // 8-rows kernel of rows up to 128 wide (the long bags'): 2-9% faster at dims 16-128 with
+          // 50-200 ids a bag. At 1-2 lanes a bag a warp's 16-32 bags each prefetch their own line,
+          // and it was up to 14% slower; the 4-rows kernel spills with it at its 40 registers,
+          // the wide rows' kernel more than before (perf-notes v29).
+          if (sl < chunks && MAXV == 1 && ROWS == 8 && G >= 4)
             pool_vec<W, I, 1, ROWS, true, true>(flat + base, values, psw, start, end, dim, sl, G, chunks, inv, o, rows,
                                                 bad);
           else if (sl < chunks)
