@@ -6,7 +6,7 @@
 # back as $OUT/_lookup_cuda.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that
 # folder, so the next machine loads it instead of building while the source is unchanged.
 #   STAGES="tests nccl dlrm bench sweep ps quant bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
-#   (TESTS="files" TEST_K="a or b" TEST_TIMEOUT=300: which tests, and how long, in the tests stage)
+#   (TESTS="files or node ids" TEST_K="a pytest -k expression" TEST_TIMEOUT=300: the tests stage)
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
 set -o pipefail
 source .gpu/setup.sh
@@ -23,9 +23,11 @@ if ! python3 -m recom_rec.kernels.cuda_ext --installed; then
 fi
 echo "build/load $(( $(date +%s) - t0 )) s"
 stage() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+# The stages' output without the stack's noise: warnings (fbgemm's compat table, FX tracing,
+# autograd), their colour codes, blank lines and progress bars.
+quiet() { grep -v "Warning\|warn\|WARNING\|^ *$\|\[33m\|\[0m\|compat\|cannot determine\|is_fx_tracing\|run_backward\|it/s\]"; }
 if [[ " $STAGES " == *" tests "* ]]; then
   stage tests
-  # TESTS: files or node ids; TEST_K: a pytest -k expression (spaces kept)
   RECOM_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider \
     ${TESTS:-tests/test_kernels_reference.py tests/test_fused_optimizers.py tests/test_parity_torchrec.py tests/test_bad_input.py tests/ps} \
     ${TEST_K:+-k "$TEST_K"} > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head
@@ -39,12 +41,12 @@ fi
 if [[ " $STAGES " == *" dlrm "* ]]; then
   stage sharded-dlrm
   timeout ${DLRM_TIMEOUT:-150} python3 -m recom_rec.bench --workloads sharded-dlrm --iters 20 --out "$OUT/dlrm" 2>&1 \
-    | grep -v "Warning\|warn\|^ *$\|\[33m\|\[0m\|compat" | tail -8
+    | quiet | tail -8
 fi
 if [[ " $STAGES " == *" bench "* ]]; then
   stage bench
   timeout ${BENCH_TIMEOUT:-240} python3 -m recom_rec.bench --out /tmp/bench ${BENCH_ARGS:-} 2>&1 \
-    | grep -v "is_fx_tracing\|it/s\]\|Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|run_backward\|WARNING\|cannot determine" \
+    | quiet \
     | tee "$OUT/bench.log" | tail -30; cp /tmp/bench.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STAGES " == *" sweep "* ]]; then
@@ -52,14 +54,14 @@ if [[ " $STAGES " == *" sweep "* ]]; then
     name=sweep$([ $run = 1 ] || echo $run)
     stage $name
     timeout ${SWEEP_TIMEOUT:-300} python3 -m recom_rec.bench --workloads sweep --out "$OUT/$name" ${SWEEP_ARGS:---iters 20} 2>&1 \
-      | grep -v "is_fx_tracing\|Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|WARNING\|run_backward" > "$OUT/$name.log"
+      | quiet > "$OUT/$name.log"
     tail -6 "$OUT/$name.log"; [ $run = 1 ] || rm -f "$OUT/$name.png"
   done
   for run in $(seq 2 ${SWEEP_RUNS:-1}); do  # the stability report: choices and ratios, run 1 against run N
     stage "sweep-compare 1 vs $run"
     # the whole report to the log (a `tee | head` pipe would cut the log off where head stops)
     python3 -m recom_rec.bench --compare "$OUT/sweep.json" "$OUT/sweep$run.json" 2>&1 \
-      | grep -v "Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|WARNING" > "$OUT/sweep-compare$run.log"
+      | quiet > "$OUT/sweep-compare$run.log"
     head -40 "$OUT/sweep-compare$run.log"
   done
 fi
@@ -67,7 +69,7 @@ if [[ " $STAGES " == *" ps "* ]]; then
   stage ps
   # redis://local and redis+cluster://local: the bench starts a server and a 3-shard cluster itself
   timeout ${PS_TIMEOUT:-360} python3 -m recom_rec.bench --workloads ps --ps-urls memory://bench \
-    redis://local redis+cluster://local --out /tmp/ps 2>&1 | grep -v "Warning\|warn\|^ *$\|is_fx_tracing\|WARNING\|33m\|0m\|compat" \
+    redis://local redis+cluster://local --out /tmp/ps 2>&1 | quiet \
     | tee "$OUT/ps.log" | tail -36; cp /tmp/ps.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STAGES " == *" quant "* ]]; then
@@ -77,16 +79,16 @@ if [[ " $STAGES " == *" quant "* ]]; then
   tail -3 "$OUT/quant-tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/quant-tests.log" | head
   stage inference
   timeout ${INFER_TIMEOUT:-300} python3 -m recom_rec.bench --phases inference --out /tmp/inference ${INFER_ARGS:-} 2>&1 \
-    | grep -v "Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|is_fx_tracing\|WARNING\|it/s\]" | tee "$OUT/inference.log" | tail -40
+    | quiet | tee "$OUT/inference.log" | tail -40
   cp /tmp/inference*.json "$OUT/" 2>/dev/null
   stage quant-auc
   timeout ${AUC_TIMEOUT:-200} python3 examples/dlrm_criteo.py --device cuda --quantize int8 int4 --out /tmp/dlrm-q 2>&1 \
-    | grep -v "Warning\|warn\|it/s\]" | tail -12 | tee "$OUT/quant-auc.log"
+    | quiet | tail -12 | tee "$OUT/quant-auc.log"
 fi
 if [[ " $STAGES " == *" psprof "* ]]; then
   stage psprof
   timeout ${PSPROF_TIMEOUT:-150} python3 tools/profile_ps.py --prefetch 1 --top 25 2>&1 \
-    | grep -v "Warning\|warn\|^ *$\|is_fx_tracing" > "$OUT/psprof.log"; head -12 "$OUT/psprof.log"
+    | quiet > "$OUT/psprof.log"; head -12 "$OUT/psprof.log"
 fi
 if [[ " $STAGES " == *" bwdvar "* ]]; then
   stage bwdvar  # backward kernel variants by nvcc alone (tools/backward_kernel_variants.py; --old-source F to carry)
@@ -96,6 +98,6 @@ fi
 if [[ " $STAGES " == *" profile "* ]]; then
   stage profile
   timeout ${PROFILE_TIMEOUT:-150} python3 tools/profile_step.py ${PROFILE_ARGS:---workloads many-1000 many-500 --backends auto} 2>&1 \
-    | grep -v "Warning\|warn\|^ *$\|\[33m\|\[0m\|compat\|is_fx_tracing" > "$OUT/profile.log"; grep -A8 "^==" "$OUT/profile.log"
+    | quiet > "$OUT/profile.log"; grep -A8 "^==" "$OUT/profile.log"
 fi
 stage done
