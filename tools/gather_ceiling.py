@@ -4,7 +4,8 @@ fbgemm's forward on the same rows.
 The sweep judges a forward that reads >= 100 MB of rows against the device-to-device copy rate.
 Rows of 16-32 bytes are read at random, a 32-byte sector (or more) at a time, and no kernel may
 reach the copy rate there. This measures what a gather can reach on the sweep's own points: a
-minimal Triton kernel that reads each lookup's row (its flat row index precomputed, 4 bytes) and
+minimal Triton kernel (recom_rec/bench/gather.py, which the sweep also times at its forwards below
+85% of the copy rate) that reads each lookup's row (its flat row index precomputed, 4 bytes) and
 sums a block of them (no bags, no ids check, no output to speak of), at several block sizes, the
 best taken. Ours (backend auto, checked as it runs by default) and fbgemm (checked and unchecked)
 run the point's forward on the same KJT; all are CUDA-graph replays (device time), timed
@@ -16,44 +17,13 @@ import argparse
 import statistics
 
 import torch
-import triton
-import triton.language as tl
 
+from recom_rec.bench.gather import gathers
 from recom_rec.bench.sweep import Point, _choices, _Fbgemm, _forget_choices, _Ours, make_kjt, rows_read_bytes
 from recom_rec.bench.timing import copy_bandwidth_gbs, graph_replay, settle, time_interleaved
 from recom_rec.kernels import selection
 from recom_rec.kernels.pooled_cuda import FORWARD_LAUNCHES
 from recom_rec.kernels.selection import CUDA
-
-BLOCKS = ((128, 2), (256, 4), (512, 4), (1024, 8), (2048, 8))  # (lookups a program, warps)
-
-
-@triton.jit
-def _gather_sum(weights, rows, out, n, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
-    lookups = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    inside = lookups < n
-    row = tl.load(rows + lookups, mask=inside, other=0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    tile = tl.load(weights + row[:, None] * D + cols[None, :], mask=inside[:, None] & (cols[None, :] < D), other=0.0)
-    tl.store(out + pid * BLOCK_D + cols, tl.sum(tile.to(tl.float32), axis=0))
-
-
-class _Gather:
-    """The minimal gather as a peer: ``forward`` launches it over every lookup of the KJT."""
-
-    def __init__(self, p: Point, weights: torch.Tensor, kjt, block: int, warps: int):
-        per_table = kjt.lengths().view(p.tables, -1).sum(1)
-        table = torch.repeat_interleave(torch.arange(p.tables, device=weights.device), per_table)
-        self.rows = (kjt.values() + table * p.rows).to(torch.int32)
-        self.weights, self.dim, self.block, self.warps = weights, p.dim, block, warps
-        self.grid = (triton.cdiv(self.rows.numel(), block),)
-        self.out = torch.empty(self.grid[0], triton.next_power_of_2(p.dim), device=weights.device)
-
-    def forward(self, kjt):
-        _gather_sum[self.grid](self.weights, self.rows, self.out, self.rows.numel(), D=self.dim,
-                               BLOCK_D=triton.next_power_of_2(self.dim), BLOCK_N=self.block, num_warps=self.warps)
-        return self.out
 
 
 def main() -> None:
@@ -82,7 +52,7 @@ def main() -> None:
         tables = list(weights.view(p.tables, p.rows, p.dim))
         peers = {"ours": _Ours(p, device, None, tables, "auto"), "fbgemm": _Fbgemm(p, device, None, tables),
                  "unchecked": _Fbgemm(p, device, None, tables, bounds_checked=False)}
-        peers.update({f"gather {b}/{w}": _Gather(p, weights, kjt, b, w) for b, w in BLOCKS})
+        peers.update(gathers(weights, kjt, p.tables, p.rows))
         with torch.no_grad():
             sums = {name: peer.forward(kjt).double().sum().item() for name, peer in peers.items()}
         reference = sums["fbgemm"]

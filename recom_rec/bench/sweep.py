@@ -21,6 +21,8 @@ every id as they read it (ops/input_check.py), so the first is the like-for-like
 second gives fbgemm the advantage of no check. At forward points that read
 100 MB of rows or more, each peer's forward is also replayed from a CUDA graph (device time alone):
 beside the copy ceiling, that tells a forward its kernels hold back from one its host start-up does.
+Where the kernels read below 85% of the copy rate, a bare gather of the same rows (gather.py) is
+timed too: what any kernel reading those rows reaches.
 
 A phase builds both peers, warms each up until the product's tuners have decided every shape it
 runs (timing.settle), records what ours chose ("choices": the forward's kernels, the backward's
@@ -44,6 +46,7 @@ from torchrec import DataType, EmbeddingBagConfig, KeyedJaggedTensor, PoolingTyp
 
 import recom_rec
 
+from .gather import gathers
 from .peers import fbgemm_bounds_check
 from .timing import graph_replay, time_interleaved
 from .workloads import zipf_ids
@@ -55,6 +58,7 @@ MAX_LOOKUPS = 16_000_000
 MAX_READ_BYTES = 16e9  # rows a forward reads: bounds the slowest points' time
 MAX_WEIGHT_BYTES = 4e9  # one copy of the tables (ours and fbgemm's each hold one)
 BANDWIDTH_BOUND_BYTES = 100e6  # rows read at or above this: the forward is judged against the copy ceiling
+CEILING_TARGET = 0.85  # issue 18's share of the copy rate for those forwards
 UNCHECKED = "fbgemm_unchecked"  # fbgemm without its bounds check (ours checks ids in its kernels)
 GRAPH_MIN_MS = 30.0  # each peer's graph replays timed at least this long at a bandwidth-bound point
 
@@ -333,6 +337,29 @@ def _time_graphs(row: dict, peers: dict, kjt, device, iters: int) -> None:
         row.setdefault("errors", {})["graph"] = f"{type(e).__name__}: {str(e)[:200]}"
 
 
+def _time_gather(row: dict, p: Point, device, iters: int, ceiling_gbs: float) -> None:
+    """At a forward whose kernels read below the target share of the copy rate: the bare gather of
+    the same rows (gather.py) replayed from CUDA graphs at each block size, the fastest kept:
+    ``gather_graph_ms``, its share of the copy rate (the rows' bytes: it writes almost nothing) and
+    ours' share of its speed, ``of_gather``. What a kernel reading these rows reaches at all."""
+    try:
+        kjt = make_kjt(p, device)
+        weights = torch.rand(p.tables * p.rows, p.dim, device=device).to(_DATA_TYPES[p.dtype][1])
+        replays = {name: graph_replay(g, kjt, device) for name, g in gathers(weights, kjt, p.tables, p.rows)}
+        samples = time_interleaved(replays, device, warmup=2, min_iters=iters, min_ms=GRAPH_MIN_MS / 4)
+        ms = {name: statistics.median(times) for name, times in samples.items()}
+        best = min(ms, key=ms.get)
+        row["gather_graph_ms"], row["gather_block"] = ms[best], best.split()[1]
+        row["gather_ceiling_share"] = row["rows_read_bytes"] / (ms[best] * 1e-3) / 1e9 / ceiling_gbs
+        row["of_gather"] = ms[best] / row["recom_rec_graph_ms"]
+    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+        row.setdefault("errors", {})["gather"] = f"{type(e).__name__}: {str(e)[:200]}"
+    finally:
+        replays = weights = kjt = None
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def _forget_choices() -> None:
     """Forget the CUDA backend's measured choices: the next model may sit where the last one's
     weights were (the address is part of a choice's key)."""
@@ -364,6 +391,8 @@ def run_sweep(device: torch.device, small: bool, warmup: int, iters: int, backen
                                    ("fbgemm_graph_ceiling_share", "fbgemm_graph_ms")):
                     if r.get(timed):
                         r[key] = r["lookup_bytes"] / (r[timed] * 1e-3) / 1e9 / ceiling_gbs
+                if r.get("graph_ceiling_share", 1.0) < CEILING_TARGET:
+                    _time_gather(r, p, device, iters, ceiling_gbs)
         results.extend(rows)
         if progress:
             progress(rows)
@@ -382,7 +411,7 @@ def summarize(results: List[dict]) -> Dict[str, dict]:
     fwd = [r for r in results if r["phase"] == "forward" and r.get("ceiling_share")
            and r["rows_read_bytes"] >= BANDWIDTH_BOUND_BYTES]
     if fwd:
-        below = [r for r in fwd if r["ceiling_share"] < 0.85]
+        below = [r for r in fwd if r["ceiling_share"] < CEILING_TARGET]
         summary["forward_bandwidth_bound"] = {
             "points": len(fwd), "min_ceiling_share": min(r["ceiling_share"] for r in fwd),
             "below_85pct": [(r["point"], round(r["ceiling_share"], 3)) for r in below],
@@ -390,7 +419,11 @@ def summarize(results: List[dict]) -> Dict[str, dict]:
             # 85% are held back by their kernels, the others by the host's start-up
             "graphed": sum(1 for r in fwd if r.get("graph_ceiling_share")),
             "graph_below_85pct": [(r["point"], round(r["graph_ceiling_share"], 3)) for r in fwd
-                                  if r.get("graph_ceiling_share") and r["graph_ceiling_share"] < 0.85]}
+                                  if r.get("graph_ceiling_share") and r["graph_ceiling_share"] < CEILING_TARGET],
+            # those beside a bare gather of their rows: (point, ours' share of copy, the gather's, ours'
+            # share of the gather's speed)
+            "gather": [(r["point"], round(r["graph_ceiling_share"], 3), round(r["gather_ceiling_share"], 3),
+                        round(r["of_gather"], 3)) for r in fwd if r.get("gather_graph_ms")]}
     return summary
 
 
@@ -432,6 +465,9 @@ def format_results(meta: dict, results: List[dict], summary: Dict[str, dict]) ->
             lines.append(f"forward, rows read >= 100 MB: {s['points']} points, min {100 * s['min_ceiling_share']:.0f}% "
                          f"of copy; below 85%: {len(s['below_85pct'])}; replayed from CUDA graphs (device time "
                          f"alone, {s['graphed']} points), below 85%: {len(s['graph_below_85pct'])}")
+            lines += [f"  {point}: ours {100 * ours:.0f}% of copy; a bare gather of its rows {100 * gather:.0f}%, "
+                      f"ours at {100 * share:.0f}% of the gather's speed"
+                      for point, ours, gather, share in s.get("gather", [])]
             continue
         lines.append(f"{phase}: {s['points']} points, min {s['min']:.2f}x, geomean {s['geomean']:.2f}x, "
                      f"below 1.0x: {len(s['below_1'])}; worst: "
