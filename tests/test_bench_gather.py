@@ -49,5 +49,5 @@ def test_summary_reports_forwards_below_the_target_beside_the_gather():
     assert s["graph_below_85pct"] == [(row["point"], 0.45)]
     assert s["gather"] == [(row["point"], 0.45, 0.63, 0.71)]
     text = sweep.format_results({"device": "probe", "copy_gbs": 3000.0}, [row, fast], summary)
-    assert f"{row['point']}: ours 45% of copy; a bare gather of its rows 63%, ours at 71% of the gather's speed" \
+    assert f"{row['point']}: ours 45% of copy; a bare gather of its rows 63%, ours at 71% of the gather's rate" \
         in text

@@ -341,7 +341,8 @@ def _time_gather(row: dict, p: Point, device, iters: int, ceiling_gbs: float) ->
     """At a forward whose kernels read below the target share of the copy rate: the bare gather of
     the same rows (gather.py) replayed from CUDA graphs at each block size, the fastest kept:
     ``gather_graph_ms``, its share of the copy rate (the rows' bytes: it writes almost nothing) and
-    ours' share of its speed, ``of_gather``. What a kernel reading these rows reaches at all."""
+    ours' share of its rate, ``of_gather`` (each counting the bytes it moves: ours the rows and its
+    output, which at one id a bag are as many again). What a kernel reading these rows reaches."""
     try:
         kjt = make_kjt(p, device)
         weights = torch.rand(p.tables * p.rows, p.dim, device=device).to(_DATA_TYPES[p.dtype][1])
@@ -351,7 +352,7 @@ def _time_gather(row: dict, p: Point, device, iters: int, ceiling_gbs: float) ->
         best = min(ms, key=ms.get)
         row["gather_graph_ms"], row["gather_block"] = ms[best], best.split()[1]
         row["gather_ceiling_share"] = row["rows_read_bytes"] / (ms[best] * 1e-3) / 1e9 / ceiling_gbs
-        row["of_gather"] = ms[best] / row["recom_rec_graph_ms"]
+        row["of_gather"] = row["graph_ceiling_share"] / row["gather_ceiling_share"]
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
         row.setdefault("errors", {})["gather"] = f"{type(e).__name__}: {str(e)[:200]}"
     finally:
@@ -421,7 +422,7 @@ def summarize(results: List[dict]) -> Dict[str, dict]:
             "graph_below_85pct": [(r["point"], round(r["graph_ceiling_share"], 3)) for r in fwd
                                   if r.get("graph_ceiling_share") and r["graph_ceiling_share"] < CEILING_TARGET],
             # those beside a bare gather of their rows: (point, ours' share of copy, the gather's, ours'
-            # share of the gather's speed)
+            # share of the gather's rate)
             "gather": [(r["point"], round(r["graph_ceiling_share"], 3), round(r["gather_ceiling_share"], 3),
                         round(r["of_gather"], 3)) for r in fwd if r.get("gather_graph_ms")]}
     return summary
@@ -466,7 +467,7 @@ def format_results(meta: dict, results: List[dict], summary: Dict[str, dict]) ->
                          f"of copy; below 85%: {len(s['below_85pct'])}; replayed from CUDA graphs (device time "
                          f"alone, {s['graphed']} points), below 85%: {len(s['graph_below_85pct'])}")
             lines += [f"  {point}: ours {100 * ours:.0f}% of copy; a bare gather of its rows {100 * gather:.0f}%, "
-                      f"ours at {100 * share:.0f}% of the gather's speed"
+                      f"ours at {100 * share:.0f}% of the gather's rate"
                       for point, ours, gather, share in s.get("gather", [])]
             continue
         lines.append(f"{phase}: {s['points']} points, min {s['min']:.2f}x, geomean {s['geomean']:.2f}x, "
