@@ -11,7 +11,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from .peers import PEERS, PINNED_BACKENDS, fbgemm_available, make_peer
+from .peers import GROUP_PARAMETERS, PEERS, PINNED_BACKENDS, fbgemm_available, make_peer
 from .report import format_table, plot_results
 from .timing import copy_bandwidth_gbs, graph_replay, time_ms
 from .workloads import DEFAULT_WORKLOADS, WORKLOADS, get_workload
@@ -47,10 +47,11 @@ def parse_args(argv=None):
                    help="stores for the 'ps' workload, e.g. memory://bench redis://127.0.0.1:6379/0; redis://local and "
                    "redis+cluster://local start a server / a 3-shard cluster on loopback for the run")
     p.add_argument("--peers", nargs="+", default=["recom_rec", "torchrec", "fbgemm", "fbgemm_unchecked"],
-                   choices=list(PEERS) + list(PINNED_BACKENDS),
+                   choices=list(PEERS) + list(PINNED_BACKENDS) + [GROUP_PARAMETERS],
                    help="fbgemm: its TBE with its default bounds check (as sharded torchrec trains; ours checks ids "
                    "inside its kernels); fbgemm_unchecked: without it; recom_rec:triton / recom_rec:cuda: ours "
-                   "with that backend pinned, beside 'recom_rec' (--backend)")
+                   "with that backend pinned, beside 'recom_rec' (--backend); recom_rec:group-params: ours with "
+                   "group_parameters=True (one trainable Parameter a dtype group, for dense gradients)")
     p.add_argument("--batch-size", type=int, default=None, help="override every workload's batch size")
     p.add_argument("--phases", nargs="+", default=[p for p in PHASES if p not in ("forward-graph", "inference")],
                    choices=PHASES,

@@ -30,8 +30,9 @@ class _ModulePeer(Peer):
         super().__init__(workload, device, optimizer)
         self.module = module
         # Held once, as a user's optimizer holds its parameters: walking the module's tree each
-        # step costs ~6 us a table (6 ms a step with 1000 tables) for both module peers.
-        self.params = list(module.parameters())
+        # step costs ~6 us a table (6 ms a step with 1000 tables) for both module peers. The
+        # trainable ones only (ours with group_parameters has frozen per-table views).
+        self.params = [p for p in module.parameters() if p.requires_grad]
         self.opt = _dense_optimizer(optimizer, self.params)
 
     def forward(self, kjt):
@@ -63,8 +64,9 @@ class RecomRec(_ModulePeer):
 
     name = "recom_rec"
 
-    def __init__(self, workload, device, optimizer, backend="auto"):
-        module = recom_rec.EmbeddingBagCollection(workload.tables(), device=device, backend=backend)
+    def __init__(self, workload, device, optimizer, backend="auto", group_parameters=False):
+        module = recom_rec.EmbeddingBagCollection(workload.tables(), device=device, backend=backend,
+                                                  group_parameters=group_parameters)
         self.fused = optimizer != "none"
         if self.fused:
             module.enable_fused_optimizer(optimizer, lr=0.01)
@@ -175,9 +177,14 @@ PEERS: Dict[str, Callable[..., Peer]] = {
 }
 # Ours with a pinned backend, side by side with the default ("recom_rec", --backend).
 PINNED_BACKENDS = ("recom_rec:triton", "recom_rec:cuda", "recom_rec:torch")
+# Ours built with group_parameters=True (one trainable Parameter a dtype group: the `backward`
+# phase's dense gradients come as one tensor a group), at --backend.
+GROUP_PARAMETERS = "recom_rec:group-params"
 
 
 def make_peer(name: str, workload, device, optimizer, backend: str = "auto") -> Peer:
+    if name == GROUP_PARAMETERS:
+        return RecomRec(workload, device, optimizer, backend=backend, group_parameters=True)
     if name.startswith("recom_rec:"):
         return RecomRec(workload, device, optimizer, backend=name.split(":", 1)[1])
     if name == "recom_rec":

@@ -310,11 +310,12 @@ def _grads(ctx, grad_output, wants_weights: bool, wants_psw: bool, as_ops: bool)
                 ctx.num_rows)
         grad_flat = pooled_embedding_backward(*args) if as_ops else _backward_impl(*args)
         runs = getattr(ctx, "table_runs", None)
-        if runs is not None:
+        if runs is not None and ctx.tables[0].dim() == 2:
             grad_weights = table_grad_views(grad_flat, runs)
         else:
             # The registered op's formula (no plan records in its schema): one C++ call makes
-            # every table's view from the tables' shapes.
+            # every table's view from the tables' shapes. A group's own Parameter (the module's
+            # group_parameters: 1-D, the flat buffer) gets the flat gradient whole.
             grad_weights = list(torch._C._nn.unflatten_dense_tensors(grad_flat, ctx.tables))
     return grad_weights, grad_psw
 

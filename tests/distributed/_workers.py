@@ -73,10 +73,11 @@ ROWS = {"f0": 20, "f1": 17, "f2": 17, "f3": 13, "f4": 11}
 class Model(nn.Module):
     """Our module next to torchrec's, as in a real model."""
 
-    def __init__(self, weighted: bool = False, device=None) -> None:
+    def __init__(self, weighted: bool = False, device=None, group_parameters: bool = False) -> None:
         super().__init__()
         device = torch.device(device or DEV)
-        self.ebc = recom_rec.EmbeddingBagCollection(ours_tables(), is_weighted=weighted, device=device)
+        self.ebc = recom_rec.EmbeddingBagCollection(ours_tables(), is_weighted=weighted, device=device,
+                                                    group_parameters=group_parameters)
         self.tebc = TorchrecEBC(torchrec_tables(), device=device)
 
     def forward(self, kjt: KeyedJaggedTensor):
@@ -290,8 +291,11 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str) -> None:
     # from an unsharded checkpoint
     meta = case.startswith("meta_")
     case = case[len("meta_"):] if meta else case
+    # ``groups_<plan>``: our module built with one Parameter per dtype group (group_parameters)
+    groups = case.startswith("groups_")
+    case = case[len("groups_"):] if groups else case
     torch.manual_seed(0)
-    model = Model(weighted, device="meta" if meta else DEV)
+    model = Model(weighted, device="meta" if meta else DEV, group_parameters=groups)
     torch.manual_seed(0)
     ref = Model(weighted)
     ref_checkpoint = {k: v.clone() for k, v in ref.state_dict().items()}

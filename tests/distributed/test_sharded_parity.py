@@ -21,6 +21,8 @@ EVERY_SHARDING_TYPE = [
     ("row_wise", "fused_params:rowwise_adagrad"),
     ("column_wise_multi", "fused_params"),
     ("meta_mixed", "fused_params"),
+    ("groups_table_wise", "fused_params"),
+    ("groups_row_wise", "fused_params"),
 ]
 
 
