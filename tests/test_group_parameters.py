@@ -1,7 +1,8 @@
 """``group_parameters=True``: one trainable Parameter per dtype group instead of one per table. Its
 gradient is the tables' gradients laid out as the flat buffer (the same bits as the per-table
-mode's), ``torch.optim`` trains it to the same weights, ``state_dict`` keeps torchrec's keys, and
-copies, device moves, meta construction and replaced Parameters keep the tables viewing it."""
+mode's), ``torch.optim`` trains it to the same weights, ``state_dict`` keeps torchrec's keys,
+copies, device moves, meta construction and replaced Parameters keep the tables viewing it, and
+TorchScript of its trace runs it."""
 import copy
 
 import pytest
@@ -209,3 +210,11 @@ def test_compiled_module_gives_the_group_the_eager_gradient():
     _backward(compiled, kjt)
     for a, b in zip(_group_params(eager), _group_params(compiled_module)):
         _same(b.grad, a.grad)
+
+
+def test_torchscript_of_the_trace_gives_the_same_output():
+    _, grouped = _pair()
+    grouped.eval()
+    scripted = torch.jit.script(torchrec.fx.symbolic_trace(grouped))
+    kjt = _kjt(seed=3)
+    torch.testing.assert_close(scripted(kjt).values(), grouped(kjt).values())
