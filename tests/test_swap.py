@@ -53,6 +53,43 @@ def test_swap_keeps_outputs_and_gradients(name):
         torch.testing.assert_close(grads[n], p.grad, msg=lambda m: f"{n}: {m}")
 
 
+def test_swap_with_group_parameters_gives_the_tables_gradients_as_one_per_group():
+    torch.manual_seed(1)
+    model = _models()["DLRM"]().to(DEVICE)
+    swapped = recom_rec.swap_modules(copy.deepcopy(model), group_parameters=True)
+    dense = torch.randn(6, 5, device=DEVICE)
+    kjt = make_kjt(_tables(), batch_size=6, max_len=3, seed=2, is_weighted=False, shuffle_keys=False).to(DEVICE)
+    a, b = model(dense, kjt), swapped(dense, kjt)
+    torch.testing.assert_close(b, a)
+    a.sum().backward()
+    b.sum().backward()
+    ebc = swapped.sparse_arch.embedding_bag_collection
+    assert isinstance(ebc, recom_rec.EmbeddingBagCollection) and ebc._group_parameters
+    flat = ebc._flat(ebc._groups[0])
+    want = torch.cat([model.sparse_arch.embedding_bag_collection.embedding_bags[s.name].weight.grad.reshape(-1)
+                      for s in ebc._groups[0].slots])
+    torch.testing.assert_close(flat.grad, want)
+    assert list(swapped.state_dict()) == list(model.state_dict())
+
+
+def test_swap_with_group_parameters_refuses_what_a_group_cannot_train():
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    partly = torchrec.EmbeddingBagCollection(_tables(), device=DEVICE)
+    partly.embedding_bags["t1"].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"tables \['t1'\] are frozen"):
+        recom_rec.swap_modules(partly, group_parameters=True)
+    fused = torchrec.EmbeddingBagCollection(_tables(), device=DEVICE)
+    apply_optimizer_in_backward(torch.optim.SGD, fused.parameters(), {"lr": 0.1})
+    with pytest.raises(ValueError, match="apply_optimizer_in_backward"):
+        recom_rec.swap_modules(fused, group_parameters=True)
+    frozen = torchrec.EmbeddingBagCollection(_tables(), device=DEVICE)
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    new = recom_rec.swap_modules(frozen, group_parameters=True)
+    assert not any(p.requires_grad for p in new.parameters())
+
+
 def test_swap_nested_shared_dtypes_and_optimizer_in_backward():
     from torch.distributed.optim import _apply_optimizer_in_backward
 

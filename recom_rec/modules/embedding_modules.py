@@ -485,7 +485,7 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
         if old is not None and torch._has_compatible_shallow_copy_type(old, flat):
             old.data = flat
         else:
-            self._parameters[group.flat_name] = nn.Parameter(flat, requires_grad=True)
+            self._parameters[group.flat_name] = nn.Parameter(flat, requires_grad=old is None or old.requires_grad)
 
     def _freeze_tables(self) -> None:
         """With group_parameters the tables' Parameters view the group's and are not trained on

@@ -8,17 +8,22 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection as Torchre
 from .embedding_modules import EmbeddingBagCollection
 
 
-def swap_modules(model: nn.Module) -> nn.Module:
+def swap_modules(model: nn.Module, *, group_parameters: bool = False) -> nn.Module:
     """Replaces every ``torchrec.EmbeddingBagCollection`` inside ``model`` (nested, in
     ModuleLists/ModuleDicts, shared between parents) by a ``recom_rec.EmbeddingBagCollection``
     with the same configs, weights, dtypes, device, ``requires_grad`` flags and
     ``apply_optimizer_in_backward`` setting; returns the model (or the new module, if ``model``
-    itself is one). A module shared by several parents stays shared."""
+    itself is one). A module shared by several parents stays shared.
+
+    ``group_parameters``: build the new modules with one trainable Parameter per dtype group
+    (``EmbeddingBagCollection``'s argument, for dense gradients with ``torch.optim`` over many
+    tables; replace the optimizer's parameters after the swap). A module with some tables frozen,
+    or trained with ``apply_optimizer_in_backward``, cannot take it (``ValueError``)."""
     converted: Dict[int, EmbeddingBagCollection] = {}
 
     def convert(old: TorchrecEBC) -> EmbeddingBagCollection:
         if id(old) not in converted:
-            converted[id(old)] = _fused_copy(old)
+            converted[id(old)] = _fused_copy(old, group_parameters)
         return converted[id(old)]
 
     if _is_stock(model):
@@ -34,12 +39,20 @@ def _is_stock(module: nn.Module) -> bool:
     return isinstance(module, TorchrecEBC) and not isinstance(module, EmbeddingBagCollection)
 
 
-def _fused_copy(old: TorchrecEBC) -> EmbeddingBagCollection:
+def _fused_copy(old: TorchrecEBC, group_parameters: bool = False) -> EmbeddingBagCollection:
     weights = {name: bag.weight for name, bag in old.embedding_bags.items()}
     device = next(iter(weights.values())).device if weights else old.device
+    first = next(iter(weights.values()), None)
+    classes = getattr(first, "_optimizer_classes", None)
+    frozen = [name for name, w in weights.items() if not w.requires_grad]
+    if group_parameters and (classes or 0 < len(frozen) < len(weights)):
+        why = (f"tables {frozen} are frozen and the others are not (a group trains all its tables)" if not classes
+               else "its tables train with apply_optimizer_in_backward (a fused optimizer: no dense gradients)")
+        raise ValueError(f"swap_modules(group_parameters=True): {why}")
     # Built on meta and filled from the old weights: no second random initialisation (the RNG
     # stream the model's user sees is unchanged) and no second copy of the tables in memory.
-    new = EmbeddingBagCollection(old.embedding_bag_configs(), is_weighted=old.is_weighted(), device="meta")
+    new = EmbeddingBagCollection(old.embedding_bag_configs(), is_weighted=old.is_weighted(), device="meta",
+                                 group_parameters=group_parameters)
     new.to_empty(device=device)
     dtypes = {w.dtype for w in weights.values()}
     if len(dtypes) == 1 and {p.dtype for p in new.parameters()} != dtypes:
@@ -51,9 +64,11 @@ def _fused_copy(old: TorchrecEBC) -> EmbeddingBagCollection:
                 raise ValueError(f"table {name!r}: cannot carry {w.dtype} weights next to tables of "
                                  f"{target.dtype} in one fused module")
             target.copy_(w)
-            target.requires_grad_(w.requires_grad)
-    first = next(iter(weights.values()), None)
-    classes = getattr(first, "_optimizer_classes", None)
+            if not group_parameters:
+                target.requires_grad_(w.requires_grad)
+    if group_parameters and frozen:  # every table frozen: so are the groups
+        for p in new.parameters():
+            p.requires_grad_(False)
     if classes:
         from torch.distributed.optim import _apply_optimizer_in_backward
 
