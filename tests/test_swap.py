@@ -33,36 +33,35 @@ def _models():
     }
 
 
-@pytest.mark.parametrize("name", ["DLRM", "DLRM_DCN", "DeepFM"])
-def test_swap_keeps_outputs_and_gradients(name):
+def _swapped_and_backward(name, **swap_kwargs):
+    """A torchrec model and its swapped copy, their outputs on one batch checked equal, both
+    differentiated."""
     torch.manual_seed(1)
     model = _models()[name]().to(DEVICE)
-    swapped = recom_rec.swap_modules(copy.deepcopy(model))
-    stock = [m for m in model.modules() if isinstance(m, torchrec.EmbeddingBagCollection)]
-    fused = [m for m in swapped.modules() if isinstance(m, recom_rec.EmbeddingBagCollection)]
-    assert len(fused) == len(stock) == 1
-    assert not any(type(m) is torchrec.EmbeddingBagCollection for m in swapped.modules())
+    swapped = recom_rec.swap_modules(copy.deepcopy(model), **swap_kwargs)
     dense = torch.randn(6, 5, device=DEVICE)
     kjt = make_kjt(_tables(), batch_size=6, max_len=3, seed=2, is_weighted=False, shuffle_keys=False).to(DEVICE)
     a, b = model(dense, kjt), swapped(dense, kjt)
     torch.testing.assert_close(b, a)
     a.sum().backward()
     b.sum().backward()
+    return model, swapped
+
+
+@pytest.mark.parametrize("name", ["DLRM", "DLRM_DCN", "DeepFM"])
+def test_swap_keeps_outputs_and_gradients(name):
+    model, swapped = _swapped_and_backward(name)
+    stock = [m for m in model.modules() if isinstance(m, torchrec.EmbeddingBagCollection)]
+    fused = [m for m in swapped.modules() if isinstance(m, recom_rec.EmbeddingBagCollection)]
+    assert len(fused) == len(stock) == 1
+    assert not any(type(m) is torchrec.EmbeddingBagCollection for m in swapped.modules())
     grads = {n: p.grad for n, p in swapped.named_parameters()}
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, msg=lambda m: f"{n}: {m}")
 
 
 def test_swap_with_group_parameters_gives_the_tables_gradients_as_one_per_group():
-    torch.manual_seed(1)
-    model = _models()["DLRM"]().to(DEVICE)
-    swapped = recom_rec.swap_modules(copy.deepcopy(model), group_parameters=True)
-    dense = torch.randn(6, 5, device=DEVICE)
-    kjt = make_kjt(_tables(), batch_size=6, max_len=3, seed=2, is_weighted=False, shuffle_keys=False).to(DEVICE)
-    a, b = model(dense, kjt), swapped(dense, kjt)
-    torch.testing.assert_close(b, a)
-    a.sum().backward()
-    b.sum().backward()
+    model, swapped = _swapped_and_backward("DLRM", group_parameters=True)
     ebc = swapped.sparse_arch.embedding_bag_collection
     assert isinstance(ebc, recom_rec.EmbeddingBagCollection) and ebc._group_parameters
     flat = ebc._flat(ebc._groups[0])
