@@ -42,6 +42,7 @@ LOOKUP_EXTENSION = "recom_rec.kernels._lookup_cuda"
 LOOKUP_SOURCES = [
     "forward.cu",
     "plan.cu",
+    "zeros.cu",
     "backward.cu",
     "backward_none.cu",
     "backward_sgd.cu",

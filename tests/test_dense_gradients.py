@@ -76,6 +76,52 @@ def test_each_table_gradient_matches_torchrec(backend, is_weighted, data_type):
                                    msg=lambda m: f"table {name}: {m}")
 
 
+def _sparse_tables():
+    # Tables several of the CUDA zero kernel's blocks long (8192 fp32 elements a block), dims that
+    # are and are not multiples of a 16-byte chunk, a feature shared by two tables, a table without
+    # feature names, an fp16 group: with 2 ids a bag, most rows get no lookup.
+    spec = [("w0", 20, 3000, ["g0"], DataType.FP32), ("w1", 7, 5000, ["g1"], DataType.FP32),
+            ("w2", 64, 1000, ["g2", "g0"], DataType.FP32), ("w3", 4, 2000, [], DataType.FP32),
+            ("w4", 12, 4000, ["g3"], DataType.FP16), ("w5", 5, 3000, ["g4"], DataType.FP16)]
+    return [EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=f, data_type=t)
+            for n, d, r, f, t in spec]
+
+
+def _refill_freed_memory(numels, dtypes):
+    """Leaves memory that tensors of these sizes filled with NaN to the allocator (CUDA's caching
+    allocator hands such blocks out again to the next tensors of their size)."""
+    held = [torch.full((n,), float("nan"), dtype=d, device=DEVICE) for n in numels for d in dtypes for _ in range(2)]
+    del held
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_rows_no_lookup_reads_get_exact_zeros_in_reused_memory(backend):
+    """The dense gradient may be built in memory a freed tensor left NaN in: every row the batch
+    does not read is exactly zero, the others are torchrec's (the CUDA backend writes each element
+    once, zeros around the touched rows, instead of zeroing the buffer first)."""
+    tables = _sparse_tables()
+    ours = recom_rec.EmbeddingBagCollection(tables, device=DEVICE, backend=backend)
+    ref = torchrec.EmbeddingBagCollection([EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim,
+                                                              num_embeddings=t.num_embeddings,
+                                                              feature_names=list(t.feature_names)) for t in tables],
+                                          device=DEVICE)
+    ref.load_state_dict({k: v.float() for k, v in ours.state_dict().items()})
+    kjt = make_kjt(tables, 6, 2, 4, False, zero_fraction=0.2).to(DEVICE)
+    _backward(ref, kjt)
+    numels = [sum(t.num_embeddings * t.embedding_dim for t in tables if t.data_type == dt)
+              for dt in (DataType.FP32, DataType.FP16)]
+    out = ours(kjt).values()
+    # just before the lookup's backward allocates the gradient buffers
+    out.register_hook(lambda grad: _refill_freed_memory(numels, (torch.float32, torch.float16)))
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.device)).sum().backward()
+    for name, table in ref.embedding_bags.items():
+        got, want = ours.embedding_bags[name].weight.grad.float(), table.weight.grad
+        untouched = want.abs().sum(1) == 0
+        assert untouched.sum() > want.shape[0] // 2, name  # the case is mostly rows no lookup reads
+        assert torch.equal(got[untouched], torch.zeros_like(got[untouched])), name
+        _close(ours.embedding_bags[name].weight.grad, want, 1e-5)
+
+
 class _Passthrough(TorchFunctionMode):
     """Any function mode sends the lookup through the registered custom op (its own autograd
     formula, which makes the tables' views with unflatten_dense_tensors)."""

@@ -42,7 +42,9 @@ template __global__ void expand_kernel<{i}, {i}, true>(const {i}*, const {i}*, c
 template __global__ void expand_kernel<{i}, {i}, false>(const {i}*, const {i}*, const float*, const int64_t*,
     const int64_t*, const int64_t*, {i}*, int64_t*, float*, int32_t*, int32_t*, float*, int64_t, int64_t, int,
     int64_t, int64_t, int64_t);
-template __global__ void plan_kernel<{i}>(const {i}*, int64_t, int64_t*, int64_t*, int32_t*, uint32_t*);
+template __global__ void plan_kernel<{i}>(const {i}*, int64_t, int64_t*, int64_t*, int32_t*, uint32_t*,
+    uint32_t*);
+template __global__ void zero_untouched_kernel<{w}>({w}*, int64_t, const uint32_t*, const int64_t*, int);
 template __global__ void singleton_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const {i}*, const float*,
     const int64_t*, const uint32_t*, const float*, PieceArgs, int64_t, int64_t, bool, {w}*, int64_t);
 }}

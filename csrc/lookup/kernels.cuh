@@ -1276,12 +1276,14 @@ __device__ int64_t row_start_before(const K* __restrict__ key, int64_t p, int la
 // starts of rows longer than PIECE are appended to two lists (counts[0], counts[1], bumped by one
 // 64-bit atomic a block). A thread holds PLAN_ITEMS consecutive positions. With `multi`, rows of a
 // single lookup get no piece (singleton_kernel finishes them) and the others are marked in it.
+// With `touched`, every row a lookup reads is marked in it (the dense backward's zeros skip them).
 template <typename K>
 __global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const K* __restrict__ key, int64_t n,
                                                             int64_t* __restrict__ pieces,
                                                             int64_t* __restrict__ split_rows,
                                                             int32_t* __restrict__ counts,
-                                                            uint32_t* __restrict__ multi) {
+                                                            uint32_t* __restrict__ multi,
+                                                            uint32_t* __restrict__ touched = nullptr) {
   using Scan32 = cub::BlockScan<int32_t, PLAN_THREADS>;
   __shared__ typename Scan32::TempStorage tmp;
   __shared__ int64_t opens_at;  // start of the row the block opens in, when it began earlier
@@ -1305,6 +1307,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const K* __restrict_
     longer[i] = live[i] && p + PIECE < n && key[p + PIECE] == k;
     single[i] = first[i] && !(p + 1 < n && key[p + 1] == k);
     if (multi && first[i] && !single[i]) atomicOr(multi + ((int64_t)k >> 5), 1u << ((int64_t)k & 31));
+    if (touched && first[i]) atomicOr(touched + ((int64_t)k >> 5), 1u << ((int64_t)k & 31));
     last_first[i] = first[i] ? (int32_t)(p - block0) : -1;
   }
   // The last row start at or before each position within the block (offsets in the block).
@@ -1337,6 +1340,119 @@ __global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const K* __restrict_
   for (int i = 0; i < PLAN_ITEMS; ++i) {
     if (is_start[i]) pieces[piece_base + (flags[i] & 0xffff)] = packed[i];
     if (is_row[i]) split_rows[row_base + (flags[i] >> 16)] = p0 + i;
+  }
+}
+
+// ---- the dense backward's zeros ---------------------------------------------------------------
+// With no optimizer the backward writes every row a lookup touched whole (the piece, split-row,
+// long-row and singleton kernels store the row's sum), so the rest of the gradient needs zeros,
+// not all of it. zero_untouched_kernel writes them, skipping the rows plan_kernel marked in
+// `touched` (zeroing the whole buffer first wrote the touched rows twice: at the mixed workload
+// 2.0 of its 11.3 GB). It skips only the 64-byte blocks that lie inside a touched row and zeroes
+// the blocks at the row's edges, which the pieces then write again: a block left partly written
+// costs the memory a read to merge it, and with every touched row's edges left so, the kernel ran
+// the mixed workload no faster than zeroing everything (perf-notes v31). It runs before the piece
+// kernels, so an element it cannot place in a table gets a zero that they overwrite: the result
+// never depends on how `meta` is ordered, only the bytes saved do. A module's features come table
+// by table, so their element bases ascend: a block finds the table of its first chunk by a search
+// and each thread walks on from there. A 16-byte chunk inside one row (dims that are multiples of
+// a chunk) is skipped or zeroed whole, its bitmap word loaded together with the other chunks' of
+// its round; any other chunk (across rows, tables or the end) goes element by element at once.
+constexpr int ZERO_THREADS = 256;
+constexpr int ZERO_ITEMS = 8;   // chunks a thread a round, their bitmap words loaded together
+constexpr int ZERO_ROUNDS = 4;  // rounds a block: 128 KB, over which its table search is spread
+constexpr int64_t ZERO_CHUNKS = (int64_t)ZERO_THREADS * ZERO_ITEMS * ZERO_ROUNDS;  // 16-byte chunks a block
+constexpr int64_t ZERO_CHUNK = -2;
+
+// How many of meta's first `n` features have an element base at most x (where the bases ascend),
+// by one warp (every lane calls it): a 32-way search, a round of loads per factor 32.
+__device__ __forceinline__ int features_at_or_before(const int64_t* __restrict__ meta, int n, int64_t x, int lane) {
+  int lo = 0, hi = n;  // the count is in [lo, hi]
+  while (lo < hi) {
+    const int step = (hi - lo + 31) / 32;
+    const int p = lo + lane * step;
+    const unsigned le = __ballot_sync(0xffffffffu, p < hi && __ldg(meta + (int64_t)p * META_W + 1) <= x);
+    if (!le) return lo;
+    const int last = lo + (31 - __clz(le)) * step;  // a probe at or before x; the next one is past it
+    lo = last + 1;
+    hi = min(hi, last + step);
+  }
+  return lo;
+}
+
+// A feature's table as the zeros see it: elements [base, end), rows of `dim` numbered from `row_base`.
+struct ZeroTable {
+  int64_t base = 0, end = 0, dim = 1, row_base = 0;
+  __device__ __forceinline__ void load(const int64_t* __restrict__ meta, int f) {
+    const int64_t* m = meta + (int64_t)f * META_W;
+    dim = __ldg(m + 0);
+    base = __ldg(m + 1);
+    end = base + __ldg(m + 4) * dim;
+    row_base = __ldg(m + 5);
+  }
+  __device__ __forceinline__ int64_t row_of(int64_t x) const {  // x in [base, end)
+    const uint64_t off = (uint64_t)(x - base);
+    return off < (1ull << 32) ? (int64_t)((uint32_t)off / (uint32_t)dim) : (int64_t)(off / (uint64_t)dim);
+  }
+};
+
+__device__ __forceinline__ bool row_touched(const uint32_t* __restrict__ touched, int64_t key) {
+  return (__ldg(touched + (key >> 5)) >> (key & 31)) & 1u;
+}
+
+template <typename W>
+__global__ void __launch_bounds__(ZERO_THREADS) zero_untouched_kernel(W* __restrict__ out, int64_t numel,
+                                                                      const uint32_t* __restrict__ touched,
+                                                                      const int64_t* __restrict__ meta,
+                                                                      int num_features) {
+  constexpr int VEC = 16 / sizeof(W);
+  __shared__ int first;
+  const int64_t c0 = (int64_t)blockIdx.x * ZERO_CHUNKS;
+  if (threadIdx.x < 32) {
+    const int count = features_at_or_before(meta, num_features, c0 * VEC, threadIdx.x);
+    if (threadIdx.x == 0) first = count - 1;
+  }
+  __syncthreads();
+  int f = first;
+  ZeroTable t;  // end 0 until a table is loaded: the first chunk walks
+  if (f >= 0) t.load(meta, f);
+  auto advance = [&](int64_t x) {  // on to the last feature (in meta's order) starting at or before x
+    while (f + 1 < num_features && __ldg(meta + (int64_t)(f + 1) * META_W + 1) <= x) t.load(meta, ++f);
+  };
+  const W zero = from_f<W>(0.f);
+  for (int round = 0; round < ZERO_ROUNDS; ++round) {
+    auto chunk_at = [&](int i) { return (c0 + (int64_t)(round * ZERO_ITEMS + i) * ZERO_THREADS + threadIdx.x) * VEC; };
+    // The row of a chunk whose 64-byte block lies inside one row; ZERO_CHUNK: a chunk to zero
+    // whatever its rows; -1: a chunk done (element by element) or past the end.
+    int64_t key[ZERO_ITEMS];
+#pragma unroll
+    for (int i = 0; i < ZERO_ITEMS; ++i) {
+      const int64_t e = chunk_at(i);
+      key[i] = -1;
+      if (e >= numel) continue;
+      if (e >= t.end) advance(e);
+      if (f >= 0 && e >= t.base && e + VEC <= t.end) {
+        const int64_t r = t.row_of(e), row_at = t.base + r * t.dim;
+        if (e + VEC <= row_at + t.dim) {
+          const int64_t block = e - e % (4 * VEC);
+          key[i] = block >= row_at && block + 4 * VEC <= row_at + t.dim ? t.row_base + r : ZERO_CHUNK;
+          continue;
+        }
+      }
+      for (int j = 0; j < VEC && e + j < numel; ++j) {  // element by element
+        const int64_t x = e + j;
+        if (x >= t.end) advance(x);
+        const bool keep = f >= 0 && x >= t.base && x < t.end && row_touched(touched, t.row_base + t.row_of(x));
+        if (!keep) out[x] = zero;
+      }
+    }
+    uint32_t word[ZERO_ITEMS];
+#pragma unroll
+    for (int i = 0; i < ZERO_ITEMS; ++i) word[i] = key[i] >= 0 ? __ldg(touched + (key[i] >> 5)) : 0u;
+#pragma unroll
+    for (int i = 0; i < ZERO_ITEMS; ++i)
+      if (key[i] == ZERO_CHUNK || (key[i] >= 0 && !((word[i] >> (key[i] & 31)) & 1u)))
+        *reinterpret_cast<float4*>(out + chunk_at(i)) = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 }
 

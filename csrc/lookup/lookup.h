@@ -16,7 +16,11 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
                                       const c10::optional<at::Tensor>& psw, const at::Tensor& meta,
                                       const at::Tensor& key_index, const c10::optional<at::Tensor>& feature_base,
                                       int64_t batch_size, int64_t total_dim, int64_t n, int64_t key_bits, bool key64,
-                                      bool packed, int64_t multi_words);
+                                      bool packed, int64_t multi_words, int64_t touched_words);
+
+// The dense backward's zeros (kernels.cuh: zero_untouched_kernel): every element of `out` outside
+// the rows marked in `touched` (plan_backward's last result), before the piece kernels write those.
+void zero_untouched_rows(const at::Tensor& out, const at::Tensor& touched, const at::Tensor& meta);
 
 void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::Tensor& src, const at::Tensor& scale,
                   const at::Tensor& feature, const at::Tensor& bag_scale, int64_t packed_batch, const at::Tensor& grad,

@@ -20,5 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pooled_forward", &pooled_forward, "fused pooled embedding forward (CUDA)");
   m.def("piece_update", &piece_update, "backward piece and split-row kernels with the fused optimizer (CUDA)");
   m.def("plan_backward", &plan_backward, "backward plan: expand, sort, pieces (CUDA)");
+  m.def("zero_untouched_rows", &zero_untouched_rows, "dense backward: zeros outside the touched rows (CUDA)");
   m.def("singleton_update", &singleton_update, "backward of the rows of one lookup, in bag order (CUDA)");
 }

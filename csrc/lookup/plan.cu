@@ -10,12 +10,13 @@
 // every key is read by one feature (a lookup's index is then its position in values); `key_bits`
 // bounds the row keys (the group's rows), `key64` their width. `multi_words` > 0 (a bitmap of that
 // many 32-bit words, one bit per row, the last result) leaves rows of one lookup out of the pieces
-// for singleton_update and marks the others.
+// for singleton_update and marks the others. `touched_words` > 0: a bitmap of that many words
+// marking every row a lookup reads (the dense backward's zeros skip them), after `multi`.
 std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor& offsets,
                                       const c10::optional<at::Tensor>& psw, const at::Tensor& meta,
                                       const at::Tensor& key_index, const c10::optional<at::Tensor>& feature_base,
                                       int64_t batch_size, int64_t total_dim, int64_t n, int64_t key_bits, bool key64,
-                                      bool packed, int64_t multi_words) {
+                                      bool packed, int64_t multi_words, int64_t touched_words) {
   c10::cuda::CUDAGuard guard(values.device());
   TORCH_CHECK(n < (int64_t)INT32_MAX, "recom_rec cuda backend: a group's backward takes at most 2^31 - 1 lookups");
   TORCH_CHECK(values.scalar_type() == offsets.scalar_type(), "values and offsets must share a dtype");
@@ -37,7 +38,9 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
   auto split_rows = at::empty({n / (PIECE + 1) + 1}, dev.dtype(at::kLong));
   auto counts = at::zeros({3}, dev.dtype(at::kInt));  // pieces, split rows, long rows (piece_update's)
   auto multi = multi_words > 0 ? at::zeros({multi_words}, dev.dtype(at::kInt)) : at::empty({0}, dev.dtype(at::kInt));
-  std::vector<at::Tensor> result{sorted_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi};
+  auto touched = at::zeros({touched_words > 0 ? touched_words : 0}, dev.dtype(at::kInt));
+  std::vector<at::Tensor> result{sorted_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi,
+                                 touched};
   if (n == 0 || F == 0 || batch_size == 0) return result;
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
@@ -70,7 +73,8 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
     plan_kernel<K><<<(unsigned)((n + PLAN_BLOCK - 1) / PLAN_BLOCK), PLAN_THREADS, 0, stream>>>(
         reinterpret_cast<const K*>(sorted_key.data_ptr()), n, pieces.data_ptr<int64_t>(),
         split_rows.data_ptr<int64_t>(), counts.data_ptr<int32_t>(),
-        multi_words > 0 ? reinterpret_cast<uint32_t*>(multi.data_ptr<int32_t>()) : nullptr);
+        multi_words > 0 ? reinterpret_cast<uint32_t*>(multi.data_ptr<int32_t>()) : nullptr,
+        touched_words > 0 ? reinterpret_cast<uint32_t*>(touched.data_ptr<int32_t>()) : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   const bool v64 = values.scalar_type() == at::kLong;

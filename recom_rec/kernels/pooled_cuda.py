@@ -36,8 +36,8 @@ MAX_DIM = 1024  # the backward kernels' widest variant: 8 float4 accumulators pe
 # on many-500, many-1000 and mixed, pieces on dlrm-kaggle's one-id bags and on zipf, whose rows
 # repeat), so the first backward launches of a shape measure them (launch_tuner; tests and tools
 # force one with BACKWARD_PATH_TUNER.force). Singletons need a bitmap of the group's rows: at most
-# SINGLETON_MAX_ROWS.
-SINGLETON_MAX_ROWS = 1 << 29
+# BITMAP_MAX_ROWS (64 MB).
+BITMAP_MAX_ROWS = 1 << 29
 BACKWARD_PATHS = {"pieces": (False, False), "singletons": (True, False),  # name: (singletons, fewest lanes)
                   "pieces/fewest lanes": (False, True), "singletons/fewest lanes": (True, True)}
 # Rows up to this wide take one float4 a lane by default, so four a lane is another launch; at
@@ -139,12 +139,14 @@ BackwardShape = namedtuple("BackwardShape", ForwardLaunchShape._fields + ("optim
 
 
 def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim,
-               num_lookups, singles=False):
+               num_lookups, singles=False, zeros_into=None):
     """pooled_triton._triton_plan in one call to the extension: the expand and plan kernels ported,
     and a CUB sort of just the key bits the rows need (torch.sort: all 32/64 bits, 64-bit order).
     Without sample weights the sort carries each lookup's (feature, bag) packed in 32 bits, so
     the piece kernel computes its gradient row instead of gathering it through the sort's order
-    (the plan's last item: the batch size it is packed with, or 0 when it carries indices)."""
+    (the plan's last item: the batch size it is packed with, or 0 when it carries indices).
+    ``zeros_into``: the dense backward's gradient buffer (uninitialised), which gets its zeros
+    here, outside the rows the lookups touch (the pieces then write those)."""
     key_index = key_index.to(torch.int64).contiguous()
     positional, feature_base, n = pooled_triton.lookup_bases(offsets, key_index, batch_size, num_lookups,
                                                              values.numel())
@@ -156,7 +158,10 @@ def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, bat
     plan = cuda_ext.extension().plan_backward(values, offsets, psw, feature_meta, key_index,
                                               None if positional else feature_base.contiguous(), batch_size,
                                               total_dim, n, max(1, (row_count - 1).bit_length()),
-                                              row_count >= 2**31, packed, (row_count + 31) // 32 if singles else 0)
+                                              row_count >= 2**31, packed, (row_count + 31) // 32 if singles else 0,
+                                              (row_count + 31) // 32 if zeros_into is not None else 0)
+    if zeros_into is not None:
+        cuda_ext.extension().zero_untouched_rows(zeros_into, plan[-1], feature_meta)
     # the last item: what singleton_update needs (None: every row went to the pieces)
     singletons = (values, offsets, psw, key_index, batch_size) if singles else None
     return (*plan, batch_size if packed else 0, singletons)
@@ -165,7 +170,7 @@ def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, bat
 def _cuda_pieces(plan, grad_output, feature_meta, n, partials, partial_stride, out, state1, state2, hyper, step,
                  opt, max_dim, fewest_lanes=False):
     """The piece and split-row kernels on a _cuda_plan, then the rows of one lookup."""
-    row_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi, packed_batch, singles = plan
+    row_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi, _, packed_batch, singles = plan
     ext = cuda_ext.extension()
     lanes = fewest_piece_lanes(max_dim) if fewest_lanes else 0  # 0: sized by the widest row
     ext.piece_update(row_key, order, src, scale, feature, bag_scale, packed_batch, grad_output, feature_meta, pieces,
@@ -178,9 +183,10 @@ def _cuda_pieces(plan, grad_output, feature_meta, n, partials, partial_stride, o
 
 
 def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, num_rows, opt, num_lookups) -> None:
+                  key_index, batch_size, max_dim, num_rows, opt, num_lookups, zeros=False) -> None:
     """pooled_triton._run_backward with the CUDA planning and piece kernels where they cover ``out``,
-    on the path BACKWARD_PATH_TUNER picks for the shape."""
+    on the path BACKWARD_PATH_TUNER picks for the shape. ``zeros``: ``out`` is the dense backward's
+    uninitialised gradient, zeroed outside the touched rows after the plan (see backward)."""
     cuda = supports(out, max_dim)
 
     def run(path: str):
@@ -188,13 +194,16 @@ def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sa
         pooled_triton._run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights,
                                     feature_meta, key_index, batch_size, max_dim, num_rows, opt, num_lookups,
                                     pieces=functools.partial(_cuda_pieces, fewest_lanes=fewest) if cuda else None,
-                                    planner=functools.partial(_cuda_plan, singles=singles) if cuda else None)
+                                    planner=functools.partial(_cuda_plan, singles=singles,
+                                                              zeros_into=out if zeros else None) if cuda else None)
 
     if not cuda:
+        if zeros:  # the Triton backend takes a zeroed buffer
+            out.zero_()
         return run("pieces")
     rows = num_rows if num_rows >= 0 else out.numel()
     # singletons need a bitmap of the rows and put the features on the grid's y axis
-    singletons_ok = rows <= SINGLETON_MAX_ROWS and feature_meta.shape[0] <= 65535
+    singletons_ok = rows <= BITMAP_MAX_ROWS and feature_meta.shape[0] <= 65535
     shape = BackwardShape(*ForwardLaunchShape.of(out, values, per_sample_weights, feature_meta, batch_size,
                                                  grad_output.shape[1], max_dim), opt, singletons_ok)
     return BACKWARD_PATH_TUNER.launch(shape, run, out.device)
@@ -202,11 +211,16 @@ def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sa
 
 def backward(grad_output, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_numel,
              dtype, max_dim, num_lookups=-1, num_rows=-1):
-    grad = torch.zeros(total_numel, dtype=dtype, device=grad_output.device)
-    if feature_meta.shape[0] == 0 or batch_size == 0:
+    """The dense gradient of the group's flat buffer. Each element is written once where the
+    plan can mark the touched rows in a bitmap (the group's rows known, at most BITMAP_MAX_ROWS):
+    zeros outside those rows, then the rows' sums. Else the buffer is zeroed whole first."""
+    empty = feature_meta.shape[0] == 0 or batch_size == 0
+    once = (not empty and grad_output.is_cuda and max_dim <= MAX_DIM and 0 <= num_rows <= BITMAP_MAX_ROWS)
+    grad = (torch.empty if once else torch.zeros)(total_numel, dtype=dtype, device=grad_output.device)
+    if empty:
         return grad
     _run_backward(grad, [], None, None, grad_output, values, offsets, per_sample_weights, feature_meta, key_index,
-                  batch_size, max_dim, num_rows, -1, num_lookups)
+                  batch_size, max_dim, num_rows, -1, num_lookups, zeros=once)
     return grad
 
 
