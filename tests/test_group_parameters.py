@@ -57,7 +57,7 @@ def _as_flat(module, per_table, group):
 
 
 def _same(got, want):
-    if DEVICE.type == "cuda":  # a backend may add a row's lookups in no fixed order on a GPU
+    if DEVICE.type == "cuda":  # a backend may add a row's (or a bag's) lookups in no fixed order on a GPU
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     else:
         assert torch.equal(got, want)
@@ -177,7 +177,7 @@ def test_copies_moves_and_replaced_parameters_keep_the_tables_viewing_the_group(
                                        atol=2e-3, rtol=0, msg=f"{name} {n}")
         _backward(module, kjt)
         assert all(p.grad is not None for p in _group_params(module)), name
-    assert torch.equal(grouped(kjt).values(), want)  # the copies share nothing with the original
+    _same(grouped(kjt).values(), want)  # the copies share nothing with the original (the +1 would show)
 
 
 def test_fused_optimizer_updates_as_without_group_parameters():
