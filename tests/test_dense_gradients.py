@@ -76,13 +76,13 @@ def test_each_table_gradient_matches_torchrec(backend, is_weighted, data_type):
                                    msg=lambda m: f"table {name}: {m}")
 
 
-def _sparse_tables():
-    # Tables several of the CUDA zero kernel's blocks long (8192 fp32 elements a block), dims that
+def _sparse_tables(half=DataType.FP16):
+    # Tables several of the CUDA zero kernel's blocks long (32,768 fp32 elements a block), dims that
     # are and are not multiples of a 16-byte chunk, a feature shared by two tables, a table without
     # feature names, an fp16 group: with 2 ids a bag, most rows get no lookup.
     spec = [("w0", 20, 3000, ["g0"], DataType.FP32), ("w1", 7, 5000, ["g1"], DataType.FP32),
             ("w2", 64, 1000, ["g2", "g0"], DataType.FP32), ("w3", 4, 2000, [], DataType.FP32),
-            ("w4", 12, 4000, ["g3"], DataType.FP16), ("w5", 5, 3000, ["g4"], DataType.FP16)]
+            ("w4", 12, 4000, ["g3"], half), ("w5", 5, 3000, ["g4"], half)]
     return [EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=f, data_type=t)
             for n, d, r, f, t in spec]
 
@@ -101,10 +101,7 @@ def test_rows_no_lookup_reads_get_exact_zeros_in_reused_memory(backend):
     once, zeros around the touched rows, instead of zeroing the buffer first)."""
     tables = _sparse_tables()
     ours = recom_rec.EmbeddingBagCollection(tables, device=DEVICE, backend=backend)
-    ref = torchrec.EmbeddingBagCollection([EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim,
-                                                              num_embeddings=t.num_embeddings,
-                                                              feature_names=list(t.feature_names)) for t in tables],
-                                          device=DEVICE)
+    ref = torchrec.EmbeddingBagCollection(_sparse_tables(half=DataType.FP32), device=DEVICE)
     ref.load_state_dict({k: v.float() for k, v in ours.state_dict().items()})
     kjt = make_kjt(tables, 6, 2, 4, False, zero_fraction=0.2).to(DEVICE)
     _backward(ref, kjt)

@@ -155,13 +155,14 @@ def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, bat
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
     packed = psw is None and feature_meta.shape[0] * batch_size < 2**31 - 1
     values, offsets, feature_meta = values.contiguous(), offsets.contiguous(), feature_meta.contiguous()
-    plan = cuda_ext.extension().plan_backward(values, offsets, psw, feature_meta, key_index,
-                                              None if positional else feature_base.contiguous(), batch_size,
-                                              total_dim, n, max(1, (row_count - 1).bit_length()),
-                                              row_count >= 2**31, packed, (row_count + 31) // 32 if singles else 0,
-                                              (row_count + 31) // 32 if zeros_into is not None else 0)
+    ext = cuda_ext.extension()
+    plan = ext.plan_backward(values, offsets, psw, feature_meta, key_index,
+                             None if positional else feature_base.contiguous(), batch_size, total_dim, n,
+                             max(1, (row_count - 1).bit_length()), row_count >= 2**31, packed,
+                             (row_count + 31) // 32 if singles else 0,
+                             (row_count + 31) // 32 if zeros_into is not None else 0)
     if zeros_into is not None:
-        cuda_ext.extension().zero_untouched_rows(zeros_into, plan[-1], feature_meta)
+        ext.zero_untouched_rows(zeros_into, plan[-1], feature_meta)
     # the last item: what singleton_update needs (None: every row went to the pieces)
     singletons = (values, offsets, psw, key_index, batch_size) if singles else None
     return (*plan, batch_size if packed else 0, singletons)
@@ -198,8 +199,6 @@ def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sa
                                                               zeros_into=out if zeros else None) if cuda else None)
 
     if not cuda:
-        if zeros:  # the Triton backend takes a zeroed buffer
-            out.zero_()
         return run("pieces")
     rows = num_rows if num_rows >= 0 else out.numel()
     # singletons need a bitmap of the rows and put the features on the grid's y axis
@@ -215,8 +214,11 @@ def backward(grad_output, values, offsets, per_sample_weights, feature_meta, key
     plan can mark the touched rows in a bitmap (the group's rows known, at most BITMAP_MAX_ROWS):
     zeros outside those rows, then the rows' sums. Else the buffer is zeroed whole first."""
     empty = feature_meta.shape[0] == 0 or batch_size == 0
-    once = (not empty and grad_output.is_cuda and max_dim <= MAX_DIM and 0 <= num_rows <= BITMAP_MAX_ROWS)
-    grad = (torch.empty if once else torch.zeros)(total_numel, dtype=dtype, device=grad_output.device)
+    grad = torch.empty(total_numel, dtype=dtype, device=grad_output.device)
+    # the CUDA kernels' own condition (_run_backward's), so that they are the ones to write the zeros
+    once = not empty and supports(grad, max_dim) and 0 <= num_rows <= BITMAP_MAX_ROWS
+    if not once:
+        grad.zero_()
     if empty:
         return grad
     _run_backward(grad, [], None, None, grad_output, values, offsets, per_sample_weights, feature_meta, key_index,
