@@ -162,8 +162,8 @@ def main():
     p.add_argument("--host", action="store_true", help="print a cProfile of the step's host side")
     p.add_argument("--points", nargs="*", default=[], help="sweep points instead of workloads")
     p.add_argument("--backward-paths", nargs="*", default=[None],
-                   help="with --points: force each of these backward paths in turn (pooled_cuda.BACKWARD_PATHS "
-                   "names) for recom_rec")
+                   help="force each of these backward paths in turn (pooled_cuda.BACKWARD_PATHS names) for "
+                   "recom_rec")
     args = p.parse_args()
     dev = torch.device("cuda")
     seen_orders, seen_paths = set(), set()
@@ -184,7 +184,11 @@ def main():
         peers = [f"recom_rec:{b}" for b in args.backends] + (["fbgemm"] if args.fbgemm else [])
         for name in peers:
             peer = make_peer(name, w, dev, args.optimizer)
-            report(wname, name, args.optimizer, peer, kjt, grad, dev, seen_orders, seen_paths, args.host)
+            for path in (args.backward_paths if name.startswith("recom_rec") else [None]):
+                BACKWARD_PATH_TUNER.force(path)
+                report(wname + (f" [{path}]" if path else ""), name, args.optimizer, peer, kjt, grad, dev,
+                       seen_orders, seen_paths, args.host)
+            BACKWARD_PATH_TUNER.force(None)
             del peer
             torch.cuda.empty_cache()
 
