@@ -37,6 +37,29 @@ def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_backward_phase_reports_each_of_ours_against_its_byte_floor(tmp_path):
+    """``--phases backward``: ours' dense-gradient steps beside the floor of moving the gradient's
+    and the output gradient's bytes once at the measured copy rate."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "recom_rec.bench", "--workloads", "many-1000", "--peers", "recom_rec",
+         "recom_rec:group-params", "fbgemm", "--phases", "backward", "--iters", "2", "--warmup", "1",
+         "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(out.with_suffix(".json").read_text())
+    from recom_rec.bench.workloads import get_workload
+
+    floor_ms = get_workload("many-1000", True).dense_gradient_bytes() / (data["meta"]["copy_gbs"] * 1e9) * 1e3
+    ours = {r["peer"]: r for r in data["results"] if r["peer"].startswith("recom_rec")}
+    assert set(ours) == {"recom_rec", "recom_rec:group-params"}, data["results"]
+    for r in ours.values():
+        assert abs(r["floor_ms"] - floor_ms) < 1e-9 * floor_ms and abs(r["floor_x"] - r["ms"] / floor_ms) < 1e-9
+    assert not any("floor_x" in r for r in data["results"] if r["peer"] == "fbgemm")  # its step fuses SGD
+    line = next(x for x in result.stdout.splitlines() if x.startswith("backward to dense gradients, x its floor"))
+    assert f"many-1000 (floor {floor_ms:.2f} ms)" in line and "recom_rec:group-params" in line, line
+
+
 def test_bench_pinned_backend_and_sharded_dlrm_on_gloo(tmp_path):
     """A pinned backend gets its own column and ratio; 'sharded-dlrm' trains torchrec's DLRM under
     DistributedModelParallel in 1 and 2 gloo processes, ours and torchrec's sharder."""

@@ -132,6 +132,9 @@ def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
             if phase in ("forward", "forward-graph"):
                 row["gbs"] = w.lookup_bytes() / (row["ms"] * 1e-3) / 1e9
                 row["ceiling_share"] = row["gbs"] / ceiling
+            elif phase == "backward" and pname.startswith("recom_rec"):  # dense gradients (fbgemm fuses SGD)
+                row["floor_ms"] = w.dense_gradient_bytes() / (ceiling * 1e9) * 1e3
+                row["floor_x"] = row["ms"] / row["floor_ms"]
         except (RuntimeError, torch.OutOfMemoryError) as e:
             row["error"] = str(e)[:200]
         rows.append(row)

@@ -47,6 +47,14 @@ def format_table(meta: dict, results: List[dict], peers: List[str]) -> str:
     orders = [f"{r['workload']} {r['launch_order']}" for r in results if r.get("launch_order")]
     if orders:
         lines.append("CUDA forward launch order, measured per shape: " + ", ".join(orders))
+    floors: Dict[str, List[str]] = defaultdict(list)
+    for r in results:
+        if r.get("floor_x"):
+            floors[f"{r['workload']} (floor {r['floor_ms']:.2f} ms)"].append(f"{r['peer']} {r['floor_x']:.2f}x")
+    if floors:
+        lines.append("backward to dense gradients, x its floor (each table's gradient written once and the output's "
+                     "gradient read once, at the copy rate): "
+                     + "; ".join(f"{w}: {', '.join(v)}" for w, v in floors.items()))
     paths = [f"{r['workload']} {r['phase']} {r['backward_path']}" for r in results if r.get("backward_path")]
     if paths:
         lines.append("CUDA backward path, measured per shape: " + ", ".join(paths))

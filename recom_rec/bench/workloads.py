@@ -35,6 +35,11 @@ class Workload:
     def weight_bytes(self, itemsize: int = 4) -> int:
         return sum(n * d for n, d in zip(self.rows, self.dims)) * itemsize
 
+    def dense_gradient_bytes(self, itemsize: int = 4) -> int:
+        """Bytes a backward to dense gradients must move at least: every table's gradient written
+        once (the rows no lookup read hold zeros there) and the output's gradient read once."""
+        return self.weight_bytes(itemsize) + self.batch_size * sum(self.dims) * 4
+
     def lookup_bytes(self, itemsize: int = 4) -> int:
         """Bytes a forward must move at least: every looked-up row read, the output written."""
         rows_read = sum(L * d for L, d in zip(self.pooling_factors, self.dims)) * self.batch_size * itemsize
