@@ -837,9 +837,10 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
   }
 }
 
-// Whether row `key` has more than one lookup in the batch (the plan kernel marks those rows).
-__device__ __forceinline__ bool is_multi(const uint32_t* __restrict__ multi, int64_t key) {
-  return (__ldg(multi + (key >> 5)) >> (key & 31)) & 1u;
+// Whether row `key` is marked in one of the plan kernel's bitmaps: `multi` (more than one lookup
+// in the batch) or `touched` (any lookup).
+__device__ __forceinline__ bool row_marked(const uint32_t* __restrict__ bitmap, int64_t key) {
+  return (__ldg(bitmap + (key >> 5)) >> (key & 31)) & 1u;
 }
 
 // Rows read by exactly one lookup of the batch, in bag order: the plan gives them no piece, and
@@ -899,7 +900,7 @@ __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton
       // lane sl of the group: lookup j0 + sl's row, whether it is finished here, its scale
       const bool mine = j0 + sl < len;
       const long long my_key = row_base + (mine ? clamp_id((int64_t)values[start + j0 + sl], m[4]) : 0);
-      const bool my_fin = mine && !is_multi(multi, my_key);
+      const bool my_fin = mine && !row_marked(multi, my_key);
       const float my_s = psw && my_fin ? bag_scale * psw[start + j0 + sl] : bag_scale;
       const int count = min(G, most - j0);  // warp-uniform
       for (int u0 = 0; u0 < count; u0 += UNROLL) {
@@ -1396,10 +1397,6 @@ struct ZeroTable {
   }
 };
 
-__device__ __forceinline__ bool row_touched(const uint32_t* __restrict__ touched, int64_t key) {
-  return (__ldg(touched + (key >> 5)) >> (key & 31)) & 1u;
-}
-
 template <typename W>
 __global__ void __launch_bounds__(ZERO_THREADS) zero_untouched_kernel(W* __restrict__ out, int64_t numel,
                                                                       const uint32_t* __restrict__ touched,
@@ -1442,7 +1439,7 @@ __global__ void __launch_bounds__(ZERO_THREADS) zero_untouched_kernel(W* __restr
       for (int j = 0; j < VEC && e + j < numel; ++j) {  // element by element
         const int64_t x = e + j;
         if (x >= t.end) advance(x);
-        const bool keep = f >= 0 && x >= t.base && x < t.end && row_touched(touched, t.row_base + t.row_of(x));
+        const bool keep = f >= 0 && x >= t.base && x < t.end && row_marked(touched, t.row_base + t.row_of(x));
         if (!keep) out[x] = zero;
       }
     }
