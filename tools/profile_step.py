@@ -8,6 +8,9 @@ Usage: python tools/profile_step.py [--workloads ...] [--backends cuda triton] [
 dense gradients, no optimizer.)
 """
 import argparse
+import json
+import os
+import tempfile
 import time
 
 import torch
@@ -50,6 +53,30 @@ def kernel_table(fn, steps: int = 5, top: int = 14) -> str:
     total = sum(r[0] for r in rows)
     lines = [f"    {'us/step':>9} {'calls':>5}  kernel (sum {total:.0f} us)"]
     lines += [f"    {us:9.1f} {calls:5d}  {name[:90]}" for us, calls, name in rows[:top]]
+    return "\n".join(lines)
+
+
+def kernel_timeline(fn, top: int = 40) -> str:
+    """One step's kernels in the order they started: start and end (us from the first kernel's
+    start) and stream, so kernels on two streams show whether they ran beside each other."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    kernels = sorted((e["ts"], e.get("dur", 0), e.get("args", {}).get("stream", "?"), e["name"])
+                     for e in events if e.get("cat") == "kernel")
+    if not kernels:
+        return "    (no kernels in the trace)"
+    t0 = kernels[0][0]
+    lines = [f"    {'start':>9} {'end':>9} {'stream':>6}  kernel (one step, us)"]
+    lines += [f"    {ts - t0:9.1f} {ts - t0 + dur:9.1f} {stream!s:>6}  {name[:90]}"
+              for ts, dur, stream, name in kernels[:top]]
     return "\n".join(lines)
 
 
@@ -130,7 +157,7 @@ def sweep_point_peers(spec: str, dev, optimizer: str, fbgemm: bool):
     return p.label(), kjt, grad, peers
 
 
-def report(label, name, optimizer, peer, kjt, grad, dev, seen_orders, seen_paths, host_prof):
+def report(label, name, optimizer, peer, kjt, grad, dev, seen_orders, seen_paths, host_prof, timeline=False):
     step = lambda: peer.train_step(kjt, grad)  # noqa: E731
     fwd = lambda: peer.forward(kjt)  # noqa: E731
     ms = time_ms(step, dev, warmup=5, iters=20)
@@ -147,6 +174,8 @@ def report(label, name, optimizer, peer, kjt, grad, dev, seen_orders, seen_paths
     if paths:
         print(f"    backward path: {paths}", flush=True)
     print(kernel_table(step), flush=True)
+    if timeline:
+        print(kernel_timeline(step), flush=True)
     print("    runtime calls per step that can stall:\n" + runtime_calls(step), flush=True)
     if host_prof:
         print(host_ops(step), flush=True)
@@ -161,6 +190,8 @@ def main():
     p.add_argument("--fbgemm", action="store_true", help="profile fbgemm's TBE step too")
     p.add_argument("--host", action="store_true", help="print a cProfile of the step's host side")
     p.add_argument("--points", nargs="*", default=[], help="sweep points instead of workloads")
+    p.add_argument("--timeline", action="store_true",
+                   help="print one step's kernels in start order, with their streams")
     p.add_argument("--backward-paths", nargs="*", default=[None],
                    help="force each of these backward paths in turn (pooled_cuda.BACKWARD_PATHS names) for "
                    "recom_rec")
@@ -173,7 +204,7 @@ def main():
             for path in (args.backward_paths if name == "recom_rec" else [None]):
                 BACKWARD_PATH_TUNER.force(path)
                 report(label + (f" [{path}]" if path else ""), name, args.optimizer, peer, kjt, grad, dev,
-                       seen_orders, seen_paths, args.host)
+                       seen_orders, seen_paths, args.host, args.timeline)
             BACKWARD_PATH_TUNER.force(None)
         del peers
         torch.cuda.empty_cache()
@@ -187,7 +218,7 @@ def main():
             for path in (args.backward_paths if name.startswith("recom_rec") else [None]):
                 BACKWARD_PATH_TUNER.force(path)
                 report(wname + (f" [{path}]" if path else ""), name, args.optimizer, peer, kjt, grad, dev,
-                       seen_orders, seen_paths, args.host)
+                       seen_orders, seen_paths, args.host, args.timeline)
             BACKWARD_PATH_TUNER.force(None)
             del peer
             torch.cuda.empty_cache()
