@@ -14,6 +14,7 @@ from torchrec.modules.embedding_configs import DataType
 
 import recom_rec
 from ebc_cases import DEVICE, KERNEL_BACKENDS, make_kjt
+from recom_rec.ops.layout import POOLING_SUM, FeatureSlot, feature_meta_tensor, pack_tables
 
 
 def _tables(data_type=DataType.FP32, is_weighted=False, fp16_table=DataType.FP16):
@@ -117,6 +118,43 @@ def test_rows_no_lookup_reads_get_exact_zeros_in_reused_memory(backend):
         assert untouched.sum() > want.shape[0] // 2, name  # the case is mostly rows no lookup reads
         assert torch.equal(got[untouched], torch.zeros_like(got[untouched])), name
         _close(ours.embedding_bags[name].weight.grad, want, 1e-5)
+
+
+def _op_gradient(tables, kjt, features, backend):
+    """The registered dense backward on one group of ``tables``, its features (name, table) in the
+    given order, each feature's output gradient seeded by its name; in memory a freed tensor left NaN."""
+    slots = pack_tables([t.name for t in tables], [t.num_embeddings for t in tables], [t.embedding_dim for t in tables])
+    cols, col = [], 0
+    for _, table in features:
+        cols.append(col)
+        col += tables[table].embedding_dim
+    meta = feature_meta_tensor(slots, [FeatureSlot(f, f"{f}@{t}", t, 0, POOLING_SUM) for f, t in features], cols)
+    grads = [torch.randn(kjt.stride(), tables[t].embedding_dim,
+                         generator=torch.Generator().manual_seed(sum(map(ord, f)) + 97 * t)) for f, t in features]
+    key_index = torch.tensor([kjt.keys().index(f) for f, _ in features], dtype=torch.int64)
+    numel = sum(s.numel for s in slots)
+    _refill_freed_memory([numel], (torch.float32,))
+    return torch.ops.recom_rec.pooled_embedding_backward(
+        torch.cat(grads, 1).to(DEVICE), kjt.values(), kjt.offsets(), None, meta.to(DEVICE), key_index.to(DEVICE),
+        kjt.stride(), numel, max(t.embedding_dim for t in tables), torch.float32, backend, -1,
+        sum(t.num_embeddings for t in tables))
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_features_in_another_order_than_their_tables_get_the_same_gradient(backend):
+    """The registered backward takes a group's features in any order, not only table by table as a
+    module lists them (the CUDA zero kernel finds each element's table by a search that assumes
+    that order, and must still leave no element unwritten): the same gradient, every row no lookup
+    reads exactly zero, in reused memory."""
+    tables = _sparse_tables(half=DataType.FP32)
+    kjt = make_kjt(tables, 6, 2, 4, False, zero_fraction=0.2).to(DEVICE)
+    in_order = [(f, i) for i, t in enumerate(tables) for f in t.feature_names]
+    want = _op_gradient(tables, kjt, in_order, "torch")
+    for features in (in_order, in_order[::-1], in_order[1:] + in_order[:1]):
+        got = _op_gradient(tables, kjt, features, backend)
+        assert not torch.isnan(got).any(), features
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[want == 0], want[want == 0]), features
 
 
 class _Passthrough(TorchFunctionMode):
