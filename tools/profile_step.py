@@ -182,6 +182,15 @@ def report(label, name, optimizer, peer, kjt, grad, dev, seen_orders, seen_paths
         print(host_profile(step), flush=True)
 
 
+def report_paths(args, label, name, peer, kjt, grad, dev, seen_orders, seen_paths):
+    """report() for a peer, once for each backward path --backward-paths forces on ours."""
+    for path in (args.backward_paths if name.startswith("recom_rec") else [None]):
+        BACKWARD_PATH_TUNER.force(path)
+        report(label + (f" [{path}]" if path else ""), name, args.optimizer, peer, kjt, grad, dev,
+               seen_orders, seen_paths, args.host, args.timeline)
+    BACKWARD_PATH_TUNER.force(None)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--workloads", nargs="+", default=["many-1000", "dlrm-kaggle", "many-500"])
@@ -201,11 +210,7 @@ def main():
     for spec in args.points:
         label, kjt, grad, peers = sweep_point_peers(spec, dev, args.optimizer, args.fbgemm)
         for name, peer in peers:
-            for path in (args.backward_paths if name == "recom_rec" else [None]):
-                BACKWARD_PATH_TUNER.force(path)
-                report(label + (f" [{path}]" if path else ""), name, args.optimizer, peer, kjt, grad, dev,
-                       seen_orders, seen_paths, args.host, args.timeline)
-            BACKWARD_PATH_TUNER.force(None)
+            report_paths(args, label, name, peer, kjt, grad, dev, seen_orders, seen_paths)
         del peers
         torch.cuda.empty_cache()
     for wname in ([] if args.points else args.workloads):
@@ -215,11 +220,7 @@ def main():
         peers = [f"recom_rec:{b}" for b in args.backends] + (["fbgemm"] if args.fbgemm else [])
         for name in peers:
             peer = make_peer(name, w, dev, args.optimizer)
-            for path in (args.backward_paths if name.startswith("recom_rec") else [None]):
-                BACKWARD_PATH_TUNER.force(path)
-                report(wname + (f" [{path}]" if path else ""), name, args.optimizer, peer, kjt, grad, dev,
-                       seen_orders, seen_paths, args.host, args.timeline)
-            BACKWARD_PATH_TUNER.force(None)
+            report_paths(args, wname, name, peer, kjt, grad, dev, seen_orders, seen_paths)
             del peer
             torch.cuda.empty_cache()
 
