@@ -55,9 +55,14 @@ def test_bench_backward_phase_reports_each_of_ours_against_its_byte_floor(tmp_pa
     assert set(ours) == {"recom_rec", "recom_rec:group-params"}, data["results"]
     for r in ours.values():
         assert abs(r["floor_ms"] - floor_ms) < 1e-9 * floor_ms and abs(r["floor_x"] - r["ms"] / floor_ms) < 1e-9
-    assert not any("floor_x" in r for r in data["results"] if r["peer"] == "fbgemm")  # its step fuses SGD
+        # the backward alone, its forward untimed: less than the step with it
+        assert 0 < r["backward_only_ms"] < r["ms"], r
+        assert abs(r["backward_only_floor_x"] - r["backward_only_ms"] / floor_ms) < 1e-9
+    assert not any("floor_x" in r or "backward_only_ms" in r for r in data["results"] if r["peer"] == "fbgemm")
     line = next(x for x in result.stdout.splitlines() if x.startswith("backward to dense gradients, x its floor"))
-    assert f"many-1000 (floor {floor_ms:.2f} ms)" in line and "recom_rec:group-params" in line, line
+    grouped = ours["recom_rec:group-params"]
+    assert f"many-1000 (floor {floor_ms:.2f} ms)" in line, line
+    assert f"recom_rec:group-params {grouped['floor_x']:.2f}x ({grouped['backward_only_floor_x']:.2f}x)" in line, line
 
 
 def test_bench_pinned_backend_and_sharded_dlrm_on_gloo(tmp_path):

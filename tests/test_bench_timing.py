@@ -70,6 +70,14 @@ def test_max_iters_bounds_a_step_that_would_need_more():
     assert len(samples["x"]) == 50
 
 
+def test_second_half_timing_counts_the_second_step_alone_and_hands_it_the_first_ones_result():
+    seen = []
+    ms = timing.time_second_half_ms(lambda: time.sleep(0.03) or "out", lambda x: seen.append(x) or time.sleep(0.002),
+                                    CPU, iters=5)
+    assert seen == ["out"] * 5
+    assert 2.0 <= ms < 15.0, ms  # the 30 ms first half is outside every sample
+
+
 def test_settle_on_a_gpu_runs_until_a_run_launches_nothing_on_trial(monkeypatch):
     """The warm-up goes on while the product's tuners still have a shape on trial (here the fake
     step makes trial launches on its first 7 runs), waiting for the device after each run."""

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from .peers import GROUP_PARAMETERS, PEERS, PINNED_BACKENDS, fbgemm_available, make_peer
 from .report import format_table, plot_results
-from .timing import copy_bandwidth_gbs, graph_replay, time_ms
+from .timing import copy_bandwidth_gbs, graph_replay, time_ms, time_second_half_ms
 from .workloads import DEFAULT_WORKLOADS, WORKLOADS, get_workload
 
 # forward: inference under no_grad. backward: forward + backward to dense gradients (fbgemm has
@@ -135,6 +135,11 @@ def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
             elif phase == "backward" and pname.startswith("recom_rec"):  # dense gradients (fbgemm fuses SGD)
                 row["floor_ms"] = w.dense_gradient_bytes() / (ceiling * 1e9) * 1e3
                 row["floor_x"] = row["ms"] / row["floor_ms"]
+                # the floor counts the backward's bytes: the backward alone beside it, its forward untimed
+                row["backward_only_ms"] = time_second_half_ms(lambda: peer.forward(kjt),
+                                                              lambda out: peer.step_from(out, grad), device,
+                                                              iters=args.iters)
+                row["backward_only_floor_x"] = row["backward_only_ms"] / row["floor_ms"]
         except (RuntimeError, torch.OutOfMemoryError) as e:
             row["error"] = str(e)[:200]
         rows.append(row)

@@ -39,7 +39,11 @@ class _ModulePeer(Peer):
         return self.module(kjt).values()
 
     def train_step(self, kjt, grad):
-        self.module(kjt).values().backward(grad)
+        self.step_from(self.module(kjt).values(), grad)
+
+    def step_from(self, out, grad):
+        """train_step after its forward: the backward of ``out``, the optimizer, the gradients dropped."""
+        out.backward(grad)
         if self.opt is not None:
             self.opt.step()
         for p in self.params:
@@ -98,11 +102,7 @@ class CompiledTorchrecEBC(_ModulePeer):
         return self.compiled(kjt).values()
 
     def train_step(self, kjt, grad):
-        self.compiled(kjt).values().backward(grad)
-        if self.opt is not None:
-            self.opt.step()
-        for p in self.params:
-            p.grad = None
+        self.step_from(self.compiled(kjt).values(), grad)
 
 
 def fbgemm_available(device: torch.device) -> bool:

@@ -50,10 +50,12 @@ def format_table(meta: dict, results: List[dict], peers: List[str]) -> str:
     floors: Dict[str, List[str]] = defaultdict(list)
     for r in results:
         if r.get("floor_x"):
-            floors[f"{r['workload']} (floor {r['floor_ms']:.2f} ms)"].append(f"{r['peer']} {r['floor_x']:.2f}x")
+            alone = f" ({r['backward_only_floor_x']:.2f}x)" if r.get("backward_only_floor_x") else ""
+            floors[f"{r['workload']} (floor {r['floor_ms']:.2f} ms)"].append(
+                f"{r['peer']} {r['floor_x']:.2f}x{alone}")
     if floors:
         lines.append("backward to dense gradients, x its floor (each table's gradient written once and the output's "
-                     "gradient read once, at the copy rate): "
+                     "gradient read once, at the copy rate), the step with its forward (the backward alone): "
                      + "; ".join(f"{w}: {', '.join(v)}" for w, v in floors.items()))
     paths = [f"{r['workload']} {r['phase']} {r['backward_path']}" for r in results if r.get("backward_path")]
     if paths:

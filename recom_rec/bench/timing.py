@@ -61,6 +61,29 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 5, ite
     return statistics.median(_timed_run(fn, device) for _ in range(iters))
 
 
+def time_second_half_ms(first: Callable[[], object], second: Callable[[object], object], device: torch.device,
+                        iters: int = 50) -> float:
+    """The median time of ``second(first())`` counting ``second`` alone, ``first`` run untimed before each
+    (on a GPU its kernels are queued ahead of the start event, so they are outside the span), e.g. a
+    training step's backward without its forward. Warm the steps up with ``time_ms`` first."""
+    times = []
+    for _ in range(iters):
+        x = first()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            second(x)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            second(x)
+            times.append((time.perf_counter() - t0) * 1e3)
+        del x
+    return statistics.median(times)
+
+
 def time_interleaved(steps: Dict[str, Callable[[], object]], device: torch.device, warmup: int = 5,
                      min_iters: int = 20, min_ms: float = 50.0, block: int = 4,
                      max_iters: int = 4000) -> Dict[str, List[float]]:
