@@ -1350,20 +1350,21 @@ __global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const K* __restrict_
 // not all of it. zero_untouched_kernel writes them, skipping the rows plan_kernel marked in
 // `touched` (zeroing the whole buffer first wrote the touched rows twice: at the mixed workload
 // 2.0 of its 11.3 GB). It skips only the 64-byte blocks that lie inside a touched row and zeroes
-// the blocks at the row's edges, which the pieces then write again: a block left partly written
-// costs the memory a read to merge it, and with every touched row's edges left so, the kernel ran
-// the mixed workload no faster than zeroing everything (perf-notes v31). It runs before the piece
-// kernels, so an element it cannot place in a table gets a zero that they overwrite: the result
-// never depends on how `meta` is ordered, only the bytes saved do. A module's features come table
-// by table, so their element bases ascend: a block finds the table of its first chunk by a search
-// and each thread walks on from there. A 16-byte chunk inside one row (dims that are multiples of
-// a chunk) is skipped or zeroed whole, its bitmap word loaded together with the other chunks' of
-// its round; any other chunk (across rows, tables or the end) goes element by element at once.
+// every other block, the row's edges included, which the pieces then write again: a block left
+// partly written costs the memory a read to merge it, and with every touched row's edges left so,
+// the kernel ran the mixed workload no faster than zeroing everything (perf-notes v31); skipping
+// only whole 128- or 256-byte lines inside a touched row wrote more and ran 3-6% slower (v34). It
+// runs before the piece kernels, so an element it cannot place in a table gets a zero that they
+// overwrite: the result never depends on how `meta` is ordered, only the bytes saved do.
+// A warp takes a tile of ZERO_ITEMS runs of 32 blocks; a lane classifies one block of each run,
+// the runs' bitmap words are loaded together, and each run is stored as four coalesced 512-byte
+// rows of chunks, a chunk a lane, its block's verdict from a ballot. The stores are streaming
+// (evict-first): the zero kernel ran 1% faster at the mixed workload (v34). A module's features
+// come table by table, so their element bases ascend: a warp finds the table of its tile's first
+// block by a search and each lane walks on from there.
 constexpr int ZERO_THREADS = 256;
-constexpr int ZERO_ITEMS = 8;   // chunks a thread a round, their bitmap words loaded together
-constexpr int ZERO_ROUNDS = 4;  // rounds a block: 128 KB, over which its table search is spread
-constexpr int64_t ZERO_CHUNKS = (int64_t)ZERO_THREADS * ZERO_ITEMS * ZERO_ROUNDS;  // 16-byte chunks a block
-constexpr int64_t ZERO_CHUNK = -2;
+constexpr int ZERO_ITEMS = 8;  // runs of 32 blocks a warp's tile: 16 KB, a CTA's 128 KB
+constexpr int32_t ZERO_BLOCK = -2, SKIP_BLOCK = -1;  // a block's verdict where no row's bit is left to check
 
 // How many of meta's first `n` features have an element base at most x (where the bases ascend),
 // by one warp (every lane calls it): a 32-way search, a round of loads per factor 32.
@@ -1381,15 +1382,17 @@ __device__ __forceinline__ int features_at_or_before(const int64_t* __restrict__
   return lo;
 }
 
-// A feature's table as the zeros see it: elements [base, end), rows of `dim` numbered from `row_base`.
+// A feature's table as the zeros see it: elements [base, end), rows of `dim` numbered from
+// `row_base` (the zeros run where the group's rows fit a bitmap: below 2^31, as the dims).
 struct ZeroTable {
-  int64_t base = 0, end = 0, dim = 1, row_base = 0;
+  int64_t base = 0, end = 0;
+  int32_t dim = 1, row_base = 0;
   __device__ __forceinline__ void load(const int64_t* __restrict__ meta, int f) {
     const int64_t* m = meta + (int64_t)f * META_W;
-    dim = __ldg(m + 0);
+    dim = (int32_t)__ldg(m + 0);
     base = __ldg(m + 1);
     end = base + __ldg(m + 4) * dim;
-    row_base = __ldg(m + 5);
+    row_base = (int32_t)__ldg(m + 5);
   }
   __device__ __forceinline__ int64_t row_of(int64_t x) const {  // x in [base, end)
     const uint64_t off = (uint64_t)(x - base);
@@ -1397,59 +1400,57 @@ struct ZeroTable {
   }
 };
 
+// Zeroes chunk `e` (16 bytes from element e) of the gradient, element by element where it passes the end.
+template <typename W>
+__device__ __forceinline__ void zero_chunk(W* __restrict__ out, int64_t e, int64_t numel) {
+  constexpr int VEC = 16 / sizeof(W);
+  if (e + VEC <= numel) {
+    __stcs(reinterpret_cast<float4*>(out + e), make_float4(0.f, 0.f, 0.f, 0.f));
+    return;
+  }
+  for (int64_t x = e; x < numel; ++x) out[x] = from_f<W>(0.f);
+}
+
 template <typename W>
 __global__ void __launch_bounds__(ZERO_THREADS) zero_untouched_kernel(W* __restrict__ out, int64_t numel,
                                                                       const uint32_t* __restrict__ touched,
                                                                       const int64_t* __restrict__ meta,
                                                                       int num_features) {
   constexpr int VEC = 16 / sizeof(W);
-  __shared__ int first;
-  const int64_t c0 = (int64_t)blockIdx.x * ZERO_CHUNKS;
-  if (threadIdx.x < 32) {
-    const int count = features_at_or_before(meta, num_features, c0 * VEC, threadIdx.x);
-    if (threadIdx.x == 0) first = count - 1;
-  }
-  __syncthreads();
-  int f = first;
-  ZeroTable t;  // end 0 until a table is loaded: the first chunk walks
+  constexpr int64_t BLK = 4 * VEC;  // elements in a 64-byte block
+  const int lane = threadIdx.x & 31;
+  const int64_t b0 = ((int64_t)blockIdx.x * (ZERO_THREADS / 32) + (threadIdx.x >> 5)) * 32 * ZERO_ITEMS;
+  int f = features_at_or_before(meta, num_features, b0 * BLK, lane) - 1;
+  ZeroTable t;  // end 0 until a table is loaded
   if (f >= 0) t.load(meta, f);
-  auto advance = [&](int64_t x) {  // on to the last feature (in meta's order) starting at or before x
-    while (f + 1 < num_features && __ldg(meta + (int64_t)(f + 1) * META_W + 1) <= x) t.load(meta, ++f);
-  };
-  const W zero = from_f<W>(0.f);
-  for (int round = 0; round < ZERO_ROUNDS; ++round) {
-    auto chunk_at = [&](int i) { return (c0 + (int64_t)(round * ZERO_ITEMS + i) * ZERO_THREADS + threadIdx.x) * VEC; };
-    // The row of a chunk whose 64-byte block lies inside one row; ZERO_CHUNK: a chunk to zero
-    // whatever its rows; -1: a chunk done (element by element) or past the end.
-    int64_t key[ZERO_ITEMS];
+  // The row (bitmap key) inside which the lane's block of each run lies, its bit still to load;
+  // below 0: the verdict (ZERO_BLOCK, or SKIP_BLOCK past the end).
+  int32_t key[ZERO_ITEMS];
 #pragma unroll
-    for (int i = 0; i < ZERO_ITEMS; ++i) {
-      const int64_t e = chunk_at(i);
-      key[i] = -1;
-      if (e >= numel) continue;
-      if (e >= t.end) advance(e);
-      if (f >= 0 && e >= t.base && e + VEC <= t.end) {
-        const int64_t r = t.row_of(e), row_at = t.base + r * t.dim;
-        if (e + VEC <= row_at + t.dim) {
-          const int64_t block = e - e % (4 * VEC);
-          key[i] = block >= row_at && block + 4 * VEC <= row_at + t.dim ? t.row_base + r : ZERO_CHUNK;
-          continue;
-        }
-      }
-      for (int j = 0; j < VEC && e + j < numel; ++j) {  // element by element
-        const int64_t x = e + j;
-        if (x >= t.end) advance(x);
-        const bool keep = f >= 0 && x >= t.base && x < t.end && row_marked(touched, t.row_base + t.row_of(x));
-        if (!keep) out[x] = zero;
-      }
+  for (int i = 0; i < ZERO_ITEMS; ++i) {
+    const int64_t b = (b0 + i * 32 + lane) * BLK;
+    key[i] = b < numel ? ZERO_BLOCK : SKIP_BLOCK;
+    if (b >= numel) continue;
+    // on to the last feature (in meta's order) whose table starts at or before b
+    while (b >= t.end && f + 1 < num_features && __ldg(meta + (int64_t)(f + 1) * META_W + 1) <= b) t.load(meta, ++f);
+    if (f >= 0 && b >= t.base && b + BLK <= t.end) {
+      const int64_t r = t.row_of(b);
+      if (b + BLK <= t.base + (r + 1) * t.dim) key[i] = (int32_t)(t.row_base + r);  // inside row r
     }
-    uint32_t word[ZERO_ITEMS];
+  }
+  uint32_t word[ZERO_ITEMS];
 #pragma unroll
-    for (int i = 0; i < ZERO_ITEMS; ++i) word[i] = key[i] >= 0 ? __ldg(touched + (key[i] >> 5)) : 0u;
+  for (int i = 0; i < ZERO_ITEMS; ++i) word[i] = key[i] >= 0 ? __ldg(touched + (key[i] >> 5)) : 0u;
 #pragma unroll
-    for (int i = 0; i < ZERO_ITEMS; ++i)
-      if (key[i] == ZERO_CHUNK || (key[i] >= 0 && !((word[i] >> (key[i] & 31)) & 1u)))
-        *reinterpret_cast<float4*>(out + chunk_at(i)) = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i = 0; i < ZERO_ITEMS; ++i) {
+    const bool zero = key[i] == ZERO_BLOCK || (key[i] >= 0 && !((word[i] >> (key[i] & 31)) & 1u));
+    const unsigned z = __ballot_sync(0xffffffffu, zero);
+    const int64_t run = (b0 + i * 32) * BLK;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c = j * 32 + lane;  // chunk c of the run lies in its block c / 4
+      if ((z >> (c >> 2)) & 1u) zero_chunk(out, run + (int64_t)c * VEC, numel);
+    }
   }
 }
 

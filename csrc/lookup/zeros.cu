@@ -14,8 +14,8 @@ void zero_untouched_rows(const at::Tensor& out, const at::Tensor& touched, const
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_weight(out.scalar_type(), [&](auto wt) {
     using W = decltype(wt);
-    constexpr int64_t vec = 16 / sizeof(W);
-    const int64_t blocks = ((numel + vec - 1) / vec + ZERO_CHUNKS - 1) / ZERO_CHUNKS;
+    constexpr int64_t per_block = (int64_t)ZERO_THREADS * ZERO_ITEMS * (64 / sizeof(W));  // elements a CTA
+    const int64_t blocks = (numel + per_block - 1) / per_block;
     TORCH_CHECK(blocks <= (int64_t)INT32_MAX, "recom_rec cuda backend: gradient buffer too large");
     zero_untouched_kernel<W><<<(unsigned)blocks, ZERO_THREADS, 0, stream>>>(
         wptr<W>(out), numel, reinterpret_cast<const uint32_t*>(touched.data_ptr<int32_t>()), meta.data_ptr<int64_t>(),
