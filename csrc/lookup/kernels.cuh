@@ -1353,7 +1353,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const K* __restrict_
 // every other block, the row's edges included, which the pieces then write again: a block left
 // partly written costs the memory a read to merge it, and with every touched row's edges left so,
 // the kernel ran the mixed workload no faster than zeroing everything (perf-notes v31); skipping
-// only whole 128- or 256-byte lines inside a touched row wrote more and ran 3-6% slower (v34). It
+// only whole 128- or 256-byte lines inside a touched row wrote more and ran 3-7% slower (v34). It
 // runs before the piece kernels, so an element it cannot place in a table gets a zero that they
 // overwrite: the result never depends on how `meta` is ordered, only the bytes saved do.
 // A warp takes a tile of ZERO_ITEMS runs of 32 blocks; a lane classifies one block of each run,

@@ -17,9 +17,10 @@ from .timing import copy_bandwidth_gbs, graph_replay, time_ms, time_second_half_
 from .workloads import DEFAULT_WORKLOADS, WORKLOADS, get_workload
 
 # forward: inference under no_grad. backward: forward + backward to dense gradients (fbgemm has
-# no such mode and applies its fused SGD). sgd / rowwise_adagrad: a whole training step of the
-# embeddings - fused into the backward for recom_rec and fbgemm, dense gradients + torch.optim
-# (torchrec's RowWiseAdagrad) for torchrec's module.
+# no such mode and applies its fused SGD); ours also on the backward alone, against the byte
+# floor. sgd / rowwise_adagrad: a whole training step of the embeddings - fused into the backward
+# for recom_rec and fbgemm, dense gradients + torch.optim (torchrec's RowWiseAdagrad) for
+# torchrec's module.
 # forward-graph: the forward captured once in a CUDA graph and replayed (small-batch inference
 # latency without launch overhead; needs a forward with no host syncs: validation off).
 # inference: quantized tables (recom_rec/bench/inference.py), INT8 / INT4 / FP16 rows (--row-types),
