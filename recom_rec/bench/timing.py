@@ -14,7 +14,8 @@ MAX_SETTLE_RUNS = 400
 
 
 def _timed_run(fn: Callable[[], object], device: torch.device) -> float:
-    """One run of ``fn`` in ms, starting on an idle device (the previous run has finished)."""
+    """One run of ``fn`` in ms. On a GPU, the span between events recorded before and after it: work
+    queued earlier is outside it (time_ms's runs start on an idle device)."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -69,17 +70,7 @@ def time_second_half_ms(first: Callable[[], object], second: Callable[[object], 
     times = []
     for _ in range(iters):
         x = first()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            second(x)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            second(x)
-            times.append((time.perf_counter() - t0) * 1e3)
+        times.append(_timed_run(lambda: second(x), device))
         del x
     return statistics.median(times)
 
