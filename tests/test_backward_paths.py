@@ -1,7 +1,8 @@
 """The CUDA backend's backward paths (every row through the sorted pieces, or rows of one lookup
-finished in bag order by their own kernel; the pieces at the widest row's lanes or at the fewest)
-give the same bits, so the path the tuner measures faster per shape never changes results. Needs a
-GPU: RECOM_TEST_DEVICE=cuda (tools/gpu_session.sh)."""
+finished in bag order by their own kernel; the pieces at the widest row's lanes, at the fewest, or
+each at its own row's fewest, a launch a lane class) give the same bits, so the path the tuner
+measures faster per shape never changes results. Needs a GPU: RECOM_TEST_DEVICE=cuda
+(tools/gpu_session.sh)."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -37,7 +38,8 @@ def _train(case, optimizer, path, monkeypatch):
         f"{n}.grad": b.weight.grad.clone() for n, b in module.embedding_bags.items() if b.weight.grad is not None}
 
 
-PATHS = ("pieces", "singletons", "pieces/fewest lanes", "singletons/fewest lanes")
+PATHS = ("pieces", "singletons", "pieces/fewest lanes", "singletons/fewest lanes", "pieces/lanes by width",
+         "singletons/lanes by width")
 
 
 def _same_bits(runs: dict) -> None:
@@ -61,10 +63,11 @@ def test_every_backward_path_gives_the_same_bits(optimizer, monkeypatch):
 
 
 @pytest.mark.parametrize("optimizer", ["dense", "rowwise_adagrad"])
-@pytest.mark.parametrize("dims", [(8, 64), (12, 100), (4, 33)])
+@pytest.mark.parametrize("dims", [(8, 64), (12, 100), (4, 33), (20, 500)])
 def test_rows_of_many_pieces_give_the_same_bits_on_every_path(optimizer, dims, monkeypatch):
     # Hot rows of 1-2100 lookups: one group's pieces, split rows and a block's long rows, at the
-    # lanes of each path; row-wise Adagrad's row sum over lanes of 1 and 4 float4 (dim 33: columns).
+    # lanes of each path; row-wise Adagrad's row sum over lanes of 1 and 4 float4 (dim 33: columns);
+    # dims 20 and 500: lanes by width in six lane classes, four of them empty.
     g = torch.Generator().manual_seed(3)
     reads = torch.tensor([2100, 1024, 1025, 33, 1, 0])
     hot = torch.repeat_interleave(torch.arange(len(reads)), reads)

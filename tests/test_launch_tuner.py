@@ -428,3 +428,22 @@ def test_a_sample_in_flight_across_forget_does_not_join_the_new_trials():
 
     tuner.launch(shape(), run_while_another_thread_forgets, DEVICE)
     assert tuner._trials[shape()].samples == {} and tuner._trials[shape()].in_flight == []
+
+
+@pytest.mark.parametrize("dims,singletons_ok,expected", [
+    ((64, 64), True, ("pieces", "singletons", "pieces/fewest lanes", "singletons/fewest lanes")),
+    ((8, 64, 128), True, ("pieces", "singletons", "pieces/lanes by width", "singletons/lanes by width",
+                          "pieces/fewest lanes", "singletons/fewest lanes")),
+    ((8, 64, 128), False, ("pieces", "pieces/lanes by width", "pieces/fewest lanes")),
+    ((32, 300), True, ("pieces", "singletons", "pieces/lanes by width", "singletons/lanes by width")),
+    ((300, 300), True, ("pieces", "singletons")),
+    ((8, 16), True, ("pieces", "singletons")),  # every row takes one lane at four float4
+    ((64, 1024), True, ("pieces", "singletons")),  # past 32 lanes of four float4
+])
+def test_backward_paths_measure_lanes_by_width_where_a_groups_rows_differ_in_width(dims, singletons_ok, expected):
+    from recom_rec.kernels.pooled_cuda import BACKWARD_PATHS, BackwardShape, backward_paths
+
+    forward = ForwardLaunchShape(0, len(dims), 64, sum(dims), max(dims), 1024, torch.float32, torch.int64, False)
+    paths = backward_paths(BackwardShape(*forward, optimizer=-1, singletons_ok=singletons_ok))
+    assert paths == expected
+    assert set(paths) <= set(BACKWARD_PATHS)

@@ -19,13 +19,18 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
                       const at::Tensor& state2, const at::Tensor& hyper, const at::Tensor& step, int64_t opt,
                       int64_t max_dim, int64_t lanes) {
   c10::cuda::CUDAGuard guard(out.device());
-  TORCH_CHECK(lanes == 0 || (lanes <= 32 && (lanes & (lanes - 1)) == 0 && 16 * lanes >= max_dim),
-              "piece lanes must be a power of two <= 32 covering max_dim in four float4s, got ", lanes);
+  // lanes -1: each piece at its own row's fewest lanes, a launch a lane class (piece_class_count_kernel)
+  const bool by_width = lanes == -1;
+  TORCH_CHECK((by_width && max_dim <= 16 * 32) ||
+                  lanes == 0 || (lanes > 0 && lanes <= 32 && (lanes & (lanes - 1)) == 0 && 16 * lanes >= max_dim),
+              "piece lanes must be -1 (by width, max_dim <= 512) or a power of two <= 32 covering max_dim in four "
+              "float4s, got ", lanes, " at max_dim ", max_dim);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   // `lanes` shapes the piece kernel only: the split and long rows take the widest row's lanes
   // whatever it is, so which rows are long and how their partials are grouped (hence the bits) do
   // not depend on it (the pieces' partial sums are stored by column, readable by any lanes).
-  const PieceShape shape = piece_shape(max_dim, lanes, sms), rows = piece_shape(max_dim, 0, sms);
+  const int64_t top = by_width ? group_lanes((int)((max_dim + 15) / 16)) : lanes;  // by width: the widest class
+  const PieceShape shape = piece_shape(max_dim, top, sms), rows = piece_shape(max_dim, 0, sms);
   const bool four = shape.V == 4, eight = shape.V == 8, rows_four = rows.V == 4, rows_eight = rows.V == 8;
   TORCH_CHECK(counts.numel() >= 3, "piece_update takes plan_backward's three counts");
   // The long rows' list and its count, counts[2], emptied here: a plan run through twice must not
@@ -54,12 +59,47 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
       using K = decltype(kt);
       const K* keys = reinterpret_cast<const K*>(row_key.data_ptr());
       auto pk = eight ? piece_kernel<W, K, OPT, 8> : four ? piece_kernel<W, K, OPT, 4> : piece_kernel<W, K, OPT, 1>;
-      const size_t ring = piece_ring_bytes(shape.V, shape.G);
-      if (ring > 48 * 1024)  // past the default limit of a block's dynamic shared memory
-        C10_CUDA_CHECK(cudaFuncSetAttribute(pk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ring));
-      pk<<<shape.grid(n), PIECE_THREADS, ring, stream>>>(keys, order.data_ptr<int32_t>(), pay, grad.data_ptr<float>(),
-                                                        args, wptr<W>(out));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      auto pieces_at = [&](const PieceArgs& at, int G) {
+        const size_t ring = piece_ring_bytes(shape.V, G);
+        if (ring > 48 * 1024)  // past the default limit of a block's dynamic shared memory
+          C10_CUDA_CHECK(cudaFuncSetAttribute(pk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ring));
+        pk<<<PieceShape{shape.V, G, sms}.grid(n), PIECE_THREADS, ring, stream>>>(
+            keys, order.data_ptr<int32_t>(), pay, grad.data_ptr<float>(), at, wptr<W>(out));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (!by_width) {
+        pieces_at(args, shape.G);
+      } else {
+        int classes = 1;
+        while ((1 << (classes - 1)) < shape.G) ++classes;
+        TORCH_CHECK(classes <= MAX_LANE_CLASSES, "piece lanes by width: at most ", MAX_LANE_CLASSES, " lane classes");
+        auto cls = at::empty({n}, pieces.options().dtype(at::kByte));
+        auto lists = at::empty({n}, pieces.options());
+        const int blocks = (int)std::max<int64_t>(
+            1, std::min<int64_t>({sms * 8, (int64_t)MAX_CLASS_BLOCKS, (n + CLASS_THREADS - 1) / CLASS_THREADS}));
+        auto block_counts = at::empty({(int64_t)classes * blocks}, counts.options());
+        auto info = at::empty({2 * classes}, counts.options());  // each class's size, then where its list begins
+        int32_t* cc = info.data_ptr<int32_t>();
+        piece_class_count_kernel<<<blocks, CLASS_THREADS, 0, stream>>>(
+            pieces.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), order.data_ptr<int32_t>(), pay,
+            meta.data_ptr<int64_t>(), classes, cls.data_ptr<uint8_t>(), block_counts.data_ptr<int32_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        piece_class_scan_kernel<<<1, CLASS_SCAN_THREADS, 0, stream>>>(block_counts.data_ptr<int32_t>(), blocks,
+                                                                     classes, cc);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        piece_class_scatter_kernel<<<blocks, CLASS_THREADS, 0, stream>>>(
+            pieces.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), cls.data_ptr<uint8_t>(), classes,
+            block_counts.data_ptr<int32_t>(), lists.data_ptr<int64_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        for (int c = 0; c < classes; ++c) {
+          PieceArgs of_class = args;
+          of_class.pieces = lists.data_ptr<int64_t>();
+          of_class.counts = cc + c;  // the piece kernel reads counts[0] only
+          of_class.begin = cc + classes + c;
+          of_class.G = 1 << c;
+          pieces_at(of_class, 1 << c);
+        }
+      }
       auto sk = rows_eight ? split_row_kernel<W, K, OPT, 8>
                            : rows_four ? split_row_kernel<W, K, OPT, 4> : split_row_kernel<W, K, OPT, 1>;
       sk<<<rows.grid(split_rows.numel()), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, row_args,

@@ -627,6 +627,9 @@ struct PieceArgs {
   const int64_t* step;
   const int64_t* meta;
   int G;
+  // Where the piece kernel's list starts in `pieces` (on the device: a lane class's list,
+  // piece_class_scatter_kernel), or nullptr: at its start.
+  const int32_t* begin = nullptr;
 };
 
 // The fused optimizer's hyper-parameters, and Adam's step in `t` (OPT < 0: none).
@@ -694,8 +697,14 @@ template <typename W, typename K, int OPT, int V>
 __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
     piece_kernel(const K* __restrict__ row_key, const int32_t* __restrict__ order, Payload pay,
                  const float* __restrict__ grad, PieceArgs a, W* __restrict__ out) {
-  const int64_t num = a.counts[0], n = a.n;
-  const LaneGroups lg(a.G);
+  const int64_t n = a.n;
+  LaneGroups lg(a.G);
+  int64_t num = a.counts[0];
+  if (a.begin) {  // a lane class's list: pieces[*begin, *begin + counts[0])
+    const int64_t list_at = *a.begin;
+    lg.first += list_at;
+    num += list_at;
+  }
   const int G = lg.G, sl = lg.sl;
   const unsigned gmask = G == 32 ? 0xffffffffu : (((1u << G) - 1u) << (lg.sub * G));
   float t;
@@ -834,6 +843,163 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
       for (int k = 0; k < V; ++k) w[k] = L.load_rw(out + row_at, k);
     }
     finish_row<W, OPT, V>(acc, w, state, L, finish, out, row_at, (int64_t)key, a.s1, a.s2, h, t);
+  }
+}
+
+// ---- pieces in lists by lane width ------------------------------------------------------------
+// The piece kernel gives every piece of a launch G lanes, enough for the group's widest row. In a
+// group of mixed widths that leaves lanes idle and fewer pieces in flight a warp on its narrower
+// rows. The "lanes by width" paths (pooled_cuda.BACKWARD_PATHS) partition the piece list into one
+// list a lane class, class c the pieces whose row takes 1 << c lanes at four float4 a lane (by the
+// feature of the piece's first lookup, as the piece kernel lays the row out), and launch the piece
+// kernel once a class at its own lanes. The lanes only decide which lane adds which columns: every
+// path gives the same bits. The partition is stable: a class's list keeps the pieces' order, so
+// one table's pieces stay together and its gradient rows in L2 (perf-notes v35: a partition in the
+// order of per-warp atomics interleaved the whole list, and the piece kernels ran no faster). At
+// the mixed workload the piece kernels took 2,330 us instead of 2,585 and the partition 113 (~250
+// MB read and written, 2.2 TB/s). Dealing pieces to a warp by width inside one launch (v32) had
+// run 11% slower. Three kernels: each block counts the classes of a contiguous share of the list,
+// one block scans the counts, and each block writes its share into the lists.
+constexpr int MAX_LANE_CLASSES = 6;  // groups of 1, 2, 4, 8, 16, 32 lanes
+constexpr int CLASS_THREADS = 256, CLASS_ITEMS = 4;  // a tile: CLASS_ITEMS rows of CLASS_THREADS pieces
+constexpr int CLASS_TILE = CLASS_THREADS * CLASS_ITEMS, CLASS_SLOTS = CLASS_TILE / 32;  // a slot: a warp's row
+constexpr int CLASS_SCAN_THREADS = 1024, CLASS_SCAN_ITEMS = 8;
+// The most blocks whose (class, block) counts one scan block takes.
+constexpr int MAX_CLASS_BLOCKS = CLASS_SCAN_THREADS * CLASS_SCAN_ITEMS / MAX_LANE_CLASSES;
+
+// Block b's share of a list of `num`: [lo, hi).
+__device__ __forceinline__ void class_share(int64_t num, int64_t& lo, int64_t& hi) {
+  const int64_t per = (num + gridDim.x - 1) / gridDim.x;
+  lo = min(num, (int64_t)blockIdx.x * per);
+  hi = min(num, lo + per);
+}
+
+// Each piece's lane class into `cls`, and each block's count of each class into
+// block_counts[class * gridDim.x + block] (class-major: one exclusive scan then gives every
+// block's place in every list). A thread resolves CLASS_ITEMS pieces at once, their loads in
+// flight together (piece -> payload -> feature's dim); it ran no faster than one at a time at
+// mixed (v35), where both partition kernels are bound by their bytes.
+__global__ void __launch_bounds__(CLASS_THREADS) piece_class_count_kernel(
+    const int64_t* __restrict__ pieces, const int32_t* __restrict__ counts, const int32_t* __restrict__ order,
+    Payload pay, const int64_t* __restrict__ meta, int classes, uint8_t* __restrict__ cls,
+    int32_t* __restrict__ block_counts) {
+  __shared__ int32_t tally[MAX_LANE_CLASSES];
+  if (threadIdx.x < MAX_LANE_CLASSES) tally[threadIdx.x] = 0;
+  __syncthreads();
+  int64_t lo, hi;
+  class_share(counts[0], lo, hi);
+  for (int64_t t0 = lo; t0 < hi; t0 += CLASS_TILE) {  // block-uniform, so whole warps match
+    int64_t start[CLASS_ITEMS];
+    int32_t o[CLASS_ITEMS];
+#pragma unroll
+    for (int i = 0; i < CLASS_ITEMS; ++i) {
+      const int64_t r = t0 + i * CLASS_THREADS + threadIdx.x;
+      start[i] = r < hi ? pieces[r] >> 2 : -1;
+    }
+#pragma unroll
+    for (int i = 0; i < CLASS_ITEMS; ++i) o[i] = start[i] >= 0 ? order[start[i]] : 0;
+#pragma unroll
+    for (int i = 0; i < CLASS_ITEMS; ++i) {
+      const int64_t r = t0 + i * CLASS_THREADS + threadIdx.x;
+      int c = classes;
+      if (start[i] >= 0) {
+        const int64_t dim = __ldg(meta + (int64_t)pay.feature_of(o[i]) * META_W);
+        c = min(classes - 1, __ffs(group_lanes((int)((dim + 15) / 16))) - 1);
+        cls[r] = (uint8_t)c;
+      }
+      const unsigned peers = __match_any_sync(0xffffffffu, c);
+      if (c < classes && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(tally + c, __popc(peers));
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < classes) block_counts[(int64_t)threadIdx.x * gridDim.x + blockIdx.x] = tally[threadIdx.x];
+}
+
+// One block: block_counts (classes x blocks, class-major) to their exclusive sums in place, and
+// each class's size and the start of its list into info[0, classes) and info[classes, 2 classes).
+__global__ void __launch_bounds__(CLASS_SCAN_THREADS) piece_class_scan_kernel(int32_t* __restrict__ block_counts,
+                                                                             int blocks, int classes,
+                                                                             int32_t* __restrict__ info) {
+  using Scan = cub::BlockScan<int32_t, CLASS_SCAN_THREADS>;
+  __shared__ typename Scan::TempStorage tmp;
+  const int total = blocks * classes;
+  int32_t v[CLASS_SCAN_ITEMS];
+#pragma unroll
+  for (int i = 0; i < CLASS_SCAN_ITEMS; ++i) {
+    const int at = threadIdx.x * CLASS_SCAN_ITEMS + i;
+    v[i] = at < total ? block_counts[at] : 0;
+  }
+  int32_t all;
+  Scan(tmp).ExclusiveSum(v, v, all);
+#pragma unroll
+  for (int i = 0; i < CLASS_SCAN_ITEMS; ++i) {
+    const int at = threadIdx.x * CLASS_SCAN_ITEMS + i;
+    if (at < total) {
+      block_counts[at] = v[i];
+      if (at % blocks == 0) info[classes + at / blocks] = v[i];  // where class at / blocks begins
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < classes) {
+    const int c = threadIdx.x;
+    info[c] = (c + 1 < classes ? info[classes + c + 1] : all) - info[classes + c];
+  }
+}
+
+// Each block copies its share of the list into the classes' lists, in order, a tile at a time: a
+// piece's place in its list is the block's running place for its class, plus the pieces of its
+// class in the tile's slots before its own (a warp scan over the slots, a warp a class), plus the
+// lanes before it in its slot.
+__global__ void __launch_bounds__(CLASS_THREADS) piece_class_scatter_kernel(
+    const int64_t* __restrict__ pieces, const int32_t* __restrict__ counts, const uint8_t* __restrict__ cls,
+    int classes, const int32_t* __restrict__ block_starts, int64_t* __restrict__ lists) {
+  static_assert(CLASS_SLOTS == 32 && CLASS_THREADS / 32 >= MAX_LANE_CLASSES, "a warp scans a class's slots");
+  __shared__ int32_t place[MAX_LANE_CLASSES];
+  __shared__ int32_t tally[CLASS_SLOTS][MAX_LANE_CLASSES];  // a slot's pieces of each class, then their exclusive sums
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x < classes) place[threadIdx.x] = block_starts[(int64_t)threadIdx.x * gridDim.x + blockIdx.x];
+  int64_t lo, hi;
+  class_share(counts[0], lo, hi);
+  for (int64_t t0 = lo; t0 < hi; t0 += CLASS_TILE) {  // block-uniform
+    for (int k = threadIdx.x; k < CLASS_SLOTS * MAX_LANE_CLASSES; k += CLASS_THREADS) (&tally[0][0])[k] = 0;
+    int c[CLASS_ITEMS];
+    int64_t piece[CLASS_ITEMS];
+    unsigned peers[CLASS_ITEMS];
+#pragma unroll
+    for (int i = 0; i < CLASS_ITEMS; ++i) {
+      const int64_t r = t0 + i * CLASS_THREADS + threadIdx.x;
+      c[i] = r < hi ? cls[r] : classes;
+      piece[i] = r < hi ? pieces[r] : 0;
+    }
+    __syncthreads();  // the tallies are zero
+#pragma unroll
+    for (int i = 0; i < CLASS_ITEMS; ++i) {
+      peers[i] = __match_any_sync(0xffffffffu, c[i]);
+      if (c[i] < classes && lane == __ffs(peers[i]) - 1)
+        tally[i * (CLASS_THREADS / 32) + warp][c[i]] = __popc(peers[i]);
+    }
+    __syncthreads();
+    int32_t tile = 0;
+    if (warp < classes) {  // warp c: class c's slots, one a lane, to exclusive sums
+      const int32_t mine = tally[lane][warp];
+      int32_t sum = mine;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int32_t up = __shfl_up_sync(0xffffffffu, sum, d);
+        if (lane >= d) sum += up;
+      }
+      tally[lane][warp] = sum - mine;
+      tile = __shfl_sync(0xffffffffu, sum, 31);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < CLASS_ITEMS; ++i) {
+      if (c[i] < classes)
+        lists[place[c[i]] + tally[i * (CLASS_THREADS / 32) + warp][c[i]] + __popc(peers[i] & ((1u << lane) - 1u))] =
+            piece[i];
+    }
+    __syncthreads();  // every place read
+    if (warp < classes && lane == 0) place[warp] += tile;
   }
 }
 

@@ -30,33 +30,52 @@ MAX_DIM = 1024  # the backward kernels' widest variant: 8 float4 accumulators pe
 # The backward's path per shape: every row through the pieces, or rows of one lookup in the batch
 # finished in bag order by their own kernel (plan_backward's bitmap, singleton_update in the
 # source); and the piece kernels' lanes a piece: enough for the group's widest row at one float4
-# a lane ("widest"), or the fewest that hold it in four float4 each (4 lanes at dim 64 instead of
+# a lane ("widest"), the fewest that hold it in four float4 each (4 lanes at dim 64 instead of
 # 16: four times the pieces in flight; 500 tables of rows read about once updated 11% faster,
-# perf-notes v20). Every path gives the same bits. None wins everywhere (H100: singletons
-# on many-500, many-1000 and mixed, pieces on dlrm-kaggle's one-id bags and on zipf, whose rows
-# repeat), so the first backward launches of a shape measure them (launch_tuner; tests and tools
-# force one with BACKWARD_PATH_TUNER.force). Singletons need a bitmap of the group's rows: at most
+# perf-notes v20), or in a group of mixed widths each piece at the fewest lanes of its own row, a
+# launch of the piece kernel per lane class ("by width": mixed's piece kernels 10% faster, v35).
+# Every path gives the same bits. None wins everywhere (H100: singletons on many-500, many-1000
+# and mixed, pieces on dlrm-kaggle's one-id bags and on zipf, whose rows repeat), so the first
+# backward launches of a shape measure them (launch_tuner; tests and tools force one with
+# BACKWARD_PATH_TUNER.force). Singletons need a bitmap of the group's rows: at most
 # BITMAP_MAX_ROWS (64 MB).
 BITMAP_MAX_ROWS = 1 << 29
-BACKWARD_PATHS = {"pieces": (False, False), "singletons": (True, False),  # name: (singletons, fewest lanes)
-                  "pieces/fewest lanes": (False, True), "singletons/fewest lanes": (True, True)}
+WIDEST, FEWEST, BY_WIDTH = "widest", "fewest", "by width"  # the piece kernels' lanes
+BACKWARD_PATHS = {"pieces": (False, WIDEST), "singletons": (True, WIDEST),  # name: (singletons, lanes)
+                  "pieces/fewest lanes": (False, FEWEST), "singletons/fewest lanes": (True, FEWEST),
+                  "pieces/lanes by width": (False, BY_WIDTH), "singletons/lanes by width": (True, BY_WIDTH)}
 # Rows up to this wide take one float4 a lane by default, so four a lane is another launch; at
 # 16 columns or fewer it would be one lane a piece.
 FEWEST_LANES_DIMS = (17, 128)
+BY_WIDTH_MAX_DIM = 512  # 32 lanes of four float4: the widest lane class
 
 
 def backward_paths(shape) -> tuple:
     """The backward paths worth measuring for a BackwardShape: singletons where their grid and
-    bitmap fit, fewest lanes where it is another launch."""
+    bitmap fit, lanes by width where the group's rows differ in width (some feature narrower than
+    the widest) and its widest row takes more than one lane, fewest lanes where it is another
+    launch. The order breaks near-ties (launch_tuner.decide): lanes by width before fewest lanes,
+    which it equals on the widest rows and beats on the narrower ones but for its partition
+    (mixed: 2.33 against 2.58 ms of piece kernels, plus 0.11 ms of partition, v35)."""
     names = ("pieces", "singletons") if shape.singletons_ok else ("pieces",)
+    lanes = ()
+    mixed_widths = shape.total_dim < shape.num_features * shape.max_dim
+    if mixed_widths and FEWEST_LANES_DIMS[0] <= shape.max_dim <= BY_WIDTH_MAX_DIM:
+        lanes += ("lanes by width",)
     if FEWEST_LANES_DIMS[0] <= shape.max_dim <= FEWEST_LANES_DIMS[1]:
-        names += tuple(f"{n}/fewest lanes" for n in names)
-    return names
+        lanes += ("fewest lanes",)
+    return names + tuple(f"{n}/{lane}" for lane in lanes for n in names)
 
 
 def fewest_piece_lanes(max_dim: int) -> int:
     """Lanes a piece at four float4 each (piece_update's ``lanes``): a power of two."""
     return 1 << max(0, (max_dim + 15) // 16 - 1).bit_length()
+
+
+def piece_lanes(mode: str, max_dim: int) -> int:
+    """piece_update's ``lanes`` for a BACKWARD_PATHS lanes mode: 0 sizes the pieces by the widest
+    row, -1 each by its own row's width."""
+    return {WIDEST: 0, FEWEST: fewest_piece_lanes(max_dim), BY_WIDTH: -1}[mode]
 
 
 BACKWARD_PATH_TUNER = LaunchOrderTuner(names={n: n for n in BACKWARD_PATHS}, candidates=backward_paths,
@@ -169,14 +188,13 @@ def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, bat
 
 
 def _cuda_pieces(plan, grad_output, feature_meta, n, partials, partial_stride, out, state1, state2, hyper, step,
-                 opt, max_dim, fewest_lanes=False):
+                 opt, max_dim, lanes=WIDEST):
     """The piece and split-row kernels on a _cuda_plan, then the rows of one lookup."""
     row_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi, _, packed_batch, singles = plan
     ext = cuda_ext.extension()
-    lanes = fewest_piece_lanes(max_dim) if fewest_lanes else 0  # 0: sized by the widest row
     ext.piece_update(row_key, order, src, scale, feature, bag_scale, packed_batch, grad_output, feature_meta, pieces,
                      split_rows, counts, n, partials, partial_stride, out, state1, state2, hyper, step, opt, max_dim,
-                     lanes)
+                     piece_lanes(lanes, max_dim))
     if singles is not None:
         values, offsets, psw, key_index, batch_size = singles
         ext.singleton_update(values, offsets, psw, feature_meta, key_index, multi, grad_output, batch_size, out,
@@ -191,10 +209,10 @@ def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sa
     cuda = supports(out, max_dim)
 
     def run(path: str):
-        singles, fewest = BACKWARD_PATHS[path]
+        singles, lanes = BACKWARD_PATHS[path]
         pooled_triton._run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights,
                                     feature_meta, key_index, batch_size, max_dim, num_rows, opt, num_lookups,
-                                    pieces=functools.partial(_cuda_pieces, fewest_lanes=fewest) if cuda else None,
+                                    pieces=functools.partial(_cuda_pieces, lanes=lanes) if cuda else None,
                                     planner=functools.partial(_cuda_plan, singles=singles,
                                                               zeros_into=out if zeros else None) if cuda else None)
 
