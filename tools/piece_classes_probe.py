@@ -7,31 +7,18 @@ piece kernel at its own fewest lanes and at mixed's 8, dense backward, path piec
 import torch
 
 import recom_rec.kernels.pooled_cuda as pooled_cuda
+from profile_step import kernel_times
 from recom_rec.bench.peers import make_peer
 from recom_rec.bench.workloads import Workload, get_workload
 from recom_rec.kernels.pooled_cuda import BACKWARD_PATH_TUNER
 
 
-def kernel_us(fn, steps=5):
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        out[e.key] = out.get(e.key, 0) + us / steps
-    return out
-
-
 def main():
     dev = torch.device("cuda")
     w = get_workload("mixed", False)
-    lanes_of = [1 if d <= 16 else 2 if d <= 32 else 4 if d <= 64 else 8 for d in w.dims]
-    BACKWARD_PATH_TUNER.force("pieces/fewest lanes")
     real = pooled_cuda.fewest_piece_lanes
+    lanes_of = [real(d) for d in w.dims]
+    BACKWARD_PATH_TUNER.force("pieces/fewest lanes")
     for cls in (1, 2, 4, 8, None):
         idx = [i for i, g in enumerate(lanes_of) if cls is None or g == cls]
         sub = Workload(f"mixed-G{cls}", [w.rows[i] for i in idx], [w.dims[i] for i in idx], w.batch_size,
@@ -44,9 +31,9 @@ def main():
             step = lambda: peer.train_step(kjt, grad)  # noqa: E731
             for _ in range(3):
                 step()
-            ks = kernel_us(step)
-            piece = sum(v for k, v in ks.items() if "piece_kernel" in k)
-            total = sum(ks.values())
+            ks = kernel_times(step)
+            piece = sum(us for k, (us, _) in ks.items() if "piece_kernel" in k)
+            total = sum(us for us, _ in ks.values())
             print(f"{sub.name}: {len(idx)} tables, lanes {lanes}: piece kernel {piece:8.1f} us, kernels {total:8.1f} us",
                   flush=True)
         pooled_cuda.fewest_piece_lanes = real

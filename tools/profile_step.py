@@ -39,17 +39,22 @@ def new_launch_orders(seen: set, tuner=FORWARD_ORDER_TUNER) -> str:
     return ", ".join(f"{s.num_features} features x {s.batch_size} dim {s.max_dim}: {o}" for s, o in new.items())
 
 
-def kernel_table(fn, steps: int = 5, top: int = 14) -> str:
+def kernel_times(fn, steps: int = 5) -> dict:
+    """{kernel: (us a step, calls a step)} over ``steps`` runs of ``fn`` under torch.profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    rows = []
+    times = {}
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if us > 0:
-            rows.append((us / steps, e.count // steps, e.key))
-    rows.sort(reverse=True)
+            times[e.key] = (us / steps, e.count // steps)
+    return times
+
+
+def kernel_table(fn, steps: int = 5, top: int = 14) -> str:
+    rows = sorted(((us, calls, name) for name, (us, calls) in kernel_times(fn, steps).items()), reverse=True)
     total = sum(r[0] for r in rows)
     lines = [f"    {'us/step':>9} {'calls':>5}  kernel (sum {total:.0f} us)"]
     lines += [f"    {us:9.1f} {calls:5d}  {name[:90]}" for us, calls, name in rows[:top]]
