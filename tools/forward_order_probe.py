@@ -20,7 +20,7 @@ from recom_rec.bench.peers import make_peer
 from recom_rec.bench.timing import time_interleaved
 from recom_rec.bench.workloads import get_workload
 
-L2_BYTES = 50 << 20
+L2_BYTES = 50 << 20  # an H100's L2; tables up to an eighth of it are counted as resident in it
 
 
 def capture(workload: str, dev):
