@@ -120,3 +120,62 @@ def test_cuda_host_code_compiles_against_the_installed_torch(tmp_path):
         results = list(pool.map(compile_unit, LOOKUP_SOURCES))
     failed = {name: r.stderr[-3000:] for name, r in results if r.returncode != 0}
     assert not failed, failed
+
+
+_DIVISION_CHECK = r'''
+#define RECOM_REC_KERNELS_ONLY
+#include "{source}"
+#include <cstdio>
+#include <random>
+// Every payload o = feature * B + bag is in [0, 2^31): the piece kernels' multiply-and-shift must
+// give o / B for each. Divisors: all up to 70000 (batch sizes), powers of two and their neighbours,
+// random ones up to 2^31 - 1; numerators: the edges of each quotient and random ones.
+int main() {{
+  std::mt19937_64 rng(1);
+  std::vector<uint32_t> ds;
+  for (uint32_t d = 1; d <= 70000; ++d) ds.push_back(d);
+  for (int b = 1; b < 31; ++b) for (int64_t e = -1; e <= 1; ++e) ds.push_back((uint32_t)((int64_t(1) << b) + e));
+  for (int i = 0; i < 20000; ++i) ds.push_back(1 + (uint32_t)(rng() % 0x7fffffffu));
+  ds.push_back(0x7fffffffu);
+  int64_t checked = 0;
+  for (uint32_t d : ds) {{
+    const BatchDivisor div = batch_divisor(d);
+    auto check = [&](int64_t n) {{
+      if (n < 0 || n > 0x7fffffff) return true;
+      ++checked;
+      if (div.divide((uint32_t)n) == (uint32_t)(n / d)) return true;
+      std::printf("wrong: %lld / %u gave %u\n", (long long)n, d, div.divide((uint32_t)n));
+      return false;
+    }};
+    const int64_t top = 0x7fffffff;
+    const int64_t k_top = top / d;
+    for (int64_t k : {{int64_t(0), int64_t(1), int64_t(2), k_top / 2, k_top - 1, k_top, k_top + 1}})
+      for (int64_t e = -1; e <= 1; ++e)
+        if (!check(k * d + e)) return 1;
+    for (int i = 0; i < 64; ++i)
+      if (!check((int64_t)(rng() % (uint64_t(top) + 1)))) return 1;
+    if (!check(top)) return 1;
+  }}
+  std::printf("ok %lld\n", (long long)checked);
+  return 0;
+}}
+'''
+
+
+def test_payload_division_by_the_batch_is_exact(tmp_path):
+    """The piece kernels split a lookup's payload (feature * batch + bag) by a multiply and a shift
+    (kernels.cuh: BatchDivisor); it gives the integer quotient for every payload and batch size,
+    run on the host."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed (CI machines have it)")
+    from recom_rec.native_build import LOOKUP_KERNELS, csrc_dir
+
+    cu = tmp_path / "division.cu"
+    cu.write_text(_DIVISION_CHECK.format(source=csrc_dir() / "lookup" / LOOKUP_KERNELS))
+    exe = tmp_path / "division"
+    built = subprocess.run([nvcc, "-O2", "-std=c++17", str(cu), "-o", str(exe)], capture_output=True, text=True,
+                           timeout=600)
+    assert built.returncode == 0, built.stderr
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and ran.stdout.startswith("ok"), ran.stdout + ran.stderr

@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
   const int64_t block_d = std::max<int64_t>(16, int64_t(1) << (int)std::ceil(std::log2((double)D)));
   float* partials;
   CHECK(cudaMalloc(&partials, sizeof(float) * 2 * ((n - 1) / PIECE + 1) * block_d));
-  const Payload pay{(int32_t)B, true, total_dim, dmeta, plan.bag_scale, nullptr, nullptr, nullptr};
+  const Payload pay = make_payload((int32_t)B, true, total_dim, dmeta, plan.bag_scale, nullptr, nullptr, nullptr);
   const PieceArgs args{plan.pieces, plan.split_rows, plan.long_rows, plan.counts, n, partials, block_d,
                        opt == 2 ? state : nullptr, nullptr, hyper, nullptr, dmeta, shape.G};
   PieceArgs row_args = args;

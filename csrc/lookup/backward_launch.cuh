@@ -41,8 +41,9 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
   if (most_long > 0) C10_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr<int32_t>() + 2, 0, sizeof(int32_t), stream));
   TORCH_CHECK(packed_batch >= 0 && packed_batch < (int64_t)INT32_MAX, "packed_batch out of range");
   const bool grad_vec = reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0 && grad.size(1) % 4 == 0;
-  const Payload pay{(int32_t)packed_batch, grad_vec, grad.size(1), meta.data_ptr<int64_t>(), bag_scale.data_ptr<float>(),
-                    src.data_ptr<int64_t>(), scale.data_ptr<float>(), feature.data_ptr<int32_t>()};
+  const Payload pay = make_payload((int32_t)packed_batch, grad_vec, grad.size(1), meta.data_ptr<int64_t>(),
+                                   bag_scale.data_ptr<float>(), src.data_ptr<int64_t>(), scale.data_ptr<float>(),
+                                   feature.data_ptr<int32_t>());
   const PieceArgs args{pieces.data_ptr<int64_t>(), split_rows.data_ptr<int64_t>(), long_rows.data_ptr<int64_t>(),
                        counts.data_ptr<int32_t>(), n,
                        partials.data_ptr<float>(), partial_stride,
