@@ -121,6 +121,10 @@ def main():
         text = open(args.old_source).read() if args.old_source else source_at(args.old_revision)
         if "piece_ring_bytes" not in text:  # before v21's ring: the bench launches with no shared memory
             text += "\nnamespace {\ninline size_t piece_ring_bytes(int, int) { return 0; }\n}  // namespace\n"
+        if "make_payload" not in text:  # before v36's BatchDivisor: the payload built as an aggregate
+            text += ("\nnamespace {\ninline Payload make_payload(int32_t b, bool v, int64_t t, const int64_t* m, "
+                     "const float* bs, const int64_t* s, const float* sc, const int32_t* f) {\n"
+                     "  return Payload{b, v, t, m, bs, s, sc, f};\n}\n}  // namespace\n")
         return text
 
     chosen = {name: (old(), []) if name == "old" else (VARIANTS[name][0](text), VARIANTS[name][1])
