@@ -91,7 +91,7 @@ int main(int argc, char** argv) {
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   // piece_update's shape: lanes sized by the widest row (PIECE_LANES 0, the product's), or (-1) the
   // fewest lanes that hold the row in four float4 each (its `lanes` argument): more pieces a warp.
-  const int64_t lanes = PIECE_LANES >= 0 ? PIECE_LANES : D > 16 * 32 ? 0 : group_lanes((int)((D + 15) / 16));
+  const int64_t lanes = PIECE_LANES >= 0 ? PIECE_LANES : D > 16 * 32 ? 0 : fewest_piece_lanes(D);
   const PieceShape shape = piece_shape(D, lanes, sms), rows_shape = piece_shape(D, 0, sms);  // as piece_update
   const int V = shape.V, VR = rows_shape.V;
   const int64_t block_d = std::max<int64_t>(16, int64_t(1) << (int)std::ceil(std::log2((double)D)));

@@ -125,6 +125,9 @@ def main():
             text += ("\nnamespace {\ninline Payload make_payload(int32_t b, bool v, int64_t t, const int64_t* m, "
                      "const float* bs, const int64_t* s, const float* sc, const int32_t* f) {\n"
                      "  return Payload{b, v, t, m, bs, s, sc, f};\n}\n}  // namespace\n")
+        if "fewest_piece_lanes" not in text:  # before v37: the bench's lanes spelled out
+            text += ("\nnamespace {\ninline int fewest_piece_lanes(int64_t dim) { return group_lanes((int)((dim + 15) / 16)); "
+                     "}\n}  // namespace\n")
         return text
 
     chosen = {name: (old(), []) if name == "old" else (VARIANTS[name][0](text), VARIANTS[name][1])

@@ -29,7 +29,7 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
   // `lanes` shapes the piece kernel only: the split and long rows take the widest row's lanes
   // whatever it is, so which rows are long and how their partials are grouped (hence the bits) do
   // not depend on it (the pieces' partial sums are stored by column, readable by any lanes).
-  const int64_t top = by_width ? group_lanes((int)((max_dim + 15) / 16)) : lanes;  // by width: the widest class
+  const int64_t top = by_width ? fewest_piece_lanes(max_dim) : lanes;  // by width: the widest class
   const PieceShape shape = piece_shape(max_dim, top, sms), rows = piece_shape(max_dim, 0, sms);
   const bool four = shape.V == 4, eight = shape.V == 8, rows_four = rows.V == 4, rows_eight = rows.V == 8;
   TORCH_CHECK(counts.numel() >= 3, "piece_update takes plan_backward's three counts");
@@ -82,8 +82,8 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
         auto info = at::empty({2 * classes}, counts.options());  // each class's size, then where its list begins
         int32_t* cc = info.data_ptr<int32_t>();
         piece_class_count_kernel<<<blocks, CLASS_THREADS, 0, stream>>>(
-            pieces.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), order.data_ptr<int32_t>(), pay,
-            meta.data_ptr<int64_t>(), classes, cls.data_ptr<uint8_t>(), block_counts.data_ptr<int32_t>());
+            pieces.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), order.data_ptr<int32_t>(), pay, classes,
+            cls.data_ptr<uint8_t>(), block_counts.data_ptr<int32_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         piece_class_scan_kernel<<<1, CLASS_SCAN_THREADS, 0, stream>>>(block_counts.data_ptr<int32_t>(), blocks,
                                                                      classes, cc);

@@ -89,6 +89,10 @@ __host__ __device__ __forceinline__ int group_lanes(int chunks) {
   return g;
 }
 
+// The fewest lanes a piece of a row `dim` wide takes at four 16-byte chunks a lane: the lane class
+// of the "lanes by width" paths (class c: 1 << c lanes), in the partition kernel and its launch.
+__host__ __device__ __forceinline__ int fewest_piece_lanes(int64_t dim) { return group_lanes((int)((dim + 15) / 16)); }
+
 // A feature's rows can be read 4 wide when every address it touches is 16-byte aligned
 // (8-byte for two-byte types): dim, table base and output column multiples of 4.
 __device__ __forceinline__ bool vec_ok(int64_t dim, int64_t base, int64_t col, int64_t total_dim) {
@@ -907,7 +911,7 @@ __device__ __forceinline__ void class_share(int64_t num, int64_t& lo, int64_t& h
 // mixed (v35), where both partition kernels are bound by their bytes.
 __global__ void __launch_bounds__(CLASS_THREADS) piece_class_count_kernel(
     const int64_t* __restrict__ pieces, const int32_t* __restrict__ counts, const int32_t* __restrict__ order,
-    Payload pay, const int64_t* __restrict__ meta, int classes, uint8_t* __restrict__ cls,
+    Payload pay, int classes, uint8_t* __restrict__ cls,
     int32_t* __restrict__ block_counts) {
   __shared__ int32_t tally[MAX_LANE_CLASSES];
   if (threadIdx.x < MAX_LANE_CLASSES) tally[threadIdx.x] = 0;
@@ -929,8 +933,8 @@ __global__ void __launch_bounds__(CLASS_THREADS) piece_class_count_kernel(
       const int64_t r = t0 + i * CLASS_THREADS + threadIdx.x;
       int c = classes;
       if (start[i] >= 0) {
-        const int64_t dim = __ldg(meta + (int64_t)pay.feature_of(o[i]) * META_W);
-        c = min(classes - 1, __ffs(group_lanes((int)((dim + 15) / 16))) - 1);
+        const int64_t dim = __ldg(pay.meta + (int64_t)pay.feature_of(o[i]) * META_W);
+        c = min(classes - 1, __ffs(fewest_piece_lanes(dim)) - 1);
         cls[r] = (uint8_t)c;
       }
       const unsigned peers = __match_any_sync(0xffffffffu, c);
