@@ -125,8 +125,9 @@ def forward_args(values, offsets, per_sample_weights, feature_meta, key_index):
     if offsets.dtype != values.dtype:
         offsets = offsets.to(values.dtype)
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
-    return (values.contiguous(), offsets.contiguous(), psw, feature_meta.contiguous(),
-            key_index.to(torch.int64).contiguous())
+    if key_index.dtype != torch.int64:  # the module's own routing is int64 already: no op to dispatch
+        key_index = key_index.to(torch.int64)
+    return (values.contiguous(), offsets.contiguous(), psw, feature_meta.contiguous(), key_index.contiguous())
 
 
 def forward_launch(flat, values, offsets, psw, feature_meta, key_index, batch_size, total_dim, max_dim, launch,
