@@ -43,15 +43,12 @@ def main():
             spread = f" (min of {args.repeat} medians; their median {statistics.median(medians):.1f})" \
                 if args.repeat > 1 else ""
             print(f"== {name} {peer_name}: no-grad forward, host {min(medians):.1f} us a call{spread}", flush=True)
-            if args.host_only:
-                del peer
-                torch.cuda.empty_cache()
-                continue
-            print(kernel_table(forward), flush=True)
-            if args.trace:
-                idle_trace(forward, f"{args.trace}-{name}-{peer_name}.json", calls=5)
-            if peer_name == "recom_rec":
-                print(host_profile(forward, steps=100, top=40), flush=True)
+            if not args.host_only:
+                print(kernel_table(forward), flush=True)
+                if args.trace:
+                    idle_trace(forward, f"{args.trace}-{name}-{peer_name}.json", calls=5)
+                if peer_name == "recom_rec":
+                    print(host_profile(forward, steps=100, top=40), flush=True)
             del peer
             torch.cuda.empty_cache()
 

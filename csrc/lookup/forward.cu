@@ -26,8 +26,8 @@ at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, cons
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
   TORCH_CHECK(claim.has_value() == report.has_value(), "the input check takes both claim and report");
-  // The report's pinning is input_check.KernelReport's to guarantee (it allocates the words pinned
-  // and checks so once): is_pinned() here cost a cudaPointerGetAttributes every call (perf-notes v38).
+  // The report's pinning is input_check.KernelReport's to guarantee (it allocates the words
+  // pinned): is_pinned() here cost a cudaPointerGetAttributes every call (perf-notes v38).
   TORCH_CHECK(!report.has_value() || (report->device().is_cpu() && report->scalar_type() == at::kLong &&
                                       claim->is_cuda() && claim->scalar_type() == at::kInt),
               "the input check's report is pinned int64 host memory, its claim an int32 device word");

@@ -125,9 +125,13 @@ def forward_args(values, offsets, per_sample_weights, feature_meta, key_index):
     if offsets.dtype != values.dtype:
         offsets = offsets.to(values.dtype)
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
-    if key_index.dtype != torch.int64:  # the module's own routing is int64 already: no op to dispatch
-        key_index = key_index.to(torch.int64)
-    return (values.contiguous(), offsets.contiguous(), psw, feature_meta.contiguous(), key_index.contiguous())
+    return (values.contiguous(), offsets.contiguous(), psw, feature_meta.contiguous(), _int64_keys(key_index))
+
+
+def _int64_keys(key_index):
+    """The keys as the kernels take them: the module's own routing is int64 already (no op to
+    dispatch on the hot path then)."""
+    return key_index.contiguous() if key_index.dtype == torch.int64 else key_index.to(torch.int64).contiguous()
 
 
 def forward_launch(flat, values, offsets, psw, feature_meta, key_index, batch_size, total_dim, max_dim, launch,
@@ -167,7 +171,7 @@ def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, bat
     (the plan's last item: the batch size it is packed with, or 0 when it carries indices).
     ``zeros_into``: the dense backward's gradient buffer (uninitialised), which gets its zeros
     here, outside the rows the lookups touch (the pieces then write those)."""
-    key_index = key_index.to(torch.int64).contiguous()
+    key_index = _int64_keys(key_index)
     positional, feature_base, n = pooled_triton.lookup_bases(offsets, key_index, batch_size, num_lookups,
                                                              values.numel())
     if offsets.dtype != values.dtype:
