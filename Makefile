@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine (Python 3.11, pip, gcc):
 #   make demo   - DLRM on synthetic Criteo-shaped data, torchrec's EBC vs ours, side by side
-#   make test   - the whole test suite (Triton kernels under TRITON_INTERPRET=1)
+#   make test   - the test suite (Triton kernels under TRITON_INTERPRET=1), minutes-long checks left out
+#   make test-slow - those long checks: the sm_90 compile of every kernel variant, the nvcc builds, ...
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -8,7 +9,7 @@ STAMP   := $(VENV)/.installed-v1
 BUILT   := $(VENV)/.built
 PYTEST_ARGS ?=
 
-.PHONY: demo test install redis clean
+.PHONY: demo test test-slow install redis clean
 
 $(STAMP): requirements-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -39,6 +40,10 @@ redis:
 
 test: $(BUILT) redis
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q tests $(PYTEST_ARGS)
+
+# The checks marked `slow` (pytest.ini): `-m slow` here overrides the `-m "not slow"` there.
+test-slow: $(BUILT) redis
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m slow tests $(PYTEST_ARGS)
 
 demo: $(BUILT)
 	$(VPY) examples/dlrm_demo.py

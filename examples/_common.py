@@ -8,7 +8,7 @@ import torch
 from torchmetrics.functional.classification import binary_auroc
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+SAMPLE_DATA = REPO / "tests" / "data"
 
 
 def take_split(batches: Iterable, max_batches: int, eval_batches: int) -> Tuple[List, List]:

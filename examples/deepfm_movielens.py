@@ -8,7 +8,7 @@ label is "rating >= 4". The tables train with Adagrad fused into the backward
 (enable_fused_optimizer), the dense layers with torch's Adagrad; held-out loss and AUC
 (torchmetrics) are plotted to a PNG in --out.
 
-    python examples/deepfm_movielens.py                        # the CSV sample in ../shared/data
+    python examples/deepfm_movielens.py                        # the CSV sample in tests/data
     python examples/deepfm_movielens.py --data ml-1m --steps 3000 --batch-size 1024 --device cuda
 """
 import argparse

@@ -13,7 +13,7 @@ restored model gives the same held-out loss, and that one more training step fro
 and from the restored model gives the same loss again.
 
     python examples/dlrm_criteo.py                                # synthetic, ~1 min on a 2-core CPU
-    python examples/dlrm_criteo.py --data ../shared/data/criteo_sample.csv --batch-size 32
+    python examples/dlrm_criteo.py --data tests/data/criteo_sample.csv --batch-size 32
     python examples/dlrm_criteo.py --data day_0.gz --max-rows 1000000 --device cuda --steps 5000
     python examples/dlrm_criteo.py --ps memory://criteo       # large tables in the parameter-server tier
     python examples/dlrm_criteo.py --ps redis://127.0.0.1:6379/0?prefix=dlrm --max-rows 10000000

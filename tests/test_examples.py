@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
+SAMPLE_DATA = ROOT / "tests" / "data"
 
 
 def _run(script, *args):
@@ -20,9 +20,9 @@ def _run(script, *args):
 
 
 def _sample(name):
-    path = SHARED_DATA / name
+    path = SAMPLE_DATA / name
     if not path.exists():
-        pytest.fail(f"shared sample {path} is missing: the example tests need <repo>/../shared/data/{name}")
+        pytest.fail(f"sample {path} is missing from the checkout (tests/data/README.md lists the samples)")
     return path
 
 

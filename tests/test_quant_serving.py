@@ -130,6 +130,7 @@ _RUN_PACKAGE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_aot_inductor_package_runs_in_a_fresh_process(tmp_path):
     model = recom_rec.quantize(_trained_dlrm(True), torch.qint8)

@@ -8,6 +8,7 @@ every interpreted test and still fail to compile for the GPU; this check closes 
 """
 import argparse
 import itertools
+import multiprocessing
 import os
 import sys
 
@@ -87,21 +88,17 @@ def _integers_one(signature):
     return {name: 1 for name, kind in signature.items() if kind in ("i32", "i64")}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
-    args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
-        return 2
+def _compile_share(arch: int, worker: int, workers: int):
+    """Compiles every ``workers``-th variant, starting at ``worker``; returns (count, failure lines)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    target = GPUTarget("cuda", args.arch, 32)
-    failures = 0
-    count = 0
-    for kernel, signature, constexprs, options in _variants():
+    target = GPUTarget("cuda", arch, 32)
+    count, failures = 0, []
+    for i, (kernel, signature, constexprs, options) in enumerate(_variants()):
+        if i % workers != worker:
+            continue
         aligned = _aligned_pointers(kernel, signature)
         # The specialisations a launch makes: pointers of unknown alignment, (the usual case, which
         # takes other paths through the layout passes) every pointer 16-byte aligned, and integer
@@ -114,10 +111,27 @@ def main(argv=None) -> int:
                 triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                                target=target, options=options)
             except Exception as e:  # noqa: BLE001 - report every failing variant
-                failures += 1
-                print(f"FAILED {kernel.__name__} {constexprs} {name}: {str(e).splitlines()[0][:300]}",
-                      file=sys.stderr)
-    print(f"compiled {count - failures}/{count} kernel variants for sm_{args.arch}")
+                failures.append(f"FAILED {kernel.__name__} {constexprs} {name}: {str(e).splitlines()[0][:300]}")
+    return count, failures
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes (default: one a core)")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
+        return 2
+    # ~1,700 compiles of a few hundred ms each, independent: one process a core.
+    jobs = max(1, args.jobs)
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        shares = pool.starmap(_compile_share, [(args.arch, w, jobs) for w in range(jobs)])
+    count = sum(c for c, _ in shares)
+    failures = [line for _, lines in shares for line in lines]
+    for line in failures:
+        print(line, file=sys.stderr)
+    print(f"compiled {count - len(failures)}/{count} kernel variants for sm_{args.arch}")
     return 1 if failures else 0
 
 

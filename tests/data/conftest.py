@@ -1,19 +1,18 @@
-"""Fixtures locating the shared sample data: `<repo>/../shared/data` (CI clones the repo with
-`../shared` beside it). A missing sample fails the test, so a broken checkout is never
+"""Fixtures locating the sample data shipped beside these tests (README.md here says where they
+come from and their licence). A missing sample fails the test, so a broken checkout is never
 mistaken for a passing suite."""
 from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
+SAMPLE_DATA = Path(__file__).resolve().parent
 
 
-def _shared_file(name: str) -> Path:
-    path = SHARED_DATA / name
+def _sample_file(name: str) -> Path:
+    path = SAMPLE_DATA / name
     if not path.is_file():
         pytest.fail(
-            f"sample data file {path.resolve()} is missing: the tests expect the shared data "
-            f"directory beside the repository (<repo>/../shared/data, see its README.md)",
+            f"sample data file {path} is missing from the checkout (tests/data/README.md lists the samples)",
             pytrace=False,
         )
     return path
@@ -21,9 +20,9 @@ def _shared_file(name: str) -> Path:
 
 @pytest.fixture
 def criteo_sample() -> Path:
-    return _shared_file("criteo_sample.csv")
+    return _sample_file("criteo_sample.csv")
 
 
 @pytest.fixture
 def movielens_sample() -> Path:
-    return _shared_file("movielens_sample.csv")
+    return _sample_file("movielens_sample.csv")
