@@ -6,6 +6,8 @@
 
 #include "ps_host.h"
 
+#include <errno.h>
+#include <poll.h>
 #include <stddef.h>
 #include <time.h>
 
@@ -13,6 +15,20 @@ typedef struct {
     char *data;
     size_t len, cap, off; /* off: the first byte not yet sent (out) or parsed (in) */
 } Buf;
+
+/* Whether `fd` is ready for `events` (POLLIN / POLLOUT) before `deadline` (ps_now() seconds). Here,
+ * not in ps_resp.c, because the connection (ps_resp.c) and the TLS handshake (ps_tls.c) both wait. */
+static inline int ps_wait_fd(int fd, short events, double deadline) {
+    for (;;) {
+        int ms = (int)((deadline - ps_now()) * 1000.0);
+        if (ms < 0) return 0;
+        struct pollfd p = {fd, events, 0};
+        int r = poll(&p, 1, ms);
+        if (r > 0) return 1;
+        if (r == 0) return 0;
+        if (errno != EINTR) return 0;
+    }
+}
 
 int buf_reserve(Buf *b, size_t extra);
 void buf_release(Buf *b);
@@ -51,8 +67,6 @@ typedef struct {
 int conn_open(Conn *c, const char *host, int port, const char *path, const TlsConfig *tls, double timeout,
               char *err, size_t errlen);
 void conn_close(Conn *c);
-/* Whether `fd` is ready for `events` (POLLIN / POLLOUT) before `deadline` (ps_now() seconds). */
-int conn_wait_fd(int fd, short events, double deadline);
 long conn_flush(Conn *c, char *err, size_t errlen);
 long conn_fill(Conn *c, char *err, size_t errlen);
 short conn_events(const Conn *c);

@@ -140,18 +140,6 @@ void conn_close(Conn *c) {
     c->in.len = c->in.off = 0;
 }
 
-int conn_wait_fd(int fd, short events, double deadline) {
-    for (;;) {
-        int ms = (int)((deadline - ps_now()) * 1000.0);
-        if (ms < 0) return 0;
-        struct pollfd p = {fd, events, 0};
-        int r = poll(&p, 1, ms);
-        if (r > 0) return 1;
-        if (r == 0) return 0;
-        if (errno != EINTR) return 0;
-    }
-}
-
 /* A non-blocking socket connected to `host`:`port` (or the unix socket `path`) within `timeout`
  * seconds; -1 with `err` set. */
 static int dial(const char *host, int port, const char *path, double timeout, char *err, size_t errlen) {
@@ -192,7 +180,7 @@ static int dial(const char *host, int port, const char *path, double timeout, ch
         if (fd < 0) continue;
         int r = connect(fd, a->ai_addr, a->ai_addrlen);
         if (r != 0 && errno == EINPROGRESS) {
-            if (conn_wait_fd(fd, POLLOUT, deadline)) {
+            if (ps_wait_fd(fd, POLLOUT, deadline)) {
                 int soerr = 0;
                 socklen_t sl = sizeof(soerr);
                 getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);

@@ -140,7 +140,7 @@ Tls *ps_tls_connect(const TlsConfig *cfg, int fd, const char *host, double timeo
             ssl_error("handshake", err, errlen);
             goto fail;
         }
-        if (!conn_wait_fd(fd, (short)(e == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT), deadline)) {
+        if (!ps_wait_fd(fd, (short)(e == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT), deadline)) {
             snprintf(err, errlen, "TLS handshake: timed out");
             goto fail;
         }

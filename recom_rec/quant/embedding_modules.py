@@ -22,6 +22,7 @@ from ..ops.backends import check_backend
 from ..ops.input_check import check_reported
 from ..ops.layout import POOLING_MEAN, POOLING_SUM
 from ..ops.quantized_lookup import OUTPUT_DTYPES, quantized_lookup
+from .from_float import quantized_module_args
 from .layout import QuantTableSlot, buffer_bytes, pack_quant_tables, quant_feature_meta
 from .rows import DEFAULT_ROW_ALIGNMENT, SCALE_BIAS_BYTES, RowType, check_dim, data_bytes, pack_rows, row_type
 
@@ -210,8 +211,6 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         carrying a ``qconfig`` (torchrec's ``QuantConfig``: weight dtype, per-table weight dtypes,
         activation dtype = output dtype), row by row with fbgemm's quantizers; ``kwargs`` go to the
         constructor (``backend``, ``validate_inputs``)."""
-        from .convert import quantized_module_args
-
         return cls(**quantized_module_args(module), **kwargs)
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:

@@ -58,7 +58,7 @@ from redis.retry import Retry
 from .. import host_lib
 from .base import RowStore, StoreError, StoreUnavailable, scrub_secrets
 from .redis_native import NativeClient, NativeTable
-from .registry import join_url, redact_url
+from .urls import join_url, redact_url
 
 #: Keys per DEL command.
 CHUNK = 4096
