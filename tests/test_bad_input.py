@@ -211,15 +211,30 @@ def test_report_slots_stay_bounded(monkeypatch):
     from recom_rec.ops import input_check
 
     monkeypatch.setattr(input_check, "MAX_REPORTS", 8)
-    monkeypatch.setattr(input_check, "_REPORTS", {})
+    monkeypatch.setattr(input_check, "_SLOTS", {})
     flats = [torch.zeros(4, device=DEVICE) for _ in range(20)]
-    pending = input_check.kernel_report(flats[0], "x")
+    pending = input_check.kernel_report(flats[0], "x", report_id=1)
     pending.words[0] = input_check.REPORT_TOTAL
-    for flat in flats[1:]:
-        input_check.kernel_report(flat, "x")
-        assert len(input_check._REPORTS) <= 8
-    assert any(r is pending for r in input_check._REPORTS.values())
+    for i, flat in enumerate(flats[1:]):
+        input_check.kernel_report(flat, "x", report_id=2 + i)
+        assert sum(map(len, input_check._SLOTS.values())) <= 8
+    assert input_check.pending_report_count() == 1
     pending.words[0] = 0
+
+
+@pytest.mark.parametrize("field, value", [("num_embeddings", 0), ("num_embeddings", -3), ("embedding_dim", 0),
+                                          ("embedding_dim", -1)])
+@pytest.mark.parametrize("module", ["float", "quantized"])
+def test_a_table_without_rows_or_columns_is_refused_at_construction(module, field, value):
+    """torchrec's modules accept embedding_dim=0 and divide by num_embeddings=0 (when the config
+    computes its init range): ours name the table. (Init bounds given, so the config builds.)"""
+    config = EmbeddingBagConfig(name="empty", feature_names=["f"], weight_init_min=-0.1, weight_init_max=0.1,
+                                **{"embedding_dim": 4, "num_embeddings": 10, field: value})
+    build = {"float": lambda: recom_rec.EmbeddingBagCollection([config], device=DEVICE),
+             "quantized": lambda: recom_rec.quant.EmbeddingBagCollection([config], is_weighted=False,
+                                                                         device=DEVICE)}[module]
+    with pytest.raises(ValueError, match=rf"table 'empty': {field} must be an integer >= 1, got {value}"):
+        build()
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU (RECOM_TEST_DEVICE=cuda)")

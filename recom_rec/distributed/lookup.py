@@ -87,6 +87,13 @@ def _fused_key(fp: Optional[Dict[str, Any]]) -> str:
     return "" if o is None else f"{o[0]}:{sorted(o[1].items())}"
 
 
+class _RankShards(EmbeddingBagCollection):
+    """A rank's shards of one kernel kind: a row-wise shard of a table with fewer rows than ranks
+    holds none."""
+
+    _allows_empty_tables = True
+
+
 class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.Tensor]):
     """A drop-in for torchrec's ``GroupedPooledEmbeddingsLookup`` backed by
     ``recom_rec.EmbeddingBagCollection``.
@@ -173,8 +180,8 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
                 for j in range(len(t.feature_names)):
                     col_sources.extend(range(out_start[i] + j * t.local_cols,
                                              out_start[i] + (j + 1) * t.local_cols))
-            module = EmbeddingBagCollection(configs, is_weighted=self._is_weighted, device=device,
-                                            backend=backend, validate_inputs=False, ps=ps or None)
+            module = _RankShards(configs, is_weighted=self._is_weighted, device=device,
+                                 backend=backend, validate_inputs=False, ps=ps or None)
             fuses = kernel == str(EmbeddingComputeKernel.FUSED) or in_ps
             opt = optimizer_from_fused_params(fused[members[0]]) if fuses else None
             if opt is not None:

@@ -36,11 +36,12 @@ from ..ops.layout import (
     pack_tables,
     table_runs,
 )
+from ..ops.input_check import new_report_id
 from ..ops.plan import FusedStep, GroupPlan, LookupPlan, group_states
-from ..ops.input_check import check_reported
 from ..ops.validation import encode_names
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import FusedOptimizerSpec, spec_from_optimizer
+from .table_size import check_table_size
 from .table_weight import FlatLink, TableEmbeddingBag
 
 try:  # torchrec >= 1.7 accepts a TensorDict as input
@@ -257,7 +258,7 @@ def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], wei
             fused.kind if fused is not None else -1, states[0], states[1],
             fused.state1_is_row if fused is not None else False,
             fused.hyper if fused is not None else None, fused.step if fused is not None else None,
-            values.numel() if reads_each_key_once else -1, group.num_rows,
+            values.numel() if reads_each_key_once else -1, group.num_rows, plan.report_id,
         ))
     return _concat_groups(outs, output_columns)
 
@@ -319,6 +320,7 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
     __jit_unused_properties__ = ["fused_optimizer", "backend", "validate_inputs"]
     __jit_ignored_attributes__ = ["_table_parameters"]  # the eager lookup's, Python-side only
     _plan: LookupPlan
+    _allows_empty_tables = False  # (a sharded lookup's shards may hold no rows: distributed/lookup.py)
 
     def __init__(
         self,
@@ -351,6 +353,7 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
             seen.add(config.name)
             pooling_type_to_str(config.pooling)  # raises torchrec's error for unsupported pooling
             _table_dtype(config)
+            check_table_size(config, allow_empty=self._allows_empty_tables)
             if not config.feature_names:
                 config.feature_names = [config.name]
             self._lengths_per_embedding.extend(len(config.feature_names) * [config.embedding_dim])
@@ -373,7 +376,7 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
             self._groups = self._plan_groups(layout_tables)
             self._build_storage(device)
         self._plan = LookupPlan([g.plan() for g in self._groups], is_weighted, check_backend(backend),
-                                validate_inputs)
+                                validate_inputs, new_report_id(self))
         self._fused_spec: Optional[FusedOptimizerSpec] = None
         self._fused_optimizer: Optional[FusedEmbeddingOptimizer] = None
         self._seen_in_backward = None
@@ -589,7 +592,12 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
             new.__dict__[key] = copy.deepcopy(value, memo)
         new._hold_table_parameters()
         new._repack_flat_buffers()
+        new._plan = new._plan._replace(report_id=new_report_id(new))
         return new
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._plan = self._plan._replace(report_id=new_report_id(self))  # a module unpickled twice is two modules
 
     # ----------------------------------------------------------------------------- torchrec API
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -687,11 +695,13 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
     def validate_inputs(self, value: bool) -> None:
         self._plan = self._plan._replace(validate=bool(value))
 
+    @torch.jit.export
     def check_inputs(self) -> None:
-        """Waits for the kernels queued on this module's device and raises the input error they
-        reported (see ``validate_inputs``), if any: the synchronous form of the GPU check, for the
-        end of a run or for debugging a data pipeline batch by batch."""
-        check_reported(self._flat(self._groups[0]).device if self._groups else None)
+        """Waits for the kernels this thread queued for this module and raises the input error
+        they reported (see ``validate_inputs``), if any: the synchronous form of the GPU check, for
+        a request handler, the end of a run or debugging a data pipeline batch by batch. Other
+        modules' and other threads' reports stay theirs."""
+        torch.ops.recom_rec.check_input_reports(self._plan.report_id)
 
     # ----------------------------------------------------------------------------- fused training
     def enable_fused_optimizer(self, optimizer: Any, **kwargs: Any) -> FusedEmbeddingOptimizer:

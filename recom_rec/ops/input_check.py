@@ -6,14 +6,23 @@ Every kernel that reads a KJT keeps its reads in bounds whatever the batch holds
 range leaves the values reads nothing. The forward kernels also report the first bad lookup they
 meet: its kind, feature, batch index and values go to a few words of pinned host memory, which the
 kernels write directly (mapped memory: no copy, no sync). The host reads the first word on the
-group's next call and raises the ``ValueError`` the synchronous check (ops/validation.py) would
+module's next call and raises the ``ValueError`` the synchronous check (ops/validation.py) would
 have raised, one batch late; ``check_reported()`` (``EmbeddingBagCollection.check_inputs()``)
 waits for the kernels queued so far and raises at once.
 
-A report is kept per group (its weight buffer's address on its device) and per names
-(validation.encode_names: the KJT's keys and each feature's table), so its feature index always
-decodes to the right names and one module's bad batch is raised by that module.
+Reports belong to the call that made them. A slot is kept per module (``report_id``, drawn at
+random for each module, its copies included, so that a module freed and another built at its
+address never share one), per thread, per CUDA stream, per group (its weight buffer) and per
+names (validation.encode_names: the KJT's keys and each feature's table, so that the feature index
+decodes to the right names). A module's next call in the same thread raises what that thread's
+earlier calls of it reported; ``check_reported(report_id)`` waits for the streams of the calling
+thread's slots of that module only. A bad batch of model A is never raised by model B, nor by
+another thread's calls of A.
 """
+import itertools
+import secrets
+import threading
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -25,69 +34,144 @@ REPORT_ID, REPORT_BAG, REPORT_TOTAL = 1, 2, 3
 
 
 class KernelReport:
-    """Where one group's kernels on one device report: ``claim``, an int32 device word the first
+    """Where one group's kernels on one stream report: ``claim``, an int32 device word the first
     bad lookup takes (so the report is one lookup's), and ``words``, REPORT_WORDS int64 in pinned
     host memory (plain host memory when the kernels run in Triton's CPU interpreter)."""
 
-    __slots__ = ("claim", "words", "_view")
+    __slots__ = ("claim", "words", "names", "stream", "_view")
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, names: str):
         self.claim = torch.zeros(1, dtype=torch.int32, device=device)
         # The kernels write these words through their device address, so they are pinned; the
         # extension relies on that rather than checking each launch.
         self.words = torch.zeros(REPORT_WORDS, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.names = names
+        # the stream the group's kernels report from: waiting for it (not the device) waits for them only
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self._view = self.words.numpy()  # read without torch's dispatch: a few hundred ns a call
 
     def pending(self) -> bool:
         return bool(self._view[0])
 
+    def wait(self) -> None:
+        """Waits for the kernels queued so far on the slot's stream (the ones that may write it)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
     def take(self) -> Tuple[int, ...]:
         """The report, after the kernels that may still write it have finished; clears it."""
-        if self.claim.is_cuda:
-            torch.cuda.synchronize(self.claim.device)
+        self.wait()
         report = tuple(int(w) for w in self._view)
         self._view[:] = 0
         self.claim.zero_()
         return report
 
 
-_REPORTS: Dict[Tuple[torch.device, int, str], KernelReport] = {}
-# Slots of freed modules cannot be told apart (the key is an address): past this many, the oldest
-# half of those without a pending report is dropped (a live group's slot is made again on its
-# next call).
+_SlotKey = Tuple[torch.device, int, str, int]  # device, weight buffer address, names, stream
+# (thread, module) -> that thread's slots of that module's groups
+_SLOTS: Dict[Tuple[int, int], Dict[_SlotKey, KernelReport]] = {}
+_LOCK = threading.Lock()
+_THREAD = threading.local()
+_THREAD_TOKENS = itertools.count(1)  # a thread's token, unlike its ident, is never reused
+# Slots of threads that have ended are not seen go: past this many slots, the oldest half of those
+# without a pending report is dropped (a live group's slot is made again on its next call).
 MAX_REPORTS = 4096
 
 
-def kernel_report(flat: torch.Tensor, names: str) -> Optional[KernelReport]:
-    """The report slot of the group whose weights are ``flat``, for its next launch. Raises first
-    the error its kernels reported for an earlier batch. None while a CUDA graph is being captured
-    and the slot does not exist yet (its allocation would be captured): that launch clamps without
+def new_report_id(owner: object) -> int:
+    """A report id for a new module (or a copy of one): random 63 bits, so that ids are not reused
+    within a process nor shared with a module saved by another process (TorchScript, export). The
+    module's slots are dropped with it."""
+    report_id = secrets.randbits(63) or 1
+    weakref.finalize(owner, forget_reports, report_id)
+    return report_id
+
+
+def forget_reports(report_id: int) -> None:
+    with _LOCK:
+        for key in [k for k in _SLOTS if k[1] == report_id]:
+            del _SLOTS[key]
+
+
+def _thread_token() -> int:
+    token = getattr(_THREAD, "token", 0)
+    if not token:
+        token = _THREAD.token = next(_THREAD_TOKENS)
+    return token
+
+
+def _stream_key(device: torch.device) -> int:
+    # the raw stream handle: a few hundred ns, where torch.cuda.current_stream() costs microseconds
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
+                                               torch.cuda.current_device()) if device.type == "cuda" else 0
+
+
+def kernel_report(flat: torch.Tensor, names: str, report_id: int) -> Optional[KernelReport]:
+    """The report slot of module ``report_id``'s group whose weights are ``flat``, for its next
+    launch from this thread on the current stream. Raises first the error the module's kernels
+    reported for an earlier batch of this thread. None while a CUDA graph is being captured and
+    the slot does not exist yet (its allocation would be captured): that launch clamps without
     reporting."""
     device = flat.device
-    key = (device, flat.data_ptr(), names)
-    report = _REPORTS.get(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    slots = _SLOTS.get((_thread_token(), report_id))
+    if slots is not None and not capturing:
+        for report in tuple(slots.values()):  # (a copy: another thread may drop idle slots meanwhile)
+            if report.pending():
+                raise _error(report.take(), report.names)
+    key = (device, flat.data_ptr(), names, _stream_key(device))
+    report = slots.get(key) if slots is not None else None
     if report is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing:
             return None
-        if len(_REPORTS) >= MAX_REPORTS:
-            idle = [k for k, r in _REPORTS.items() if not r.pending()]
-            for k in idle[:len(idle) // 2 + 1]:
-                del _REPORTS[k]
-        report = _REPORTS[key] = KernelReport(device)
-    elif report.pending() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        raise _error(report.take(), names)
+        report = KernelReport(device, names)
+        with _LOCK:
+            if sum(map(len, _SLOTS.values())) >= MAX_REPORTS:
+                _drop_idle_half()
+            _SLOTS.setdefault((_thread_token(), report_id), {})[key] = report
     return report
 
 
-def check_reported(device: Optional[torch.device] = None) -> None:
-    """Waits for the kernels queued so far (on ``device``, or every device that has a report) and
-    raises the input error they reported, if any."""
-    reports = [(key, r) for key, r in list(_REPORTS.items()) if device is None or key[0] == device]
-    for dev in {key[0] for key, _ in reports if key[0].type == "cuda"}:
-        torch.cuda.synchronize(dev)
-    for key, report in reports:
+def _drop_idle_half() -> None:
+    idle = [(owner, key) for owner, slots in _SLOTS.items() for key, r in slots.items() if not r.pending()]
+    for owner, key in idle[:len(idle) // 2 + 1]:
+        slots = _SLOTS[owner]
+        del slots[key]
+        if not slots:
+            del _SLOTS[owner]
+
+
+def check_reported(report_id: int) -> None:
+    """Waits for the kernels this thread has queued for module ``report_id`` (on their streams)
+    and raises the input error they reported, if any."""
+    slots = _SLOTS.get((_thread_token(), report_id))
+    if not slots:
+        return
+    reports = tuple(slots.values())
+    for report in reports:
+        report.wait()
+    for report in reports:
         if report.pending():
-            raise _error(report.take(), key[2])
+            raise _error(report.take(), report.names)
+
+
+# ``check_reported`` as an op: what a module's ``check_inputs()`` calls, so that it runs the same
+# eager, scripted (``torch.jit.export``) and traced. Defined with conservative alias analysis: its
+# schema returns nothing, and TorchScript would drop a call it took for pure.
+_LIB = torch.library.Library("recom_rec", "FRAGMENT")
+_LIB.define("check_input_reports(int report_id) -> ()", alias_analysis="CONSERVATIVE")
+_LIB.impl("check_input_reports", check_reported, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("recom_rec::check_input_reports", lib=_LIB)
+def _(report_id):
+    return None
+
+
+def pending_report_count() -> int:
+    """How many slots hold a report not raised yet, in every thread (for tests and soaks)."""
+    with _LOCK:
+        return sum(r.pending() for slots in _SLOTS.values() for r in slots.values())
 
 
 def _error(report: Tuple[int, ...], names: str) -> ValueError:

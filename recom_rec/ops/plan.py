@@ -29,6 +29,7 @@ class LookupPlan(NamedTuple):
     is_weighted: bool
     backend: str
     validate: bool
+    report_id: int  # where the GPU kernels' input reports go (input_check.new_report_id)
 
 
 class FusedStep(NamedTuple):

@@ -90,19 +90,21 @@ def pooled_embedding_forward(
     step: Optional[Tensor],
     num_lookups: int,
     num_rows: int = -1,
+    report_id: int = 0,
 ) -> Tensor:
     """Pooled embeddings ``[batch_size, total_dim]`` (fp32) of every feature of a group.
 
     ``weights`` are the per-table parameters (views of ``flat``), passed only so autograd can
     route gradients to them; the lookup itself reads ``flat``. With ``optimizer >= 0`` (an
     ``optim.spec`` kind) the backward updates ``flat`` and the optimizer states in place instead
-    of returning gradients."""
+    of returning gradients. ``report_id`` is the module's (input_check): the GPU kernels' input
+    reports go to its slots."""
     return _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
-                         total_dim, max_dim, backend, validate, names)
+                         total_dim, max_dim, backend, validate, names, report_id)
 
 
 def _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim, max_dim,
-                  backend, validate, names):
+                  backend, validate, names, report_id):
     impl = _impl(backend, flat.device, "forward", feature_meta.shape[0], total_dim, max_dim)
     if impl is torch_backend:
         if validate:
@@ -115,7 +117,7 @@ def _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, keys,
         # The kernels check ids and bags as they read them and report without a sync
         # (input_check); the host checks what it knows without reading the batch.
         check_shapes(values, offsets, per_sample_weights, len(decode_names(names)[0]), batch_size)
-        check = kernel_report(flat, names)
+        check = kernel_report(flat, names, report_id)
     return impl.forward(flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim, max_dim,
                         check=check)
 
@@ -124,7 +126,7 @@ def _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, keys,
 @pooled_embedding_forward.register_fake
 def _(weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
       total_dim, max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step,
-      num_lookups, num_rows=-1):
+      num_lookups, num_rows=-1, report_id=0):
     return flat.new_empty((batch_size, total_dim), dtype=torch.float32)
 
 
@@ -240,7 +242,7 @@ def _(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, off
 def _setup_context(ctx, inputs, output):
     (weights, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
      total_dim, max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row,
-     hyper, step, num_lookups, num_rows) = inputs
+     hyper, step, num_lookups, num_rows, _report_id) = inputs
     ctx.num_lookups, ctx.num_rows = num_lookups, num_rows
     ctx.optimizer = optimizer
     ctx.state1_is_row = state1_is_row
@@ -326,7 +328,7 @@ def _backward(ctx, grad_output):
     # One entry per input (autograd checks the structure; the Tensor[] input gets a list).
     if grad_weights is None:
         grad_weights = [None] * len(ctx.tables)
-    return (grad_weights, None, None, None, grad_psw) + (None,) * 16
+    return (grad_weights, None, None, None, grad_psw) + (None,) * 17
 
 
 pooled_embedding_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -342,23 +344,23 @@ class _EagerLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim,
                 max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step,
-                num_lookups, num_rows, table_runs, *weights):
+                num_lookups, num_rows, report_id, table_runs, *weights):
         out = _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
-                            total_dim, max_dim, backend, validate, names)
+                            total_dim, max_dim, backend, validate, names, report_id)
         _setup_context(ctx, (list(weights), flat, values, offsets, per_sample_weights, feature_meta, key_index,
                              batch_size, total_dim, max_dim, backend, validate, names, optimizer, state1, state2,
-                             state1_is_row, hyper, step, num_lookups, num_rows), out)
+                             state1_is_row, hyper, step, num_lookups, num_rows, report_id), out)
         ctx.table_runs = table_runs
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
         # needs_input_grad is per input of forward(): the weights come last, the sample weights 4th.
-        grad_weights, grad_psw = _grads(ctx, grad_output.contiguous(), any(ctx.needs_input_grad[21:]),
+        grad_weights, grad_psw = _grads(ctx, grad_output.contiguous(), any(ctx.needs_input_grad[22:]),
                                         ctx.needs_input_grad[3], as_ops=False)
         if grad_weights is None:
             grad_weights = [None] * len(ctx.tables)
-        return (None, None, None, grad_psw) + (None,) * 17 + tuple(grad_weights)
+        return (None, None, None, grad_psw) + (None,) * 18 + tuple(grad_weights)
 
 
 _PLAIN_TYPES = frozenset((type(None), torch.Tensor, torch.nn.Parameter))
@@ -409,7 +411,7 @@ def op_arguments(flat: Tensor, feature_meta: Tensor, batch: JaggedBatch, routing
             fused.kind if fused is not None else -1, state1, state2,
             fused.state1_is_row if fused is not None else False,
             fused.hyper if fused is not None else None, fused.step if fused is not None else None,
-            routing.num_lookups, group.num_rows)
+            routing.num_lookups, group.num_rows, plan.report_id)
 
 
 def pooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, batch: JaggedBatch,

@@ -77,7 +77,7 @@ def _(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_
 
 
 def _lookup(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim, max_dim,
-            output_dtype, backend, validate, names, traced: bool):
+            output_dtype, backend, validate, names, traced: bool, report_id: int = 0):
     if output_dtype not in OUTPUT_DTYPES:
         raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {output_dtype}")
     kernel = resolve_backend(backend, flat.device) == "triton"
@@ -87,7 +87,7 @@ def _lookup(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
             offsets = checked_offsets(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, names)
         elif kernel:
             check_shapes(values, offsets, per_sample_weights, len(decode_names(names)[0]), batch_size)
-            check = kernel_report(flat, names)
+            check = kernel_report(flat, names, report_id)
         else:
             validate_inputs(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, names)
     if flat.device.type == "cuda" and kernel:
@@ -124,11 +124,12 @@ def quantized_pooled_lookup(
 
 
 def quantized_lookup(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim,
-                     max_dim, output_dtype, backend, validate, names) -> Tensor:
-    """``quantized_pooled_lookup``, through the registered op when traced or compiled, else
-    through the same code at eager cost."""
+                     max_dim, output_dtype, backend, validate, names, report_id: int = 0) -> Tensor:
+    """``quantized_pooled_lookup``, through the registered op when traced or compiled (the check
+    then runs on the host), else through the same code at eager cost (the kernel's input reports
+    go to module ``report_id``'s slots, input_check)."""
     if _eager_ok([], flat, values, offsets, per_sample_weights, feature_meta, key_index):
         return _lookup(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim,
-                       max_dim, output_dtype, backend, validate, names, traced=False)
+                       max_dim, output_dtype, backend, validate, names, traced=False, report_id=report_id)
     return quantized_pooled_lookup(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
                                    total_dim, max_dim, output_dtype, backend, validate, names)

@@ -18,8 +18,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
 from ..modules.embedding_modules import check_uniform_batch, key_routing
+from ..modules.table_size import check_table_size
 from ..ops.backends import check_backend
-from ..ops.input_check import check_reported
+from ..ops.input_check import new_report_id
 from ..ops.layout import POOLING_MEAN, POOLING_SUM
 from ..ops.quantized_lookup import OUTPUT_DTYPES, quantized_lookup
 from .from_float import quantized_module_args
@@ -35,7 +36,7 @@ def _rows_of(config: EmbeddingBagConfig) -> int:
 @torch.fx.wrap
 def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, wanted: Tuple[str, ...],
                       tables: Tuple[str, ...], widths: List[int], is_weighted: bool, output_dtype: torch.dtype,
-                      backend: str, validate: bool) -> Tensor:
+                      backend: str, validate: bool, report_id: int) -> Tensor:
     """The whole module's lookup (a free, fx-wrapped function: fx records one call)."""
     check_uniform_batch(features, "recom_rec.quant.EmbeddingBagCollection")
     keys = tuple(features.keys())
@@ -45,7 +46,7 @@ def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, w
     key_index, _, names = key_routing(keys, wanted, tables, flat.device, validate)
     total_dim, max_dim = widths
     return quantized_lookup(flat, features.values(), features.offsets(), per_sample_weights, meta, key_index,
-                            features.stride(), total_dim, max_dim, output_dtype, backend, validate, names)
+                            features.stride(), total_dim, max_dim, output_dtype, backend, validate, names, report_id)
 
 
 class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
@@ -103,6 +104,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._split_scale_bias = quant_state_dict_split_scale_bias
         self.backend = check_backend(backend)
         self.validate_inputs = validate_inputs
+        self._report_id = new_report_id(self)
 
         # torchrec orders tables by pooling type (one TBE per pooling), then by config order; the
         # output, its keys and the state_dict follow that order.
@@ -113,6 +115,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 raise ValueError(f"Duplicate table name {config.name}")
             seen.add(config.name)
             pooling_type_to_str(config.pooling)
+            check_table_size(config)
             check_dim(row_type(config.data_type, config.name), config.embedding_dim, config.name)
             by_pooling.setdefault(config.pooling, []).append(config)
         ordered = list(itertools.chain(*by_pooling.values()))
@@ -187,22 +190,28 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         new._buffers = OrderedDict((k, v.clone()) for k, v in self._buffers.items())
         new._modules = OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._modules.items())
         new._bind_table_views()
+        new._report_id = new_report_id(new)
         return new
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._report_id = new_report_id(self)  # a module unpickled twice is two modules
 
     # ----------------------------------------------------------------------------- torchrec API
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         values = _quantized_lookup(features, self._flat_rows, self._feature_meta, self._feature_names,
                                    self._feature_tables, self._widths, self._is_weighted, self._output_dtype,
-                                   self.backend, self.validate_inputs)
+                                   self.backend, self.validate_inputs, self._report_id)
         return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._length_per_key)
 
     def _get_name(self) -> str:
         return "QuantizedEmbeddingBagCollection"
 
     def check_inputs(self) -> None:
-        """Waits for the kernels queued on this module's device and raises the input error they
-        reported (see ``validate_inputs``), if any."""
-        check_reported(self._flat_rows.device)
+        """Waits for the kernels this thread queued for this module and raises the input error
+        they reported (see ``validate_inputs``), if any; other modules' and threads' reports stay
+        theirs."""
+        torch.ops.recom_rec.check_input_reports(self._report_id)
 
     @classmethod
     def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False,
