@@ -22,7 +22,7 @@ from tqdm import tqdm
 import recom_rec
 from recom_rec.data import movielens_batches, movielens_table_configs
 
-from _common import SHARED_DATA, cycle, evaluate, pick_device, plot_curves, take_split, write_json
+from _common import SAMPLE_DATA, cycle, evaluate, pick_device, plot_curves, take_split, write_json
 
 
 def predict(model, batch):
@@ -35,7 +35,7 @@ def loss_fn(prob, labels):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, default=SHARED_DATA / "movielens_sample.csv",
+    p.add_argument("--data", type=Path, default=SAMPLE_DATA / "movielens_sample.csv",
                    help="ML-1M directory or joined CSV (default: %(default)s)")
     p.add_argument("--steps", type=int, default=300, help="training steps (epochs over small files)")
     p.add_argument("--batch-size", type=int, default=32)

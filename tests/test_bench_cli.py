@@ -65,6 +65,7 @@ def test_bench_backward_phase_reports_each_of_ours_against_its_byte_floor(tmp_pa
     assert f"recom_rec:group-params {grouped['floor_x']:.2f}x ({grouped['backward_only_floor_x']:.2f}x)" in line, line
 
 
+@pytest.mark.slow  # ~25 s on the 2-core machine
 def test_bench_pinned_backend_and_sharded_dlrm_on_gloo(tmp_path):
     """A pinned backend gets its own column and ratio; 'sharded-dlrm' trains torchrec's DLRM under
     DistributedModelParallel in 1 and 2 gloo processes, ours and torchrec's sharder."""
@@ -84,6 +85,7 @@ def test_bench_pinned_backend_and_sharded_dlrm_on_gloo(tmp_path):
     assert dlrm == {(1, "recom_rec"), (1, "torchrec"), (2, "recom_rec"), (2, "torchrec")}, dlrm
 
 
+@pytest.mark.slow  # ~25 s on the 2-core machine
 def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
     """``--workloads sweep --small``: every point's forward and first training steps agree with
     fbgemm's, each phase has a ratio, the summary and the heatmap are written."""

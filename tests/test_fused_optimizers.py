@@ -357,8 +357,8 @@ def _hot_row_batch(seed: int, reads) -> KeyedJaggedTensor:
 # pieces of 32; on the CUDA backend a row whose pieces one group would add in a chain of more than
 # 64 loads (more than 512 pieces at dims <= 128, 32 at <= 512, 16 above) has them added by a block
 # (long_row_kernel), shorter ones by one group: each case has rows just over and at that bound.
-# Under the Triton interpreter each case takes ~15 s: the CPU's `make test` runs the first, `make
-# test-slow` the rest.
+# Under the Triton interpreter each case takes ~15 s: the CPU's `make test` runs the first with two
+# of the optimizers, `make test-slow` the rest.
 _SLOW_ON_CPU = pytest.mark.slow if DEVICE.type == "cpu" else ()
 MANY_PIECES = [
     ((8, 33), (2100, 1024, 1025, 33, 1, 0)),  # 1 float4 a lane, unaligned rows: every row by one group
@@ -374,7 +374,8 @@ MANY_PIECES = [
 ]
 
 
-@pytest.mark.parametrize("optimizer", [None, "sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("optimizer", [None, pytest.param("sgd", marks=_SLOW_ON_CPU), "rowwise_adagrad",
+                                       pytest.param("adam", marks=_SLOW_ON_CPU)])
 @pytest.mark.parametrize("dims,reads", MANY_PIECES)
 def test_rows_of_many_pieces_match_torch_backend_and_repeat_bit_for_bit(optimizer, dims, reads):
     # The hot rows' run starts after the cold table's lookups, at a position that is no multiple

@@ -5,7 +5,7 @@
 # GPU), then the benchmarks. Each stage has its own time limit; logs under $OUT. A fresh build comes
 # back as $OUT/_lookup_cuda.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that
 # folder, so the next machine loads it instead of building while the source is unchanged.
-#   STAGES="tests nccl dlrm bench sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests soak nccl dlrm bench sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 #   (the tests stage runs the whole suite, tests/, with CUDA tensors in one process; TESTS="files or
 #   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it)
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
@@ -32,6 +32,11 @@ if [[ " $STAGES " == *" tests "* ]]; then
   RECOM_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider \
     ${TESTS:-tests} \
     ${TEST_K:+-k "$TEST_K"} > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head
+fi
+if [[ " $STAGES " == *" soak "* ]]; then
+  stage soak  # serving under bad batches from 4 threads, PS training through a killed cluster master
+  timeout ${SOAK_TIMEOUT:-420} python3 tools/soak.py ${SOAK_ARGS:-} 2>&1 | quiet > "$OUT/soak.log"
+  grep -v "it/s\|s/s" "$OUT/soak.log" | tail -12
 fi
 if [[ " $STAGES " == *" nccl "* ]]; then
   stage nccl
