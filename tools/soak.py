@@ -37,6 +37,7 @@ from recom_rec.ops.input_check import pending_report_count
 # Mixed dims, tables around and above the L2, shared by both models.
 SERVE_TABLES = [(2_000_000, 64), (500_000, 128), (100_000, 32), (50_000, 16), (1_000_000, 96), (1_000, 8)]
 SERVE_BAG = 6  # ids a bag at most
+TOLERANCE = {"float": 1e-5, "int8": 1e-4}  # sampled outputs against the torch backend's
 
 
 def _serving_models(device):
@@ -89,6 +90,7 @@ def serve(device, seconds: float, threads: int, bad_fraction: float, sample_frac
     models = _serving_models(device)
     lock = threading.Lock()
     counts = {"requests": 0, "bad": 0, "bad_raised_own": 0, "sampled": 0}
+    worst: dict = {}
     problems: list = []
     warm = threading.Event()
     memory = {}
@@ -125,11 +127,15 @@ def serve(device, seconds: float, threads: int, bad_fraction: float, sample_frac
                             counts["bad_raised_own"] += 1
                 elif rng.random() < sample_fraction:
                     expected = reference(kjt).values()
-                    if not torch.allclose(out.float(), expected.float(), rtol=1e-5, atol=1e-5):
-                        problems.append(f"{kind}: output differs from the torch backend's by "
-                                        f"{(out.float() - expected.float()).abs().max().item():.3g}")
+                    diff = (out.float() - expected.float()).abs().max().item() if out.numel() else 0.0
+                    # INT8: the kernel dequantizes with fbgemm's GPU arithmetic (fused multiply-adds),
+                    # the torch backend with its CPU one: within a small part of a quantization step.
+                    tol = TOLERANCE[kind]
+                    if not torch.allclose(out.float(), expected.float(), rtol=tol, atol=tol):
+                        problems.append(f"{kind}: output differs from the torch backend's by {diff:.3g}")
                     with lock:
                         counts["sampled"] += 1
+                        worst[kind] = max(worst.get(kind, 0.0), diff)
 
     workers = [threading.Thread(target=worker, args=(s,)) for s in range(threads)]
     for w in workers:
@@ -154,10 +160,11 @@ def serve(device, seconds: float, threads: int, bad_fraction: float, sample_frac
         torch.cuda.synchronize(device)
     memory["end"] = (torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0,
                      _host_rss_mib(), counts["requests"])
-    rate = counts["requests"] / seconds
-    print(f"serving: {counts['requests']} requests in {seconds:.0f} s ({rate:.0f}/s) on {threads} threads, "
-          f"{counts['bad']} bad, {counts['bad_raised_own']} of them raised in their own request, "
-          f"{counts['sampled']} outputs checked against the torch backend")
+    elapsed = time.monotonic() - start
+    print(f"serving: {counts['requests']} requests in {elapsed:.0f} s ({counts['requests'] / elapsed:.0f}/s) on "
+          f"{threads} threads, {counts['bad']} bad, {counts['bad_raised_own']} of them raised in their own request, "
+          f"{counts['sampled']} outputs checked against the torch backend (largest difference: "
+          + ", ".join(f"{k} {v:.2g}" for k, v in sorted(worst.items())) + ")")
     if "warm" in memory:
         (g0, h0, n0), (g1, h1, n1) = memory["warm"], memory["end"]
         print(f"memory after warm-up ({n0} requests) -> end ({n1}): GPU allocated {g0:.1f} -> {g1:.1f} MiB, "
