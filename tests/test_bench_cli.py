@@ -1,18 +1,19 @@
 """The benchmark's command line runs end to end on the CPU (small workloads) and writes its
 table, JSON and PNG. It times nothing that a test asserts on."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from subprocess_env import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--workloads", "many-1000", "ps", "--phases", "forward", "sgd",
@@ -42,7 +43,7 @@ def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
 def test_bench_backward_phase_reports_each_of_ours_against_its_byte_floor(tmp_path):
     """``--phases backward``: ours' dense-gradient steps beside the floor of moving the gradient's
     and the output gradient's bytes once at the measured copy rate."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--workloads", "many-1000", "--peers", "recom_rec",
@@ -71,7 +72,7 @@ def test_bench_backward_phase_reports_each_of_ours_against_its_byte_floor(tmp_pa
 def test_bench_pinned_backend_and_sharded_dlrm_on_gloo(tmp_path):
     """A pinned backend gets its own column and ratio; 'sharded-dlrm' trains torchrec's DLRM under
     DistributedModelParallel in 1 and 2 gloo processes, ours and torchrec's sharder."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--workloads", "many-1000", "sharded-dlrm", "--peers", "recom_rec",
@@ -91,7 +92,7 @@ def test_bench_pinned_backend_and_sharded_dlrm_on_gloo(tmp_path):
 def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
     """``--workloads sweep --small``: every point's forward and first training steps agree with
     fbgemm's, each phase has a ratio, the summary and the heatmap are written."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     out = tmp_path / "sweep"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--workloads", "sweep", "--small", "--iters", "1", "--warmup", "0",
@@ -129,7 +130,7 @@ def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
 def test_bench_inference_phase_on_the_cpu(tmp_path):
     """``--phases inference``: quantized rows, ours vs fbgemm's IntN TBE vs torchrec's quantized
     EBC, at the workload's batch and at batches 1/16/64 (eager on the CPU); identical outputs."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--phases", "inference", "--workloads", "many-4000",

@@ -170,11 +170,11 @@ def test_a_report_from_another_stream_of_the_thread_is_raised_once(backend):
     module = _module("float", backend)
     side = torch.cuda.Stream()
     with torch.no_grad():
-        with torch.cuda.stream(side):
-            module(_kjt(50))
-        module(_kjt())
         with pytest.raises(ValueError, match=MESSAGE):
-            module.check_inputs()
+            with torch.cuda.stream(side):
+                module(_kjt(50))
+            module(_kjt())  # raises here if the side stream's kernel has reported by then
+            module.check_inputs()  # else here: it waits for both streams
         _handle(module, _kjt())
 
 

@@ -1,18 +1,19 @@
 """The examples run end to end (a few steps each) and say what they claim."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from subprocess_env import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DATA = ROOT / "tests" / "data"
 
 
 def _run(script, *args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     result = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -12,11 +12,12 @@ waits for the kernels queued so far and raises at once.
 
 Reports belong to the call that made them. A slot is kept per module (``report_id``, drawn at
 random for each module, its copies included, so that a module freed and another built at its
-address never share one), per thread, per CUDA stream, per group (its weight buffer) and per
-names (validation.encode_names: the KJT's keys and each feature's table, so that the feature index
+address never share one), per thread, per group (its weight buffer) and per names
+(validation.encode_names: the KJT's keys and each feature's table, so that the feature index
 decodes to the right names). A module's next call in the same thread raises what that thread's
-earlier calls of it reported; ``check_reported(report_id)`` waits for the streams of the calling
-thread's slots of that module only. A bad batch of model A is never raised by model B, nor by
+earlier calls of it reported; ``check_reported(report_id)`` waits for the streams those calls ran
+on (the whole device once a CUDA graph captured a launch: replays run on any stream) and raises
+the calling thread's reports of that module only. A bad batch of model A is never raised by model B, nor by
 another thread's calls of A.
 """
 import itertools
@@ -38,7 +39,7 @@ class KernelReport:
     bad lookup takes (so the report is one lookup's), and ``words``, REPORT_WORDS int64 in pinned
     host memory (plain host memory when the kernels run in Triton's CPU interpreter)."""
 
-    __slots__ = ("claim", "words", "names", "stream", "_view")
+    __slots__ = ("claim", "words", "names", "device", "streams", "captured", "_view")
 
     def __init__(self, device: torch.device, names: str):
         self.claim = torch.zeros(1, dtype=torch.int32, device=device)
@@ -46,17 +47,29 @@ class KernelReport:
         # extension relies on that rather than checking each launch.
         self.words = torch.zeros(REPORT_WORDS, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.names = names
-        # the stream the group's kernels report from: waiting for it (not the device) waits for them only
-        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.device = device
+        # The streams the slot's kernels were launched on (raw handle -> stream): waiting for them,
+        # not the device, waits for those kernels only. A captured launch replays on any stream.
+        self.streams: Dict[int, torch.cuda.Stream] = {}
+        self.captured = False
         self._view = self.words.numpy()  # read without torch's dispatch: a few hundred ns a call
+
+    def launched_on(self, raw_stream: int, capturing: bool) -> None:
+        if capturing:
+            self.captured = True
+        elif raw_stream not in self.streams:
+            self.streams[raw_stream] = torch.cuda.current_stream(self.device)
 
     def pending(self) -> bool:
         return bool(self._view[0])
 
     def wait(self) -> None:
-        """Waits for the kernels queued so far on the slot's stream (the ones that may write it)."""
-        if self.stream is not None:
-            self.stream.synchronize()
+        """Waits for the kernels queued so far that may write the slot."""
+        if self.captured:
+            torch.cuda.synchronize(self.device)
+        else:
+            for stream in tuple(self.streams.values()):
+                stream.synchronize()
 
     def take(self) -> Tuple[int, ...]:
         """The report, after the kernels that may still write it have finished; clears it."""
@@ -67,7 +80,7 @@ class KernelReport:
         return report
 
 
-_SlotKey = Tuple[torch.device, int, str, int]  # device, weight buffer address, names, stream
+_SlotKey = Tuple[torch.device, int, str]  # device, weight buffer address, names
 # (thread, module) -> that thread's slots of that module's groups
 _SLOTS: Dict[Tuple[int, int], Dict[_SlotKey, KernelReport]] = {}
 _LOCK = threading.Lock()
@@ -100,15 +113,15 @@ def _thread_token() -> int:
     return token
 
 
-def _stream_key(device: torch.device) -> int:
+def _raw_stream(device: torch.device) -> int:
     # the raw stream handle: a few hundred ns, where torch.cuda.current_stream() costs microseconds
     return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
-                                               torch.cuda.current_device()) if device.type == "cuda" else 0
+                                               torch.cuda.current_device())
 
 
 def kernel_report(flat: torch.Tensor, names: str, report_id: int) -> Optional[KernelReport]:
     """The report slot of module ``report_id``'s group whose weights are ``flat``, for its next
-    launch from this thread on the current stream. Raises first the error the module's kernels
+    launch from this thread (on the current stream). Raises first the error the module's kernels
     reported for an earlier batch of this thread. None while a CUDA graph is being captured and
     the slot does not exist yet (its allocation would be captured): that launch clamps without
     reporting."""
@@ -119,7 +132,7 @@ def kernel_report(flat: torch.Tensor, names: str, report_id: int) -> Optional[Ke
         for report in tuple(slots.values()):  # (a copy: another thread may drop idle slots meanwhile)
             if report.pending():
                 raise _error(report.take(), report.names)
-    key = (device, flat.data_ptr(), names, _stream_key(device))
+    key = (device, flat.data_ptr(), names)
     report = slots.get(key) if slots is not None else None
     if report is None:
         if capturing:
@@ -129,6 +142,8 @@ def kernel_report(flat: torch.Tensor, names: str, report_id: int) -> Optional[Ke
             if sum(map(len, _SLOTS.values())) >= MAX_REPORTS:
                 _drop_idle_half()
             _SLOTS.setdefault((_thread_token(), report_id), {})[key] = report
+    if device.type == "cuda":
+        report.launched_on(_raw_stream(device), capturing)
     return report
 
 
