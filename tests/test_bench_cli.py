@@ -1,5 +1,6 @@
 """The benchmark's command line runs end to end on the CPU (small workloads) and writes its
-table, JSON and PNG. It times nothing that a test asserts on."""
+table, JSON and PNG. It times nothing that a test asserts on. On the GPU machine too its child
+processes see no GPU: the GPU runs are tools/gpu_session.sh's bench stages."""
 import json
 import subprocess
 import sys
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
-    env = child_env()
+    env = child_env(CUDA_VISIBLE_DEVICES="")
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--workloads", "many-1000", "ps", "--phases", "forward", "sgd",
@@ -43,7 +44,7 @@ def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
 def test_bench_backward_phase_reports_each_of_ours_against_its_byte_floor(tmp_path):
     """``--phases backward``: ours' dense-gradient steps beside the floor of moving the gradient's
     and the output gradient's bytes once at the measured copy rate."""
-    env = child_env()
+    env = child_env(CUDA_VISIBLE_DEVICES="")
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--workloads", "many-1000", "--peers", "recom_rec",
@@ -72,7 +73,7 @@ def test_bench_backward_phase_reports_each_of_ours_against_its_byte_floor(tmp_pa
 def test_bench_pinned_backend_and_sharded_dlrm_on_gloo(tmp_path):
     """A pinned backend gets its own column and ratio; 'sharded-dlrm' trains torchrec's DLRM under
     DistributedModelParallel in 1 and 2 gloo processes, ours and torchrec's sharder."""
-    env = child_env()
+    env = child_env(CUDA_VISIBLE_DEVICES="")
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--workloads", "many-1000", "sharded-dlrm", "--peers", "recom_rec",
@@ -92,7 +93,7 @@ def test_bench_pinned_backend_and_sharded_dlrm_on_gloo(tmp_path):
 def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
     """``--workloads sweep --small``: every point's forward and first training steps agree with
     fbgemm's, each phase has a ratio, the summary and the heatmap are written."""
-    env = child_env()
+    env = child_env(CUDA_VISIBLE_DEVICES="")
     out = tmp_path / "sweep"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--workloads", "sweep", "--small", "--iters", "1", "--warmup", "0",
@@ -130,7 +131,7 @@ def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
 def test_bench_inference_phase_on_the_cpu(tmp_path):
     """``--phases inference``: quantized rows, ours vs fbgemm's IntN TBE vs torchrec's quantized
     EBC, at the workload's batch and at batches 1/16/64 (eager on the CPU); identical outputs."""
-    env = child_env()
+    env = child_env(CUDA_VISIBLE_DEVICES="")
     out = tmp_path / "bench"
     result = subprocess.run(
         [sys.executable, "-m", "recom_rec.bench", "--phases", "inference", "--workloads", "many-4000",
