@@ -13,6 +13,7 @@ PS-backed (a cache in the fused buffer, rows in the store); like the unsharded m
 they stay out of ``state_dict`` (the store holds them: ``recom_rec.ps.flush``), and loading a
 weight for them writes it into the store.
 """
+import re
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -87,6 +88,19 @@ def _fused_key(fp: Optional[Dict[str, Any]]) -> str:
     return "" if o is None else f"{o[0]}:{sorted(o[1].items())}"
 
 
+def _shard_label(table: ShardedEmbeddingTable, row: int, col: int) -> str:
+    """The table as an input error names it on this rank: with the rows (and columns) it holds
+    when it holds part of them; ids in the error are then the shard's, counted from its first row."""
+    label = repr(table.name)
+    parts = []
+    if table.local_rows != table.num_embeddings:
+        parts.append(f"rows {row}-{row + table.local_rows - 1} of {table.num_embeddings} on this rank, "
+                     f"ids counted from row {row}")
+    if table.local_cols != table.embedding_dim:
+        parts.append(f"columns {col}-{col + table.local_cols - 1}")
+    return label + (f", {'; '.join(parts)}" if parts else "")
+
+
 class _RankShards(EmbeddingBagCollection):
     """A rank's shards of one kernel kind: a row-wise shard of a table with fewer rows than ranks
     holds none."""
@@ -136,11 +150,15 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
         # the same feature twice, which torchrec's KJT carries as two keys of the same name.
         self._local_keys: List[str] = []
         table_features: List[List[str]] = []
+        # What an input error says instead of the local names: the feature, and the table with
+        # this rank's share of it.
+        self._error_names: Dict[str, str] = {}
         for t in self._tables:
             names = []
-            for _ in t.feature_names:
+            for feature in t.feature_names:
                 names.append(f"f{len(self._local_keys)}")
                 self._local_keys.append(names[-1])
+                self._error_names[names[-1]] = feature
             table_features.append(names)
 
         # Tables sharing (compute kernel, optimizer) go into one local module (one launch per
@@ -170,6 +188,7 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
                     ps[name] = ps_config(fused[i], t.local_rows)
                     self._ps_tables.append(i)
                 self._table_slot[i] = (b, name)
+                self._error_names[name] = _shard_label(t, *self._offsets(i))
                 configs.append(EmbeddingBagConfig(
                     num_embeddings=t.local_rows, embedding_dim=t.local_cols, name=name,
                     feature_names=table_features[i], data_type=t.data_type,
@@ -181,7 +200,7 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
                     col_sources.extend(range(out_start[i] + j * t.local_cols,
                                              out_start[i] + (j + 1) * t.local_cols))
             module = _RankShards(configs, is_weighted=self._is_weighted, device=device,
-                                 backend=backend, validate_inputs=False, ps=ps or None)
+                                 backend=backend, ps=ps or None)
             fuses = kernel == str(EmbeddingComputeKernel.FUSED) or in_ps
             opt = optimizer_from_fused_params(fused[members[0]]) if fuses else None
             if opt is not None:
@@ -243,10 +262,30 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
             offsets=sparse_features.offsets_or_none(),
             stride=sparse_features.stride(),
         )
-        outs = [m(kjt).values() for m in self._local_modules]
+        try:
+            outs = [m(kjt).values() for m in self._local_modules]
+        except ValueError as e:  # an input error, reported by this rank's kernels for this call or the last
+            raise ValueError(self._global_names(str(e))) from None
         if len(outs) == 1:
             return outs[0]
         return torch.cat(outs, dim=1).index_select(1, self._output_columns)
+
+    def check_inputs(self) -> None:
+        """Waits for this rank's lookups queued by this thread and raises the input error their
+        kernels reported (``recom_rec.EmbeddingBagCollection.check_inputs``), in the global names."""
+        try:
+            for m in self._local_modules:
+                m.check_inputs()
+        except ValueError as e:
+            raise ValueError(self._global_names(str(e))) from None
+
+    def _global_names(self, message: str) -> str:
+        def name(match: "re.Match") -> str:
+            feature, table = match.group(1), match.group(2)
+            return (f"feature '{self._error_names.get(feature, feature)}' "
+                    f"(table {self._error_names.get(table, repr(table))})")
+
+        return re.sub(r"feature '([^']*)' \(table '([^']*)'\)", name, message)
 
     def local_weight(self, i: int) -> nn.Parameter:
         b, name = self._table_slot[i]

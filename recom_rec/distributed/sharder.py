@@ -96,6 +96,14 @@ class ShardedFusedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 backend=self._recom_backend,
             ))
 
+    def check_inputs(self) -> None:
+        """Waits for this rank's lookups (queued by this thread) and raises the input error their
+        kernels reported, naming the feature and the table (with this rank's rows of it), as the
+        unsharded module's ``check_inputs()``. A rank raises the errors of the lookups it ran: with
+        table-wise sharding, the ids its tables received from every rank's batch."""
+        for lookup in self._lookups:
+            _unwrap(lookup).check_inputs()
+
     def ps_tiers(self):
         """The parameter-server tiers of this rank's shards (``recom_rec.ps.flush`` and
         ``tiers_of`` find them through this: torchrec keeps the lookups in a plain list)."""

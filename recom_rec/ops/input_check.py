@@ -35,9 +35,10 @@ REPORT_ID, REPORT_BAG, REPORT_TOTAL = 1, 2, 3
 
 
 class KernelReport:
-    """Where one group's kernels on one stream report: ``claim``, an int32 device word the first
-    bad lookup takes (so the report is one lookup's), and ``words``, REPORT_WORDS int64 in pinned
-    host memory (plain host memory when the kernels run in Triton's CPU interpreter)."""
+    """Where one group's kernels report, for one module and thread: ``claim``, an int32 device
+    word the first bad lookup takes (so the report is one lookup's), and ``words``, REPORT_WORDS
+    int64 in pinned host memory (plain host memory when the kernels run in Triton's CPU
+    interpreter)."""
 
     __slots__ = ("claim", "words", "names", "device", "streams", "captured", "_view")
 
