@@ -39,6 +39,7 @@ from ..ops.layout import (
 from ..ops.input_check import new_report_id
 from ..ops.plan import FusedStep, GroupPlan, LookupPlan, group_states
 from ..ops.validation import encode_names
+from ..ops.variable_batch import expand_rows, output_rows, pad_to_uniform
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import FusedOptimizerSpec, spec_from_optimizer
 from .table_size import check_table_size
@@ -204,8 +205,17 @@ def key_routing(keys: Tuple[str, ...], wanted: Sequence[str], tables: Sequence[s
 def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights: List[List[torch.Tensor]],
                    metas: List[torch.Tensor], output_columns: Optional[torch.Tensor], plan: LookupPlan,
                    fused: Optional[FusedStep]) -> torch.Tensor:
-    """Eager and compiled: key plans cached per key order (torch.compile folds them)."""
-    check_uniform_batch(features)
+    """Eager and compiled: key plans cached per key order (torch.compile folds them). A KJT with
+    variable batch per feature is padded to a uniform one, its rows expanded by its inverse
+    indices after the lookup (ops/variable_batch.py)."""
+    rows: Optional[torch.Tensor] = None
+    if features.variable_stride_per_key() or features.inverse_indices_or_none() is not None:
+        rows = output_rows(features, plan.output_features, plan.output_dims)
+        if features.variable_stride_per_key():
+            if rows is None:
+                raise ValueError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) "
+                                 "needs its inverse_indices: they say which bag each output row takes")
+            features = pad_to_uniform(features)
     keys = tuple(features.keys())
     values = features.values()
     per_sample_weights = features.weights_or_none() if plan.is_weighted else None
@@ -219,7 +229,8 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
         # Every key read by exactly one feature: the lookups are the values (no sync to count them).
         routing = KeyRouting(key_index, names, values.numel() if reads_each_key_once else -1)
         outs.append(pooled_lookup(weights[g], flats[g], metas[g], batch, routing, group, plan, fused, g))
-    return _concat_groups(outs, output_columns)
+    out = _concat_groups(outs, output_columns)
+    return out if rows is None else expand_rows(out, rows)
 
 
 def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights: List[List[torch.Tensor]],
@@ -376,7 +387,8 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
             self._groups = self._plan_groups(layout_tables)
             self._build_storage(device)
         self._plan = LookupPlan([g.plan() for g in self._groups], is_weighted, check_backend(backend),
-                                validate_inputs, new_report_id(self))
+                                validate_inputs, new_report_id(self),
+                                [f for names in self._feature_names for f in names], list(self._lengths_per_embedding))
         self._fused_spec: Optional[FusedOptimizerSpec] = None
         self._fused_optimizer: Optional[FusedEmbeddingOptimizer] = None
         self._seen_in_backward = None
@@ -624,6 +636,9 @@ class EmbeddingBagCollection(_TorchrecEmbeddingBagCollection):
         if getattr(self, "_ps", None) is not None:
             if _fx_tracing():
                 raise ValueError(_NO_PS_GRAPHS.format(what="fx tracing"))
+            if features.variable_stride_per_key():
+                raise ValueError("recom_rec.EmbeddingBagCollection: parameter-server tables take KeyedJaggedTensors "
+                                 "of one batch size for every feature, not a batch size per feature")
             features = self._ps.prepare(features)  # PS tables' ids -> cache slots
         grad = torch.is_grad_enabled()
         spec = self._fused_spec

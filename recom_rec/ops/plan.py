@@ -30,6 +30,8 @@ class LookupPlan(NamedTuple):
     backend: str
     validate: bool
     report_id: int  # where the GPU kernels' input reports go (input_check.new_report_id)
+    output_features: List[str]  # the output's features in column order (variable batches' gather)
+    output_dims: List[int]  # their widths
 
 
 class FusedStep(NamedTuple):

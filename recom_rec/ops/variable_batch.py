@@ -1,0 +1,57 @@
+"""Variable batch per feature (torchrec's VBE KJTs: ``stride_per_key_per_rank``, ``inverse_indices``)
+through the fused lookup.
+
+A VBE KJT gives each key its own number of bags ``s_f``; its ``inverse_indices`` ``[F, B]`` say
+which of key f's bags each of the B output rows takes. The fused kernel pools a uniform batch, so
+each key's bags are padded with empty bags up to ``S = max s_f`` (only the lengths change: the
+values, weights and so the rows read stay the KJT's), the kernel pools ``[S, total_dim]``, and
+each feature's columns take their rows by ``inverse_indices`` (one gather, as torchrec's module
+does with fbgemm's ``group_index_select_dim0``). The gather's backward adds each output row's
+gradient to its bag, which the kernel's backward then spreads to the bag's ids; padded bags are
+empty and take nothing.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+def pad_to_uniform(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """``features`` with every key's bags padded (empty bags at its end) to the largest key's count."""
+    strides: List[int] = features.stride_per_key()
+    keys = features.keys()
+    width = max(strides) if strides else 0
+    lengths = features.lengths()
+    device = lengths.device
+    stride = torch.tensor(strides, dtype=torch.int64, device=device)
+    bags = sum(strides)
+    key_of_bag = torch.repeat_interleave(torch.arange(len(strides), device=device), stride, output_size=bags)
+    first_bag = torch.cumsum(stride, 0) - stride
+    position = key_of_bag * width + torch.arange(bags, device=device) - first_bag[key_of_bag]
+    padded = lengths.new_zeros(len(strides) * width).index_put_((position,), lengths)
+    return KeyedJaggedTensor(keys=keys, values=features.values(), weights=features.weights_or_none(),
+                             lengths=padded, stride=width)
+
+
+def output_rows(features: KeyedJaggedTensor, output_features: List[str],
+                output_dims: List[int]) -> Optional[torch.Tensor]:
+    """``[B, total_dim]`` row index of each output element in the pooled ``[S, total_dim]``, from the
+    KJT's inverse indices (None without them). ``output_features`` are the output's features in
+    column order, ``output_dims`` their widths."""
+    inverse: Optional[Tuple[List[str], torch.Tensor]] = features.inverse_indices_or_none()
+    if inverse is None:
+        return None
+    names, indices = inverse
+    where = {name: i for i, name in enumerate(names)}
+    missing = [f for f in output_features if f.split("@")[0] not in where]
+    if missing:
+        raise ValueError(f"the KeyedJaggedTensor's inverse_indices have no row for features {missing}")
+    order = torch.tensor([where[f.split("@")[0]] for f in output_features], device=indices.device)
+    per_feature = indices.index_select(0, order).to(torch.int64)  # [features, B]
+    widths = torch.tensor(output_dims, device=indices.device)
+    return per_feature.repeat_interleave(widths, dim=0, output_size=sum(output_dims)).t()
+
+
+def expand_rows(pooled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Each output element from its bag's row: ``pooled[rows[b, c], c]``."""
+    return pooled.gather(0, rows.to(pooled.device))

@@ -1,0 +1,147 @@
+"""Variable batch per feature (torchrec's VBE KeyedJaggedTensors: a batch size per key and the
+inverse indices that expand each key's bags to the output's rows) through the fused lookup, against
+torchrec's EmbeddingBagCollection: the same outputs (bit for bit in fp32 unweighted sum pooling), the same gradients, and
+fused training equal to torchrec's module trained by a torch optimizer."""
+import random
+
+import pytest
+import torch
+import torchrec
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.modules.embedding_configs import DataType
+
+import recom_rec
+from ebc_cases import DEVICE, KERNEL_BACKENDS
+
+
+def _tables(seed: int, dtype=DataType.FP32):
+    rng = random.Random(seed)
+    tables, feature = [], 0
+    for t in range(rng.randint(1, 4)):
+        features = [f"f{feature + i}" for i in range(rng.randint(1, 2))]
+        feature += len(features)
+        tables.append(EmbeddingBagConfig(
+            name=f"t{t}", num_embeddings=rng.randint(3, 40), embedding_dim=rng.choice([1, 3, 4, 8, 12, 33]),
+            feature_names=features, pooling=rng.choice([PoolingType.SUM, PoolingType.MEAN]), data_type=dtype))
+    return tables
+
+
+def _vbe_kjt(tables, seed: int, weighted: bool = False, batch: int = 6) -> KeyedJaggedTensor:
+    """Each key its own bag count (1 to batch, some keys at the full batch), bags of 0-3 ids
+    (some empty), keys in a shuffled order, inverse indices mapping the batch's rows to bags."""
+    rng = random.Random(seed)
+    rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
+    keys = list(rows)
+    rng.shuffle(keys)
+    strides = [rng.choice([1, 2, batch // 2, batch]) for _ in keys]
+    lengths = [rng.randint(0, 3) for s in strides for _ in range(s)]
+    values, at = [], 0
+    for key, stride in zip(keys, strides):
+        for length in lengths[at:at + stride]:
+            values.extend(rng.randrange(rows[key]) for _ in range(length))
+        at += stride
+    inverse = torch.tensor([[rng.randrange(s) for _ in range(batch)] for s in strides])
+    return KeyedJaggedTensor(
+        keys=keys, values=torch.tensor(values, dtype=torch.int64), lengths=torch.tensor(lengths),
+        weights=torch.rand(len(values)) if weighted else None,
+        stride_per_key_per_rank=[[s] for s in strides], inverse_indices=(keys, inverse)).to(DEVICE)
+
+
+def _pair(tables, backend, weighted=False):
+    torch.manual_seed(0)
+    theirs = torchrec.EmbeddingBagCollection(tables, is_weighted=weighted, device=DEVICE)
+    ours = recom_rec.EmbeddingBagCollection([EmbeddingBagConfig(**{**vars(t), "feature_names": list(t.feature_names)})
+                                             for t in tables], is_weighted=weighted, device=DEVICE, backend=backend)
+    ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_forward_and_gradients_match_torchrec(backend, weighted, seed):
+    tables = _tables(seed)
+    if weighted:  # torchrec's module refuses weighted MEAN
+        tables = [EmbeddingBagConfig(**{**vars(t), "pooling": PoolingType.SUM}) for t in tables]
+    ours, theirs = _pair(tables, backend, weighted)
+    kjt = _vbe_kjt(tables, seed, weighted)
+    a, b = ours(kjt), theirs(kjt)
+    assert a.keys() == b.keys() and a.length_per_key() == b.length_per_key()
+    if not weighted and all(t.pooling == PoolingType.SUM for t in tables):
+        assert torch.equal(a.values(), b.values())
+    else:  # nn.EmbeddingBag rounds its mean's division and its weights' products its own way
+        torch.testing.assert_close(a.values(), b.values(), rtol=1e-6, atol=1e-7)
+    target = torch.randn_like(a.values())
+    (a.values() * target).sum().backward()
+    (b.values() * target).sum().backward()
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_half_tables(backend):
+    """fp16 tables: ours pools in fp32 (its rule for every batch), torchrec in fp16."""
+    tables = _tables(3, DataType.FP16)
+    ours, theirs = _pair(tables, backend)
+    kjt = _vbe_kjt(tables, 3)
+    torch.testing.assert_close(ours(kjt).values(), theirs(kjt).values().float(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_fused_training_matches_torchrec_trained_by_torch(backend, optimizer):
+    tables = [EmbeddingBagConfig(**{**vars(t), "pooling": PoolingType.SUM}) for t in _tables(7)]
+    ours, theirs = _pair(tables, backend)
+    ours.enable_fused_optimizer(optimizer, lr=0.1, **({"eps": 1e-8} if optimizer != "sgd" else {}))
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    else:
+        opt = torchrec.optim.RowWiseAdagrad(theirs.parameters(), lr=0.1, eps=1e-8)
+    for step in range(4):
+        kjt = _vbe_kjt(tables, 100 + step)
+        target = torch.linspace(-1, 1, kjt.stride() * sum(t.embedding_dim * len(t.feature_names) for t in tables),
+                                device=DEVICE).view(kjt.stride(), -1)
+        ((ours(kjt).values() - target) ** 2).sum().backward()
+        opt.zero_grad()
+        ((theirs(kjt).values() - target) ** 2).sum().backward()
+        opt.step()
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_uniform_batch_with_inverse_indices_is_expanded_as_torchrec_does():
+    tables = _tables(2)
+    ours, theirs = _pair(tables, "torch")
+    plain = _vbe_kjt(tables, 2, batch=4)
+    keys = plain.keys()
+    uniform = KeyedJaggedTensor(keys=keys, values=torch.arange(len(keys) * 3) % 3,
+                                lengths=torch.ones(len(keys) * 3, dtype=torch.int64), stride=3,
+                                inverse_indices=(keys, torch.tensor([[2, 0, 1, 1]] * len(keys)))).to(DEVICE)
+    assert torch.equal(ours(uniform).values(), theirs(uniform).values())
+
+
+def test_variable_batch_without_inverse_indices_is_refused():
+    tables = _tables(1)
+    kjt = _vbe_kjt(tables, 1)
+    bare = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+                             stride_per_key_per_rank=kjt.stride_per_key_per_rank())
+    with pytest.raises(ValueError, match="needs its inverse_indices"):
+        _pair(tables, "torch")[0](bare)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_compiled_forward_and_backward_match_eager(backend):
+    torch._dynamo.reset()
+    tables = [EmbeddingBagConfig(**{**vars(t), "pooling": PoolingType.SUM}) for t in _tables(4)]
+    ours, _ = _pair(tables, backend)
+    kjt = _vbe_kjt(tables, 4)
+    compiled = torch.compile(ours)
+    out = compiled(kjt).values()
+    expected = ours(kjt).values()
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in ours.parameters()]
+    ours.zero_grad()
+    expected.sum().backward()
+    for g, p in zip(grads, ours.parameters()):
+        torch.testing.assert_close(g, p.grad)
