@@ -29,7 +29,6 @@ model reads them back from the same store (so the URL must name a shared store: 
 not a private memory://).
 """
 import argparse
-import copy
 import itertools
 import time
 import warnings

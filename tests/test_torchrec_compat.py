@@ -6,7 +6,7 @@ eval, trace-and-script) and ``swap_modules`` inside them. The checks follow torc
 for these modules (torchrec/modules/tests/test_embedding_modules.py, test_mc_embedding_modules.py,
 test_fp_embedding_modules.py), with torchrec's module as the reference for every number."""
 import io
-from typing import Dict, List, cast
+from typing import List, cast
 
 import pytest
 import torch
