@@ -29,9 +29,11 @@ stage() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 quiet() { grep -v "Warning\|warn\|WARNING\|^ *$\|\[33m\|\[0m\|compat\|cannot determine\|is_fx_tracing\|run_backward\|it/s\]"; }
 if [[ " $STAGES " == *" tests "* ]]; then
   stage tests
-  RECOM_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider \
+  # -v: a line a test as it ends, so that a run the time limit stops still names what failed
+  RECOM_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-540} python3 -m pytest -v -rfE --tb=short -p no:cacheprovider \
     ${TESTS:-tests} \
-    ${TEST_K:+-k "$TEST_K"} > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head
+    ${TEST_K:+-k "$TEST_K"} > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"
+  grep -E " (FAILED|ERROR)( |$)" "$OUT/tests.log" | head -40; grep -cE " PASSED( |$)" "$OUT/tests.log"
 fi
 if [[ " $STAGES " == *" soak "* ]]; then
   stage soak  # serving under bad batches from 4 threads, PS training through a killed cluster master
