@@ -1,7 +1,8 @@
 """Variable batch per feature (torchrec's VBE KeyedJaggedTensors: a batch size per key and the
 inverse indices that expand each key's bags to the output's rows) through the fused lookup, against
 torchrec's EmbeddingBagCollection: the same outputs (bit for bit in fp32 unweighted sum pooling), the same gradients, and
-fused training equal to torchrec's module trained by a torch optimizer."""
+fused training equal to torchrec's module trained by a torch optimizer; the quantized module pools a
+VBE batch as it pools the same bags spelled out row by row."""
 import random
 
 import pytest
@@ -145,3 +146,37 @@ def test_compiled_forward_and_backward_match_eager(backend):
     expected.sum().backward()
     for g, p in zip(grads, ours.parameters()):
         torch.testing.assert_close(g, p.grad)
+
+
+def _spelled_out(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The uniform KJT of the same rows: row b of key f is a copy of the bag inverse[f][b]."""
+    keys, inverse = kjt.inverse_indices()
+    by_key = kjt.to_dict()
+    values, lengths = [], []
+    for f, key in enumerate(keys):
+        bags = list(torch.split(by_key[key].values(), by_key[key].lengths().tolist()))
+        for b in inverse[f].tolist():
+            values.append(bags[b])
+            lengths.append(bags[b].numel())
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.tensor(lengths),
+                             stride=inverse.shape[1]).to(DEVICE)
+
+
+QUANT_BACKENDS = ["torch"] + (["triton"] if DEVICE.type == "cuda" or recom_rec.ops.backends.triton_interpreting()
+                              else [])
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("backend", QUANT_BACKENDS)
+def test_quantized_module_pools_a_vbe_batch_as_its_rows_spelled_out(backend, seed):
+    tables = [EmbeddingBagConfig(**{**vars(t), "embedding_dim": 4 * max(1, t.embedding_dim // 4)})
+              for t in _tables(seed)]  # INT8 rows want an even dim
+    float_ebc = recom_rec.EmbeddingBagCollection(tables, device=DEVICE)
+    float_ebc.qconfig = torch.quantization.QConfig(
+        activation=torch.quantization.PlaceholderObserver.with_args(dtype=torch.float),
+        weight=torch.quantization.PlaceholderObserver.with_args(dtype=torch.qint8))
+    quant = recom_rec.quant.EmbeddingBagCollection.from_float(float_ebc, backend=backend)
+    kjt = _vbe_kjt(tables, seed)
+    assert torch.equal(quant(kjt).values(), quant(_spelled_out(kjt)).values())
+    with torch.no_grad():
+        assert torch.equal(float_ebc(kjt).values(), float_ebc(_spelled_out(kjt)).values())

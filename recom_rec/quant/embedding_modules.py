@@ -17,12 +17,13 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
-from ..modules.embedding_modules import check_uniform_batch, key_routing
+from ..modules.embedding_modules import key_routing
 from ..modules.table_size import check_table_size
 from ..ops.backends import check_backend
 from ..ops.input_check import new_report_id
 from ..ops.layout import POOLING_MEAN, POOLING_SUM
 from ..ops.quantized_lookup import OUTPUT_DTYPES, quantized_lookup
+from ..ops.variable_batch import expand_rows, output_rows, pad_to_uniform
 from .from_float import quantized_module_args
 from .layout import QuantTableSlot, buffer_bytes, pack_quant_tables, quant_feature_meta
 from .rows import DEFAULT_ROW_ALIGNMENT, SCALE_BIAS_BYTES, RowType, check_dim, data_bytes, pack_rows, row_type
@@ -35,18 +36,28 @@ def _rows_of(config: EmbeddingBagConfig) -> int:
 
 @torch.fx.wrap
 def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, wanted: Tuple[str, ...],
-                      tables: Tuple[str, ...], widths: List[int], is_weighted: bool, output_dtype: torch.dtype,
-                      backend: str, validate: bool, report_id: int) -> Tensor:
-    """The whole module's lookup (a free, fx-wrapped function: fx records one call)."""
-    check_uniform_batch(features, "recom_rec.quant.EmbeddingBagCollection")
+                      tables: Tuple[str, ...], widths: List[int], dims: List[int], is_weighted: bool,
+                      output_dtype: torch.dtype, backend: str, validate: bool, report_id: int) -> Tensor:
+    """The whole module's lookup (a free, fx-wrapped function: fx records one call). A KJT with a
+    batch size per feature is padded to a uniform one and its rows expanded by its inverse
+    indices after the lookup (ops/variable_batch.py); a uniform KJT's inverse indices are ignored,
+    as torchrec's quantized module ignores them."""
+    rows: Optional[Tensor] = None
+    if features.variable_stride_per_key():
+        rows = output_rows(features, list(wanted), dims)
+        if rows is None:
+            raise ValueError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) "
+                             "needs its inverse_indices: they say which bag each output row takes")
+        features = pad_to_uniform(features)
     keys = tuple(features.keys())
     per_sample_weights = features.weights_or_none() if is_weighted else None
     if is_weighted and per_sample_weights is None:
         raise ValueError("the EmbeddingBagCollection is weighted but the KeyedJaggedTensor has no weights")
     key_index, _, names = key_routing(keys, wanted, tables, flat.device, validate)
     total_dim, max_dim = widths
-    return quantized_lookup(flat, features.values(), features.offsets(), per_sample_weights, meta, key_index,
-                            features.stride(), total_dim, max_dim, output_dtype, backend, validate, names, report_id)
+    out = quantized_lookup(flat, features.values(), features.offsets(), per_sample_weights, meta, key_index,
+                           features.stride(), total_dim, max_dim, output_dtype, backend, validate, names, report_id)
+    return out if rows is None else expand_rows(out, rows)
 
 
 class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
@@ -200,8 +211,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
     # ----------------------------------------------------------------------------- torchrec API
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         values = _quantized_lookup(features, self._flat_rows, self._feature_meta, self._feature_names,
-                                   self._feature_tables, self._widths, self._is_weighted, self._output_dtype,
-                                   self.backend, self.validate_inputs, self._report_id)
+                                   self._feature_tables, self._widths, self._length_per_key, self._is_weighted,
+                                   self._output_dtype, self.backend, self.validate_inputs, self._report_id)
         return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._length_per_key)
 
     def _get_name(self) -> str:
