@@ -48,6 +48,14 @@ FEATURES = ["f0", "f1", "f2", "f3", "f4"]
 DEV = torch.device("cpu")  # this worker's device: set by run_cases (cuda:rank under NCCL)
 
 
+def two_rank_world(device: torch.device) -> Tuple[int, str]:
+    """(world, backend) of a two-rank test: gloo on the CPU; NCCL on up to two GPUs when the suite
+    runs with CUDA tensors (one GPU: a world of one)."""
+    if device.type == "cuda":
+        return min(2, torch.cuda.device_count()), "nccl"
+    return 2, "gloo"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,11 +6,10 @@ sharded by torchrec's ``ManagedCollisionEmbeddingBagCollectionSharder`` /
 around torchrec's module sharded by torchrec's sharders (real process groups: gloo on the CPU,
 NCCL when the suite runs with RECOM_TEST_DEVICE=cuda). One spawn runs several cases."""
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 from ebc_cases import DEVICE
-from tests.distributed._workers import free_port
+from tests.distributed._workers import free_port, two_rank_world
 from tests.distributed._wrapped_workers import run_wrapped
 
 # torchrec shards managed-collision modules row-wise only.
@@ -25,10 +24,7 @@ CASES = [
 
 @pytest.mark.timeout(600)
 def test_wrapped_modules_world_2():
-    if DEVICE.type == "cuda":
-        world, backend = min(2, torch.cuda.device_count()), "nccl"
-    else:
-        world, backend = 2, "gloo"
+    world, backend = two_rank_world(DEVICE)
     # A fused optimizer with per-row state, whose rows the eviction resets: fbgemm's reset
     # (torchrec's side of the comparison) runs on CUDA only. On the CPU the eviction path is
     # checked with SGD here and the reset itself in tests/test_torchrec_compat.py.
