@@ -208,14 +208,14 @@ def _cuda_pieces(plan, grad_output, feature_meta, n, partials, partial_stride, o
 
 def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sample_weights, feature_meta,
                   key_index, batch_size, max_dim, num_rows, opt, num_lookups, zeros=False) -> None:
-    """pooled_triton._run_backward with the CUDA planning and piece kernels where they cover ``out``,
+    """pooled_triton.run_backward with the CUDA planning and piece kernels where they cover ``out``,
     on the path BACKWARD_PATH_TUNER picks for the shape. ``zeros``: ``out`` is the dense backward's
     uninitialised gradient, zeroed outside the touched rows after the plan (see backward)."""
     cuda = supports(out, max_dim)
 
     def run(path: str):
         singles, lanes = BACKWARD_PATHS[path]
-        pooled_triton._run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights,
+        pooled_triton.run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights,
                                     feature_meta, key_index, batch_size, max_dim, num_rows, opt, num_lookups,
                                     pieces=functools.partial(_cuda_pieces, lanes=lanes) if cuda else None,
                                     planner=functools.partial(_cuda_plan, singles=singles,

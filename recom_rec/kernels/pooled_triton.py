@@ -581,8 +581,14 @@ def _triton_plan(values, offsets, per_sample_weights, feature_meta, key_index, b
                  num_lookups):
     """The backward's plan: sorted keys, order, sources, scales, features, then the pieces and
     split rows (appended by the plan kernel; their counts stay on the device)."""
-    row_key, order, src, scale, feature = _sorted_lookups(
-        values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim, num_lookups)
+    return plan_sorted_lookups(*_sorted_lookups(
+        values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim, num_lookups))
+
+
+def plan_sorted_lookups(row_key, order, src, scale, feature):
+    """The plan of lookups whose row keys are sorted (``order``: their input positions): the
+    pieces and split rows the piece kernels walk. Shared with the unpooled lookup
+    (unpooled_triton.py), whose lookups are expanded differently."""
     n = row_key.numel()
     device = row_key.device
     piece_list = torch.empty(n, dtype=torch.int64, device=device)
@@ -594,7 +600,7 @@ def _triton_plan(values, offsets, per_sample_weights, feature_meta, key_index, b
     return row_key, order, src, scale, feature, piece_list, split_rows, counts
 
 
-def _run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
+def run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
                   key_index, batch_size, max_dim, num_rows, opt, num_lookups, pieces=None, planner=None):
     """The backward of one group: plan, then sum every row's lookups and finish the rows.
     ``planner`` replaces the Triton planning and ``pieces`` (taking the plan) the Triton piece and
@@ -650,7 +656,7 @@ def backward(
     grad = torch.zeros(total_numel, dtype=dtype, device=grad_output.device)
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return grad
-    _run_backward(grad_output, grad, [], None, None, values, offsets, per_sample_weights, feature_meta,
+    run_backward(grad_output, grad, [], None, None, values, offsets, per_sample_weights, feature_meta,
                   key_index, batch_size, max_dim, num_rows, -1, num_lookups)
     return grad
 
@@ -661,5 +667,5 @@ def fused_update(
 ) -> None:
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return
-    _run_backward(grad_output, flat, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
+    run_backward(grad_output, flat, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
                   key_index, batch_size, max_dim, num_rows, kind, num_lookups)

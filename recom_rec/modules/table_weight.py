@@ -1,8 +1,9 @@
-"""The per-table submodule of the fused EmbeddingBagCollection.
+"""The per-table submodules of the fused collections.
 
-It *is* an ``nn.EmbeddingBag`` (so code written against torchrec's ``embedding_bags[name]`` keeps
-working, and it can even be called on its own), whose ``weight`` is a leaf Parameter viewing the
-table's slice of the collection's flat buffer.
+It *is* an ``nn.EmbeddingBag`` (an ``nn.Embedding`` in the EmbeddingCollection), so code written
+against torchrec's ``embedding_bags[name]`` (``embeddings[name]``) keeps working, and it can even be
+called on its own; its ``weight`` is a leaf Parameter viewing the table's slice of the
+collection's flat buffer.
 """
 import warnings
 
@@ -22,11 +23,9 @@ class FlatLink:
         self.stale = False
 
 
-class TableEmbeddingBag(nn.EmbeddingBag):
-    def __init__(self, weight_view: torch.Tensor, mode: str, link: FlatLink) -> None:
-        rows, dim = weight_view.shape
-        super().__init__(rows, dim, mode=mode, include_last_offset=True, _weight=weight_view)
-        self._flat_link = link
+class _FlatTableWeight:
+    """What a table module viewing a collection's flat buffer needs: replacing its ``weight``
+    marks the buffer stale, and checkpoints with or without fused-optimizer state load."""
 
     def register_parameter(self, name, param) -> None:
         super().register_parameter(name, param)
@@ -48,3 +47,21 @@ class TableEmbeddingBag(nn.EmbeddingBag):
             warnings.warn(f"fused-optimizer state {dropped} ignored: enable the same fused optimizer "
                           "before load_state_dict to restore it")
             unexpected_keys[:] = [k for k in unexpected_keys if k not in dropped]
+
+
+class TableEmbeddingBag(_FlatTableWeight, nn.EmbeddingBag):
+    """A table of ``recom_rec.EmbeddingBagCollection``."""
+
+    def __init__(self, weight_view: torch.Tensor, mode: str, link: FlatLink) -> None:
+        rows, dim = weight_view.shape
+        super().__init__(rows, dim, mode=mode, include_last_offset=True, _weight=weight_view)
+        self._flat_link = link
+
+
+class TableEmbedding(_FlatTableWeight, nn.Embedding):
+    """A table of ``recom_rec.EmbeddingCollection``."""
+
+    def __init__(self, weight_view: torch.Tensor, link: FlatLink) -> None:
+        rows, dim = weight_view.shape
+        super().__init__(rows, dim, _weight=weight_view)
+        self._flat_link = link
