@@ -1,6 +1,6 @@
 """recom_rec: fused, table-batched embedding layers for torchrec models."""
-from .modules import EmbeddingBagCollection, swap_modules
+from .modules import EmbeddingBagCollection, EmbeddingCollection, swap_modules
 from .quant import quantize
 
-__all__ = ["EmbeddingBagCollection", "quantize", "swap_modules"]
+__all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "quantize", "swap_modules"]
 __version__ = "0.1.0"

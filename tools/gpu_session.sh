@@ -5,7 +5,7 @@
 # GPU), then the benchmarks. Each stage has its own time limit; logs under $OUT. A fresh build comes
 # back as $OUT/_lookup_cuda.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that
 # folder, so the next machine loads it instead of building while the source is unchanged.
-#   STAGES="tests soak nccl dlrm bench sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests soak nccl dlrm bench sequence sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 #   (the tests stage runs the whole suite, tests/, with CUDA tensors in one process; TESTS="files or
 #   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it)
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
@@ -79,6 +79,11 @@ if [[ " $STAGES " == *" ps "* ]]; then
   timeout ${PS_TIMEOUT:-360} python3 -m recom_rec.bench --workloads ps --ps-urls memory://bench \
     redis://local redis+cluster://local --out /tmp/ps 2>&1 | quiet \
     | tee "$OUT/ps.log" | tail -36; cp /tmp/ps.json "$OUT/" 2>/dev/null
+fi
+if [[ " $STAGES " == *" sequence "* ]]; then
+  stage sequence  # EmbeddingCollection: ours vs fbgemm's unpooled TBE and torchrec's module
+  timeout ${SEQ_TIMEOUT:-240} python3 -m recom_rec.bench --workloads sequence --out /tmp/sequence ${SEQ_ARGS:-} 2>&1 \
+    | quiet | tee "$OUT/sequence.log" | tail -8; cp /tmp/sequence.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STAGES " == *" quant "* ]]; then
   stage quant-tests  # quantized inference (issue 21): kernel and module against torchrec/fbgemm, serving

@@ -34,11 +34,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m recom_rec.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", default=None,
-                   choices=list(WORKLOADS) + ["ps", "sharded-dlrm", "sweep"],
+                   choices=list(WORKLOADS) + ["ps", "sequence", "sharded-dlrm", "sweep"],
                    help="not in the default set: 'sweep', ours against fbgemm over a grid of table layouts "
                    "(recom_rec/bench/sweep.py; --warmup/--iters/--out apply); 'ps', a 1e8-row table in the parameter-server tier (see "
                    "--ps-urls); 'sharded-dlrm', a DLRM training step under DistributedModelParallel, ours vs "
-                   "torchrec's sharder (see --worlds). Default: " + " ".join(DEFAULT_WORKLOADS) +
+                   "torchrec's sharder (see --worlds); 'sequence', a sequence model's unpooled lookups (recom_rec.EmbeddingCollection) "
+                   "against fbgemm's TBE in PoolingMode.NONE and torchrec's EmbeddingCollection. Default: " + " ".join(DEFAULT_WORKLOADS) +
                    "; with --phases inference alone: dlrm-kaggle many-500 many-4000")
     p.add_argument("--row-types", nargs="+", default=["int8", "int4", "fp16"],
                    choices=["int8", "int4", "int2", "fp16"], help="row types of --phases inference")
@@ -235,6 +236,13 @@ def main(argv=None):
         ps_results = run_ps_workload(torch.device(args.device), args.ps_urls, args.small or args.device == "cpu")
         print(format_ps(ps_results))
         results = results + ps_results
+    if "sequence" in args.workloads:
+        from .sequence import format_sequence, run_sequence
+
+        sequence_rows = run_sequence(torch.device(args.device), args.small or args.device == "cpu",
+                                     iters=args.iters, warmup=args.warmup)
+        print(format_sequence(sequence_rows))
+        results = results + sequence_rows
     if "sharded-dlrm" in args.workloads:
         from .sharded_dlrm import default_worlds, format_sharded, run_sharded_dlrm
 

@@ -53,3 +53,25 @@ def group_states(fused: Optional[FusedStep], group: int) -> List[Optional[torch.
     first: Optional[torch.Tensor] = states[0] if len(states) > 0 else None
     second: Optional[torch.Tensor] = states[1] if len(states) > 1 else None
     return [first, second]
+
+
+class UnpooledGroupPlan(NamedTuple):
+    """One group of an EmbeddingCollection (one weight dtype, one flat buffer, one launch)."""
+
+    features: List[str]  # KJT key of each output, in the group's output order
+    tables: List[str]  # the table each of those reads
+    embedding_names: List[str]  # each output's key in the module's output (``feature@table`` when shared)
+    names: str  # validation.encode_names of them (an input error's names)
+    num_rows: int  # rows of all the group's tables
+
+
+class UnpooledPlan(NamedTuple):
+    """Every group of an EmbeddingCollection, plus the settings its lookup runs with."""
+
+    groups: List[UnpooledGroupPlan]
+    order: List[Tuple[int, int]]  # the outputs in torchrec's order (tables, then features): (group, index)
+    dim: int  # the tables' common embedding dim
+    need_indices: bool  # each output JaggedTensor carries its ids as weights
+    backend: str
+    validate: bool
+    report_id: int  # input_check.new_report_id

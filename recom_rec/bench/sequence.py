@@ -1,0 +1,221 @@
+"""The ``sequence`` workload: unpooled lookups of a sequence model (``recom_rec.EmbeddingCollection``).
+
+A user-history model's embedding layer: an item table of 10M rows x 256 (fp32, 10 GB: far past
+the L2) read by the history and the target item, and side tables (category, action) read by
+sequences as long as the history; histories of 50-2000 ids (uniform), batches of 128 and 1024
+(the CPU: 20k rows, histories of 5-50, batches of 8 and 32). Peers, on the same KJT and weights:
+ours; fbgemm's TBE in ``PoolingMode.NONE`` (what torchrec's sharded EmbeddingCollection runs), with
+its default bounds check, the SGD fused into its backward as ours; torchrec's EmbeddingCollection
+(an nn.Embedding per table; forward only: its training step writes a dense 10 GB gradient).
+
+Phases: ``forward`` (no_grad) and ``sgd`` (forward + backward with SGD fused, upstream gradient of
+ones). Bytes moved by a forward: each id's row read and written (fp32), plus the ids.
+"""
+import random
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from .timing import time_ms
+
+DIM = 256
+LR = 0.01
+
+
+@dataclass
+class SequenceWorkload:
+    batch_size: int
+    item_rows: int
+    side_rows: List[int]  # category, action
+    history: tuple  # (shortest, longest) history
+
+    def tables(self) -> List[EmbeddingConfig]:
+        return [
+            EmbeddingConfig(name="item", embedding_dim=DIM, num_embeddings=self.item_rows,
+                            feature_names=["history_items", "target_item"]),
+            EmbeddingConfig(name="category", embedding_dim=DIM, num_embeddings=self.side_rows[0],
+                            feature_names=["history_categories"]),
+            EmbeddingConfig(name="action", embedding_dim=DIM, num_embeddings=self.side_rows[1],
+                            feature_names=["history_actions"]),
+        ]
+
+    def make_input(self, device: torch.device, seed: int = 0) -> KeyedJaggedTensor:
+        rng = random.Random(seed)
+        history = [rng.randint(*self.history) for _ in range(self.batch_size)]
+        g = torch.Generator().manual_seed(seed)
+        n = sum(history)
+        keys = ["history_items", "target_item", "history_categories", "history_actions"]
+        values = torch.cat([torch.randint(self.item_rows, (n,), generator=g),
+                            torch.randint(self.item_rows, (self.batch_size,), generator=g),
+                            torch.randint(self.side_rows[0], (n,), generator=g),
+                            torch.randint(self.side_rows[1], (n,), generator=g)])
+        lengths = torch.tensor(history + [1] * self.batch_size + history + history)
+        return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths).to(device)
+
+    def forward_bytes(self, kjt: KeyedJaggedTensor) -> int:
+        n = kjt.values().numel()
+        return n * DIM * 4 * 2 + n * kjt.values().element_size()
+
+
+def workloads(small: bool) -> List[SequenceWorkload]:
+    if small:
+        return [SequenceWorkload(b, 20_000, [1000, 16], (5, 50)) for b in (8, 32)]
+    return [SequenceWorkload(b, 10_000_000, [100_000, 16], (50, 2000)) for b in (128, 1024)]
+
+
+def _feature_of_tables(tables: List[EmbeddingConfig], keys: List[str]) -> List[int]:
+    table_of = {f: i for i, t in enumerate(tables) for f in t.feature_names}
+    return [table_of[k] for k in keys]
+
+
+class _Ours:
+    def __init__(self, w: SequenceWorkload, device, train: bool):
+        import recom_rec
+
+        self.module = recom_rec.EmbeddingCollection(tables=w.tables(), device=device)
+        if train:
+            self.module.enable_fused_optimizer(torch.optim.SGD, lr=LR)
+
+    def load(self, weights: List[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for table, weight in zip(self.module.embeddings.values(), weights):
+                table.weight.copy_(weight)
+
+    def forward(self, kjt) -> torch.Tensor:
+        return torch.cat([jt.values() for jt in self.module(kjt).values()])
+
+    def train_step(self, kjt) -> None:
+        outs = [jt.values() for jt in self.module(kjt).values()]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+
+class _Torchrec(_Ours):
+    def __init__(self, w: SequenceWorkload, device, train: bool):
+        import torchrec
+
+        self.module = torchrec.EmbeddingCollection(tables=w.tables(), device=device)
+
+
+class _Fbgemm:
+    """fbgemm's TBE, unpooled, one table per config and a feature map (as torchrec's sharded EC)."""
+
+    def __init__(self, w: SequenceWorkload, device, train: bool, keys: List[str]):
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode,
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        tables = w.tables()
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(t.num_embeddings, t.embedding_dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
+                             for t in tables],
+            feature_table_map=_feature_of_tables(tables, keys), optimizer=EmbOptimType.EXACT_SGD, learning_rate=LR,
+            pooling_mode=PoolingMode.NONE, weights_precision=SparseType.FP32, output_dtype=SparseType.FP32,
+            device=device, bounds_check_mode=BoundsCheckMode.WARNING)
+
+    def load(self, weights: List[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for mine, weight in zip(self.tbe.split_embedding_weights(), weights):
+                mine.copy_(weight)
+
+    def forward(self, kjt) -> torch.Tensor:
+        return self.tbe(kjt.values(), kjt.offsets())
+
+    def train_step(self, kjt) -> None:
+        out = self.tbe(kjt.values(), kjt.offsets())
+        out.backward(torch.ones_like(out))
+
+
+def _peers(device: torch.device) -> List[str]:
+    names = ["recom_rec", "torchrec"]
+    if device.type == "cuda":
+        from .peers import fbgemm_available
+
+        if fbgemm_available(device):
+            names.insert(1, "fbgemm")
+    return names
+
+
+def _make(name: str, w: SequenceWorkload, device, train: bool, keys: List[str]):
+    if name == "recom_rec":
+        return _Ours(w, device, train)
+    if name == "fbgemm":
+        return _Fbgemm(w, device, train, keys)
+    return _Torchrec(w, device, train)
+
+
+def run_sequence(device: torch.device, small: bool, iters: int = 20, warmup: int = 5) -> List[Dict]:
+    """Per workload, phase and peer: median ms; forwards also compared element for element with
+    ours (``identical``: bit for bit)."""
+    rows: List[Dict] = []
+    for w in workloads(small):
+        kjt = w.make_input(device)
+        keys = kjt.keys()
+        name = f"sequence-b{w.batch_size}"
+        torch.manual_seed(0)
+        weights = [torch.empty(t.num_embeddings, DIM, device=device).uniform_(-0.01, 0.01) for t in w.tables()]
+        reference = None
+        for phase in ("forward", "sgd"):
+            for peer_name in _peers(device):
+                if phase == "sgd" and peer_name == "torchrec":
+                    continue
+                row = {"workload": name, "peer": peer_name, "phase": phase, "ids": kjt.values().numel()}
+                peer = _make(peer_name, w, device, phase == "sgd", keys)
+                peer.load(weights)
+                if phase == "forward":
+                    with torch.no_grad():
+                        out = peer.forward(kjt)
+                        if reference is None:
+                            reference = out
+                        row["identical"] = bool(torch.equal(out, reference))
+                        del out
+
+                    def step():
+                        with torch.no_grad():
+                            peer.forward(kjt)
+                else:
+                    def step():
+                        peer.train_step(kjt)
+                row["ms"] = time_ms(step, device, warmup=warmup, iters=iters)
+                if phase == "forward":
+                    row["gbs"] = w.forward_bytes(kjt) / (row["ms"] * 1e-3) / 1e9
+                rows.append(row)
+                del peer, step
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        del reference, weights
+    return rows
+
+
+def format_sequence(rows: List[Dict]) -> str:
+    """One line per workload and phase: each peer's ms, and ours over each (in-run ratios)."""
+    lines = ["sequence (EmbeddingCollection): median ms; ours' speed-up over each peer in this run",
+             f"{'workload':<16}{'phase':<9}{'ids':>10}  {'recom_rec':>10}{'fbgemm':>10}{'torchrec':>10}"
+             f"{'x fbgemm':>10}{'x torchrec':>11}{'GB/s':>8}  identical"]
+    by = {(r["workload"], r["phase"], r["peer"]): r for r in rows}
+    for workload, phase in dict.fromkeys((r["workload"], r["phase"]) for r in rows):
+        ours = by.get((workload, phase, "recom_rec"))
+        if ours is None:
+            continue
+        cells = []
+        for peer in ("recom_rec", "fbgemm", "torchrec"):
+            r = by.get((workload, phase, peer))
+            cells.append(f"{r['ms']:>10.3f}" if r else f"{'-':>10}")
+        ratios = []
+        for peer in ("fbgemm", "torchrec"):
+            r = by.get((workload, phase, peer))
+            ratios.append(f"{r['ms'] / ours['ms']:>10.2f}x" if r else f"{'-':>11}")
+        same = ",".join(f"{p}={by[(workload, phase, p)]['identical']}" for p in ("fbgemm", "torchrec")
+                        if (workload, phase, p) in by and "identical" in by[(workload, phase, p)])
+        gbs = f"{ours['gbs']:>8.0f}" if "gbs" in ours else f"{'':>8}"
+        lines.append(f"{workload:<16}{phase:<9}{ours['ids']:>10}  {''.join(cells)}{''.join(ratios)}{gbs}  {same}")
+    return "\n".join(lines)

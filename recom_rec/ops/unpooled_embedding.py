@@ -1,0 +1,233 @@
+"""The fused unpooled lookup (``recom_rec.EmbeddingCollection``) as torch custom ops.
+
+``recom_rec::unpooled_embedding_forward`` gathers one row per id for every feature of a group of
+tables from one flat weight buffer in a single kernel: a ``[M, dim]`` fp32 block whose rows
+``[out_start[f], out_start[f + 1])`` are feature f's ids in their KJT order. Its autograd formula
+calls ``unpooled_embedding_backward`` (dense gradient of the flat buffer) or, with a fused
+optimizer, ``fused_unpooled_update`` (rows and optimizer state updated in place).
+
+``segments`` (int64 ``[4, F + 1]``, built per batch by ``segments_for``) says where each feature's
+ids are: row 0 its first output row (plus the total), row 1 its first position in the KJT's
+values, rows 2-3 its key's first bag and number of bags in the KJT's offsets (for the batch index
+of an input error).
+"""
+from functools import lru_cache
+from typing import List, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from . import unpooled_torch
+from .backends import resolve_backend
+from .input_check import kernel_report
+from .plan import FusedStep, group_states
+from .pooled_embedding import _eager_ok, _wants_grad
+
+
+@lru_cache(maxsize=None)
+def _triton():
+    from ..kernels import unpooled_triton
+
+    return unpooled_triton
+
+
+def _on_kernels(backend: str, device: torch.device) -> bool:
+    """Whether the Triton kernels run (the CUDA C++ backend has no unpooled kernel: "cuda" runs
+    them too); else the torch path."""
+    return resolve_backend(backend, device) != "torch"
+
+
+def segments_for(key_index: List[int], length_per_key: List[int], offset_per_key: List[int],
+                 stride_per_key: List[int], device: torch.device) -> Tensor:
+    """The ``segments`` of a batch (see the module docstring) for features reading the KJT's keys
+    ``key_index``, from its per-key lengths, offsets and strides (host lists). (TorchScript
+    compiles it too: the scripted EmbeddingCollection calls it.)"""
+    bag_start: List[int] = [0]
+    for s in stride_per_key:
+        bag_start.append(bag_start[-1] + s)
+    out_start: List[int] = [0]
+    value_start: List[int] = []
+    first_bag: List[int] = []
+    bags: List[int] = []
+    for k in key_index:
+        out_start.append(out_start[-1] + length_per_key[k])
+        value_start.append(offset_per_key[k])
+        first_bag.append(bag_start[k])
+        bags.append(stride_per_key[k])
+    rows = [out_start, value_start + [0], first_bag + [0], bags + [0]]
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _forward_impl(flat, values, offsets, segments, feature_meta, num_outputs, dim, backend, validate, names,
+                  report_id):
+    if not _on_kernels(backend, flat.device):
+        if validate:
+            unpooled_torch.validate_ids(values, offsets, segments, feature_meta, num_outputs, names)
+        return unpooled_torch.forward(flat, values, segments, feature_meta, num_outputs, dim)
+    # The kernel checks each id as it reads it and reports without a sync (input_check).
+    check = kernel_report(flat, names, report_id) if validate else None
+    return _triton().forward(flat, values, segments, feature_meta, offsets, num_outputs, dim, check=check)
+
+
+@torch.library.custom_op("recom_rec::unpooled_embedding_forward", mutates_args=())
+def unpooled_embedding_forward(
+    weights: List[Tensor],
+    flat: Tensor,
+    values: Tensor,
+    offsets: Tensor,
+    segments: Tensor,
+    feature_meta: Tensor,
+    num_outputs: int,
+    dim: int,
+    backend: str,
+    validate: bool,
+    names: str,
+    optimizer: int,
+    state1: Optional[Tensor],
+    state2: Optional[Tensor],
+    state1_is_row: bool,
+    hyper: Optional[Tensor],
+    step: Optional[Tensor],
+    report_id: int = 0,
+) -> Tensor:
+    """``[num_outputs, dim]`` fp32: every id's row. ``weights`` are what autograd differentiates
+    against (the tables' Parameters, or an anchor with a fused optimizer: ``optimizer >= 0``, an
+    ``optim.spec`` kind, updates ``flat`` and the states in the backward)."""
+    return _forward_impl(flat, values, offsets, segments, feature_meta, num_outputs, dim, backend, validate, names,
+                         report_id)
+
+
+@unpooled_embedding_forward.register_fake
+def _(weights, flat, values, offsets, segments, feature_meta, num_outputs, dim, backend, validate, names, optimizer,
+      state1, state2, state1_is_row, hyper, step, report_id=0):
+    return flat.new_empty((num_outputs, dim), dtype=torch.float32)
+
+
+def _backward_impl(grad_output, values, segments, feature_meta, total_numel, dim, dtype, backend):
+    if _on_kernels(backend, grad_output.device):
+        return _triton().backward(grad_output, values, segments, feature_meta, total_numel, dtype, dim)
+    return unpooled_torch.backward(grad_output, values, segments, feature_meta, total_numel, dim, dtype)
+
+
+@torch.library.custom_op("recom_rec::unpooled_embedding_backward", mutates_args=())
+def unpooled_embedding_backward(grad_output: Tensor, values: Tensor, segments: Tensor, feature_meta: Tensor,
+                                total_numel: int, dim: int, dtype: torch.dtype, backend: str) -> Tensor:
+    """Dense gradient ``[total_numel]`` of the flat weight buffer, in the weights' dtype."""
+    return _backward_impl(grad_output, values, segments, feature_meta, total_numel, dim, dtype, backend)
+
+
+@unpooled_embedding_backward.register_fake
+def _(grad_output, values, segments, feature_meta, total_numel, dim, dtype, backend):
+    return grad_output.new_empty((total_numel,), dtype=dtype)
+
+
+def _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, segments, feature_meta,
+                       dim, optimizer, backend):
+    states = [t for t in (state1, state2) if t is not None]
+    if _on_kernels(backend, flat.device):
+        _triton().fused_update(grad_output, flat, states, hyper, step, values, segments, feature_meta, dim, optimizer)
+    else:
+        unpooled_torch.fused_update(grad_output, flat, states, [state1_is_row, False][:len(states)], hyper, step,
+                                    values, segments, feature_meta, dim, optimizer)
+
+
+@torch.library.custom_op("recom_rec::fused_unpooled_update", mutates_args=("flat", "state1", "state2"))
+def fused_unpooled_update(grad_output: Tensor, flat: Tensor, state1: Optional[Tensor], state2: Optional[Tensor],
+                          state1_is_row: bool, hyper: Tensor, step: Tensor, values: Tensor, segments: Tensor,
+                          feature_meta: Tensor, dim: int, optimizer: int, backend: str) -> None:
+    """The backward with the optimizer fused in: the touched rows of ``flat`` and their state,
+    updated in place (duplicate ids summed first)."""
+    _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, segments, feature_meta,
+                       dim, optimizer, backend)
+
+
+@fused_unpooled_update.register_fake
+def _(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, segments, feature_meta, dim, optimizer,
+      backend):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    (weights, flat, values, _offsets, segments, feature_meta, _num_outputs, dim, backend, _validate, _names,
+     optimizer, state1, state2, state1_is_row, hyper, step, _report_id) = inputs
+    ctx.save_for_backward(values, segments, feature_meta)
+    # Held, not saved (as the pooled lookup's): a fused update bumps their versions, and one graph
+    # may use the module twice.
+    ctx.flat, ctx.states, ctx.hyper, ctx.step = flat, (state1, state2), hyper, step
+    ctx.optimizer, ctx.state1_is_row, ctx.dim, ctx.backend = optimizer, state1_is_row, dim, backend
+    ctx.tables = list(weights)
+
+
+def _weight_grads(ctx, grad_output: Tensor, wants_weights: bool, as_ops: bool) -> Optional[List[Tensor]]:
+    values, segments, feature_meta = ctx.saved_tensors
+    if not (ctx.tables and wants_weights):
+        return None
+    flat = ctx.flat
+    if ctx.optimizer >= 0:
+        (state1, state2) = ctx.states
+        args = (grad_output, flat, state1, state2, ctx.state1_is_row, ctx.hyper, ctx.step, values, segments,
+                feature_meta, ctx.dim, ctx.optimizer, ctx.backend)
+        if as_ops:
+            fused_unpooled_update(*args)
+        else:
+            _fused_update_impl(*args)
+            torch.autograd.graph.increment_version([t for t in (flat, state1, state2) if t is not None])
+        return None
+    args = (grad_output, values, segments, feature_meta, flat.shape[0], ctx.dim, flat.dtype, ctx.backend)
+    grad_flat = unpooled_embedding_backward(*args) if as_ops else _backward_impl(*args)
+    return list(torch._C._nn.unflatten_dense_tensors(grad_flat, ctx.tables))
+
+
+def _backward(ctx, grad_output):
+    grads = _weight_grads(ctx, grad_output.contiguous(), _wants_grad(ctx.needs_input_grad[0]), as_ops=True)
+    return (grads if grads is not None else [None] * len(ctx.tables),) + (None,) * 17
+
+
+unpooled_embedding_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerLookup(torch.autograd.Function):
+    """The same bodies without torch.library's Python layers in plain eager mode (as the pooled
+    lookup's _EagerLookup: those layers cost more host time than a small batch's kernels)."""
+
+    @staticmethod
+    def forward(ctx, flat, values, offsets, segments, feature_meta, num_outputs, dim, backend, validate, names,
+                optimizer, state1, state2, state1_is_row, hyper, step, report_id, *weights):
+        out = _forward_impl(flat, values, offsets, segments, feature_meta, num_outputs, dim, backend, validate, names,
+                            report_id)
+        _setup_context(ctx, (list(weights), flat, values, offsets, segments, feature_meta, num_outputs, dim, backend,
+                             validate, names, optimizer, state1, state2, state1_is_row, hyper, step, report_id), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grads = _weight_grads(ctx, grad_output.contiguous(), any(ctx.needs_input_grad[17:]), as_ops=False)
+        return (None,) * 17 + tuple(grads if grads is not None else [None] * len(ctx.tables))
+
+
+class UnpooledBatch(NamedTuple):
+    """One batch's tensors and layout as a group's lookup reads them."""
+
+    values: Tensor
+    offsets: Tensor
+    segments: Tensor
+    num_outputs: int
+
+
+def unpooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, batch: UnpooledBatch, dim: int,
+                    backend: str, validate: bool, names: str, report_id: int, fused: Optional[FusedStep] = None,
+                    group_index: int = 0) -> Tensor:
+    """``unpooled_embedding_forward`` with its autograd formula for one group: the registered op
+    when traced or compiled, else the same bodies at eager cost."""
+    state1, state2 = group_states(fused, group_index)
+    kind = fused.kind if fused is not None else -1
+    hyper = fused.hyper if fused is not None else None
+    step = fused.step if fused is not None else None
+    row_state = fused.state1_is_row if fused is not None else False
+    if _eager_ok(weights, flat, batch.values, batch.offsets, batch.segments, feature_meta, state1, state2, hyper, step):
+        return _EagerLookup.apply(flat, batch.values, batch.offsets, batch.segments, feature_meta, batch.num_outputs,
+                                  dim, backend, validate, names, kind, state1, state2, row_state, hyper, step,
+                                  report_id, *weights)
+    return unpooled_embedding_forward(weights, flat, batch.values, batch.offsets, batch.segments, feature_meta,
+                                      batch.num_outputs, dim, backend, validate, names, kind, state1, state2,
+                                      row_state, hyper, step, report_id)

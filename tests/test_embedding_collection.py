@@ -1,0 +1,299 @@
+"""recom_rec.EmbeddingCollection against torchrec's EmbeddingCollection: the same keys, order, lengths,
+indices and embeddings (bit for bit), the same gradients, fused training equal to torchrec's module
+trained by a torch optimizer, and torchrec's own checks for the module (forward, indices, fx and
+TorchScript, meta device, duplicate tables), on every kernel backend (Triton under its interpreter
+on the CPU)."""
+import io
+import random
+
+import pytest
+import torch
+import torchrec
+from torchrec.fx import symbolic_trace
+from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
+from torchrec.optim import RowWiseAdagrad
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import recom_rec
+from ebc_cases import DEVICE, KERNEL_BACKENDS
+
+
+def _tables(seed: int, dtype=DataType.FP32):
+    """1-4 tables of one random dim, 1-3 features each, some features read by two tables."""
+    rng = random.Random(seed)
+    dim = rng.choice([1, 3, 4, 8, 16, 33, 64])
+    tables, feature = [], 0
+    for t in range(rng.randint(1, 4)):
+        names = [f"f{feature + i}" for i in range(rng.randint(1, 3))]
+        feature += len(names)
+        if t and rng.random() < 0.4:
+            names.append(tables[0].feature_names[0])  # shared with table 0: outputs "f@t0", "f@t<t>"
+        tables.append(EmbeddingConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=rng.randint(1, 50),
+                                      feature_names=names, data_type=dtype))
+    return tables
+
+
+def _copy(tables):
+    return [EmbeddingConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
+                            feature_names=list(t.feature_names), data_type=t.data_type) for t in tables]
+
+
+def _kjt(tables, seed: int, batch: int = 5, max_len: int = 6) -> KeyedJaggedTensor:
+    """Keys in a shuffled order plus one the module does not read; bags of 0-max_len ids (some
+    features empty for the whole batch); ids within every table that reads the key."""
+    rng = random.Random(seed)
+    rows = {}
+    for t in tables:
+        for f in t.feature_names:
+            rows[f] = min(rows.get(f, t.num_embeddings), t.num_embeddings)
+    keys = list(rows) + ["unread"]
+    rows["unread"] = 1000
+    rng.shuffle(keys)
+    lengths, values = [], []
+    for key in keys:
+        empty = rng.random() < 0.15
+        for _ in range(batch):
+            n = 0 if empty else rng.randint(0, max_len)
+            lengths.append(n)
+            values.extend(rng.randrange(rows[key]) for _ in range(n))
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.tensor(values, dtype=torch.int64),
+                                               lengths=torch.tensor(lengths)).to(DEVICE)
+
+
+def _pair(tables, backend, need_indices=False):
+    torch.manual_seed(0)
+    theirs = torchrec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, need_indices=need_indices)
+    torch.manual_seed(0)
+    ours = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, need_indices=need_indices,
+                                         backend=backend)
+    return ours, theirs
+
+
+def _assert_same_output(ours, theirs):
+    assert list(ours) == list(theirs)
+    for k in theirs:
+        assert ours[k].values().dtype == theirs[k].values().dtype == torch.float32
+        assert torch.equal(ours[k].values(), theirs[k].values()), k
+        assert torch.equal(ours[k].lengths(), theirs[k].lengths()), k
+        w, tw = ours[k].weights_or_none(), theirs[k].weights_or_none()
+        assert (w is None) == (tw is None) and (w is None or torch.equal(w, tw)), k
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("seed", range(8))
+def test_forward_and_weights_equal_torchrec(backend, seed):
+    tables = _tables(seed, dtype=DataType.FP16 if seed % 4 == 3 else DataType.FP32)
+    ours, theirs = _pair(tables, backend, need_indices=seed % 2 == 0)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    for k, v in theirs.state_dict().items():  # same draws under one seed
+        assert torch.equal(v, ours.state_dict()[k]), k
+    for s in range(2):
+        kjt = _kjt(tables, seed * 10 + s, batch=1 + s * 6)
+        _assert_same_output(ours(kjt), theirs(kjt))
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_tables_read_exactly(backend, dtype):
+    """fp16 and bf16 rows widened to fp32 exactly (torchrec has no bf16 EmbeddingCollection: its
+    non-fp32 tables are fp16): against the rows themselves."""
+    tables = _tables(3, DataType.FP16 if dtype == torch.float16 else DataType.BF16)
+    ours = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, backend=backend)
+    kjt = _kjt(tables, 7)
+    out = ours(kjt)
+    features = kjt.to_dict()
+    for t in tables:
+        weight = ours.embeddings[t.name].weight
+        assert weight.dtype == dtype
+        for f in t.feature_names:
+            name = f if sum(f in u.feature_names for u in tables) == 1 else f"{f}@{t.name}"
+            assert torch.equal(out[name].values(), weight[features[f].values()].float())
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("seed", range(4))
+def test_dense_gradients_match_torchrec(backend, seed):
+    tables = _tables(seed)
+    ours, theirs = _pair(tables, backend)
+    kjt = _kjt(tables, seed, batch=6)
+    g = torch.Generator().manual_seed(seed)
+    out, ref = ours(kjt), theirs(kjt)
+    upstream = {k: torch.randn(v.values().shape, generator=g).to(DEVICE) for k, v in ref.items()}
+    sum((out[k].values() * u).sum() for k, u in upstream.items()).backward()
+    sum((ref[k].values() * u).sum() for k, u in upstream.items()).backward()
+    for name, table in theirs.embeddings.items():
+        expected = table.weight.grad if table.weight.grad is not None else torch.zeros_like(table.weight)
+        got = ours.embeddings[name].weight.grad
+        got = got if got is not None else torch.zeros_like(expected)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def _train(module, tables, optimizer=None, steps=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    outs = []
+    for s in range(steps):
+        kjt = _kjt(tables, 100 + s, batch=4, max_len=5)
+        out = module(kjt)
+        loss = sum((v.values() * torch.randn(v.values().shape, generator=g).to(DEVICE)).sum()
+                   + 0.1 * v.values().pow(2).sum() for v in out.values())
+        if optimizer is not None:
+            optimizer.zero_grad()
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        outs.append(torch.cat([v.values().detach() for v in out.values()]))
+    return outs
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("opt_class,kwargs", [
+    (torch.optim.SGD, {"lr": 0.3}),
+    (torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-8}),
+    (RowWiseAdagrad, {"lr": 0.2, "eps": 1e-8}),
+])
+@pytest.mark.parametrize("seed", [0, 5])
+def test_fused_training_matches_torchrec_with_torch_optimizer(backend, opt_class, kwargs, seed):
+    """Duplicate ids within and across features summed before the update (as torch's dense
+    optimizers see them); rows without a gradient untouched by these optimizers either way."""
+    tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=[4, 8][seed % 2], num_embeddings=6 + 3 * i,
+                              feature_names=[f"f{i}", f"g{i}"]) for i in range(3)]
+    ours, theirs = _pair(tables, backend)
+    ours.enable_fused_optimizer(opt_class, **kwargs)
+    outs = _train(ours, tables, seed=seed)
+    ref = _train(theirs, tables, opt_class(theirs.parameters(), **kwargs), seed=seed)
+    for a, b in zip(outs, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for k, v in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opt_class,kwargs", [
+    (torch.optim.Adam, {"lr": 0.05}),
+    (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}),
+    (torch.optim.Adagrad, {"lr": 0.2}),
+])
+def test_fused_kernels_match_the_torch_reference(opt_class, kwargs):
+    """Sparse Adam (only the touched rows move, as fbgemm's) has no dense torch equivalent: the
+    kernels against the torch path, which is its reference."""
+    tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=12, num_embeddings=7 + i, feature_names=[f"f{i}"])
+              for i in range(3)]
+    runs = {}
+    for backend in KERNEL_BACKENDS:
+        torch.manual_seed(0)
+        module = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, backend=backend)
+        module.enable_fused_optimizer(opt_class, **kwargs)
+        runs[backend] = (_train(module, tables), module.state_dict())
+    ref_outs, ref_state = runs.pop("torch")
+    for outs, state in runs.values():
+        for a, b in zip(outs, ref_outs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_apply_optimizer_in_backward_is_fused_and_checkpoints_round_trip():
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    tables = _tables(2)
+    ours, theirs = _pair(tables, "auto")
+    _apply_optimizer_in_backward(torch.optim.SGD, ours.parameters(), {"lr": 0.5})
+    _train(ours, tables, steps=2)
+    assert ours.fused_optimizer is not None
+    assert all(p.grad is None for p in ours.parameters())
+    _train(theirs, tables, torch.optim.SGD(theirs.parameters(), lr=0.5), steps=2)
+    for k, v in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+    buffer = io.BytesIO()
+    torch.save(ours.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE)
+    fresh.enable_fused_optimizer(torch.optim.SGD, lr=0.5)  # so that its step counter loads too
+    fresh.load_state_dict(torch.load(buffer))
+    assert int(fresh.fused_optimizer_step) == 2
+    kjt = _kjt(tables, 3)
+    _assert_same_output(fresh(kjt), theirs(kjt))
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_bad_ids_name_feature_table_and_batch_index(backend):
+    tables = [EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["a"]),
+              EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=5, feature_names=["b"])]
+    module = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, backend=backend)
+    for bad, what in ((5, "out of range for 5 rows"), (-2, "negative")):
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["a", "b"], values=torch.tensor([1, 2, 3, 0, 4, bad, 1]),
+                                                  lengths=torch.tensor([2, 1, 2, 2])).to(DEVICE)
+        with pytest.raises(ValueError) as error:
+            module(kjt)
+            module.check_inputs()  # the kernels report without a sync: raised here at the latest
+        message = str(error.value)
+        assert "'b'" in message and "'t1'" in message and f"id {bad}" in message and "batch index 1" in message
+        assert what in message
+    good = KeyedJaggedTensor.from_lengths_sync(keys=["a", "b"], values=torch.tensor([1, 4]),
+                                               lengths=torch.tensor([1, 1])).to(DEVICE)
+    module(good)
+    module.check_inputs()  # nothing left over from the bad batches
+
+
+def test_missing_keys_and_lengths_that_do_not_add_up():
+    tables = [EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["a", "b"])]
+    module = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE)
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["a"], values=torch.tensor([1]), lengths=torch.tensor([1]))
+    with pytest.raises(ValueError, match="missing feature.*'b' \\(table 't0'\\)"):
+        module(kjt.to(DEVICE))
+    short = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="lengths add up to 2 but there are 3 values"):
+        module(short.to(DEVICE))
+
+
+def test_construction_errors_as_torchrec():
+    with pytest.raises(ValueError, match="same embedding dimension"):
+        recom_rec.EmbeddingCollection(tables=[
+            EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["a"]),
+            EmbeddingConfig(name="t1", embedding_dim=8, num_embeddings=10, feature_names=["b"])])
+    with pytest.raises(ValueError, match="Duplicate table name"):
+        recom_rec.EmbeddingCollection(tables=[
+            EmbeddingConfig(name="t0", embedding_dim=2, num_embeddings=10, feature_names=["a"]),
+            EmbeddingConfig(name="t0", embedding_dim=2, num_embeddings=10, feature_names=["b"])])
+    with pytest.raises(ValueError, match="'t0'"):
+        recom_rec.EmbeddingCollection(tables=[EmbeddingConfig(name="t0", embedding_dim=0, num_embeddings=10)])
+
+
+def _torchrec_example():
+    """torchrec's own example for the module (its tests': two tables, f2 read by both)."""
+    tables = [EmbeddingConfig(name="t1", embedding_dim=5, num_embeddings=10, feature_names=["f1", "f2"]),
+              EmbeddingConfig(name="t2", embedding_dim=5, num_embeddings=10, feature_names=["f2"])]
+    kjt = KeyedJaggedTensor.from_offsets_sync(keys=["f1", "f2"], values=torch.tensor([0, 1, 2, 3]),
+                                              offsets=torch.tensor([0, 2, 3, 3, 4]))
+    return tables, kjt.to(DEVICE)
+
+
+def test_torchrec_forward_indices_fx_and_script():
+    tables, kjt = _torchrec_example()
+    module = recom_rec.EmbeddingCollection(tables=tables, device=DEVICE, need_indices=True)
+    out = module(kjt)
+    assert {k: tuple(v.values().shape) for k, v in out.items()} == {"f1": (3, 5), "f2@t1": (1, 5), "f2@t2": (1, 5)}
+    assert torch.equal(out["f1"].weights().cpu(), torch.tensor([0, 1, 2]))
+    assert torch.equal(out["f2@t2"].weights().cpu(), torch.tensor([3]))
+    traced = symbolic_trace(module)
+    for graph in (traced, torch.jit.script(traced), torch.jit.script(module)):
+        _assert_same_output(graph(kjt), out)
+
+
+def test_meta_construction_then_materialised():
+    tables, kjt = _torchrec_example()
+    module = recom_rec.EmbeddingCollection(tables=_copy(tables), device=torch.device("meta"))
+    assert module.embeddings["t1"].weight.device.type == "meta"
+    with torch.device("meta"):
+        assert recom_rec.EmbeddingCollection(tables=_copy(tables)).embeddings["t2"].weight.device.type == "meta"
+    torch.manual_seed(0)
+    theirs = torchrec.EmbeddingCollection(tables=_copy(tables), device=DEVICE)
+    module = module.to_empty(device=DEVICE)
+    module.load_state_dict(theirs.state_dict())
+    _assert_same_output(module(kjt), theirs(kjt))
+
+
+def test_torch_compile_keeps_numbers():
+    tables, kjt = _torchrec_example()
+    module = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE)
+    compiled = torch.compile(module, backend="eager")
+    _assert_same_output(compiled(kjt), module(kjt))
