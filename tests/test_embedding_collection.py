@@ -184,11 +184,13 @@ def test_fused_kernels_match_the_torch_reference(opt_class, kwargs):
         module.enable_fused_optimizer(opt_class, **kwargs)
         runs[backend] = (_train(module, tables), module.state_dict())
     ref_outs, ref_state = runs.pop("torch")
+    # Adam divides by sqrt(v) + eps: the GPU's and the CPU's rounding of it differ by ~1e-6 at
+    # weights of ~0.1 (seen on the H200).
     for outs, state in runs.values():
         for a, b in zip(outs, ref_outs):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         for k, v in ref_state.items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5)
 
 
 def test_apply_optimizer_in_backward_is_fused_and_checkpoints_round_trip():
@@ -297,3 +299,95 @@ def test_torch_compile_keeps_numbers():
     module = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE)
     compiled = torch.compile(module, backend="eager")
     _assert_same_output(compiled(kjt), module(kjt))
+
+
+SLOTS = 12
+
+
+def _mc_wrapped(ec):
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+    from torchrec.modules.mc_modules import (
+        DistanceLFU_EvictionPolicy,
+        ManagedCollisionCollection,
+        MCHManagedCollisionModule,
+    )
+
+    configs = ec.embedding_configs()
+    mcc = ManagedCollisionCollection({
+        c.name: MCHManagedCollisionModule(zch_size=SLOTS, device=DEVICE, eviction_interval=1, input_hash_size=500,
+                                          eviction_policy=DistanceLFU_EvictionPolicy())
+        for c in configs}, configs)
+    return ManagedCollisionEmbeddingCollection(ec, mcc, return_remapped_features=True)
+
+
+def test_managed_collision_wraps_ours_and_trains_with_the_fused_optimizer():
+    """torchrec's ManagedCollisionEmbeddingCollection around ours: raw ids remapped to slots, the
+    same embeddings and training as around torchrec's module (apply_optimizer_in_backward)."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    tables = [EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=SLOTS, feature_names=["f1"]),
+              EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=SLOTS, feature_names=["f2"])]
+    torch.manual_seed(0)
+    ours = _mc_wrapped(recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE))
+    theirs = _mc_wrapped(torchrec.EmbeddingCollection(tables=_copy(tables), device=DEVICE))
+    theirs.load_state_dict(ours.state_dict())
+    for model in (ours, theirs):
+        _apply_optimizer_in_backward(torch.optim.Adagrad, model._embedding_module.parameters(), {"lr": 0.2})
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        lengths = torch.randint(0, 4, (2 * 4,), generator=g)
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2"],
+                                                  values=torch.randint(0, 500, (int(lengths.sum()),), generator=g),
+                                                  lengths=lengths).to(DEVICE)
+        (a, remapped_a), (b, remapped_b) = ours(kjt), theirs(kjt)
+        for key in ("f1", "f2"):
+            assert torch.equal(remapped_a[key].values(), remapped_b[key].values())
+            assert bool((remapped_a[key].values() < SLOTS).all())
+        assert list(a) == list(b)
+        for key in a:  # after fused and torch Adagrad steps: equal up to rounding
+            torch.testing.assert_close(a[key].values(), b[key].values())
+            assert torch.equal(a[key].lengths(), b[key].lengths())
+        sum(jt.values().square().sum() for jt in a.values()).backward()
+        sum(jt.values().square().sum() for jt in b.values()).backward()
+    assert ours._embedding_module.fused_optimizer is not None
+    for name in ("t1", "t2"):
+        torch.testing.assert_close(ours._embedding_module.embeddings[name].weight,
+                                   theirs._embedding_module.embeddings[name].weight)
+
+
+def test_swap_modules_replaces_torchrecs_module_in_a_model():
+    """A sequence model holding torchrec's EmbeddingCollection twice (shared) and once nested:
+    swapped, the same outputs and gradients, sharing kept, apply_optimizer_in_backward carried."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    tables = _tables(4)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ec = torchrec.EmbeddingCollection(tables=_copy(tables), device=DEVICE)
+            self.alias = self.ec
+            self.inner = torch.nn.ModuleList([torchrec.EmbeddingCollection(tables=_copy(tables), device=DEVICE)])
+
+        def forward(self, kjt):
+            out = self.ec(kjt)
+            return torch.cat([jt.values() for jt in out.values()]).sum(1) + \
+                torch.cat([jt.values() for jt in self.inner[0](kjt).values()]).sum(1)
+
+    torch.manual_seed(1)
+    model = Model()
+    reference = Model()
+    reference.load_state_dict(model.state_dict())
+    _apply_optimizer_in_backward(torch.optim.SGD, model.inner[0].parameters(), {"lr": 0.1})
+    swapped = recom_rec.swap_modules(model)
+    assert isinstance(swapped.ec, recom_rec.EmbeddingCollection) and swapped.alias is swapped.ec
+    assert isinstance(swapped.inner[0], recom_rec.EmbeddingCollection)
+    assert list(swapped.state_dict()) == list(reference.state_dict())
+    kjt = _kjt(tables, 9)
+    out, ref = swapped(kjt), reference(kjt)
+    assert torch.equal(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    for name, table in reference.ec.embeddings.items():
+        torch.testing.assert_close(swapped.ec.embeddings[name].weight.grad, table.weight.grad)
+    assert swapped.inner[0].fused_optimizer is not None

@@ -9,7 +9,10 @@ its default bounds check, the SGD fused into its backward as ours; torchrec's Em
 (an nn.Embedding per table; forward only: its training step writes a dense 10 GB gradient).
 
 Phases: ``forward`` (no_grad) and ``sgd`` (forward + backward with SGD fused, upstream gradient of
-ones). Bytes moved by a forward: each id's row read and written (fp32), plus the ids.
+ones). The modules' forwards include splitting their output into one JaggedTensor a feature (and
+their backward the gathering of those gradients into one, autograd's copy); fbgemm's TBE returns
+one tensor and takes one gradient. Bytes moved by a forward: each id's row read and written (fp32),
+plus the ids.
 """
 import random
 from dataclasses import dataclass
@@ -84,8 +87,8 @@ class _Ours:
             for table, weight in zip(self.module.embeddings.values(), weights):
                 table.weight.copy_(weight)
 
-    def forward(self, kjt) -> torch.Tensor:
-        return torch.cat([jt.values() for jt in self.module(kjt).values()])
+    def forward(self, kjt):
+        return self.module(kjt)
 
     def train_step(self, kjt) -> None:
         outs = [jt.values() for jt in self.module(kjt).values()]
@@ -135,6 +138,11 @@ class _Fbgemm:
         out.backward(torch.ones_like(out))
 
 
+def _flat(out) -> torch.Tensor:
+    """A peer's forward as one tensor in KJT order (the modules' dicts follow it here)."""
+    return torch.cat([jt.values() for jt in out.values()]) if isinstance(out, dict) else out
+
+
 def _peers(device: torch.device) -> List[str]:
     names = ["recom_rec", "torchrec"]
     if device.type == "cuda":
@@ -173,7 +181,7 @@ def run_sequence(device: torch.device, small: bool, iters: int = 20, warmup: int
                 peer.load(weights)
                 if phase == "forward":
                     with torch.no_grad():
-                        out = peer.forward(kjt)
+                        out = _flat(peer.forward(kjt))
                         if reference is None:
                             reference = out
                         row["identical"] = bool(torch.equal(out, reference))

@@ -7,8 +7,8 @@ from ``value_start[f]`` (``segments``, built by ops/unpooled_embedding.py). A pr
 BLOCK_R output rows and BLOCK_D columns; a row finds its feature by a binary search of
 ``out_start`` (F + 1 words, in L1).
 
-The backward reuses the pooled lookup's piece kernels (pooled_triton.py): only the expansion
-differs: an output row is one lookup whose gradient row is its own row of ``grad_output``.
+The backward needs only each output row's row key (``row_keys``): ops/unpooled_embedding.py runs
+it as the pooled lookup's backward of one-id bags over the group's whole buffer.
 """
 import torch
 import triton
@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..ops.layout import META_WIDTH
 from .grid_math import cdiv, next_power_of_2
-from .pooled_triton import _report, plan_sorted_lookups, run_backward
+from .pooled_triton import _report
 
 # segments' rows (ops/unpooled_embedding.py)
 SEG_OUT, SEG_VALUE, SEG_BAG, SEG_STRIDE = 0, 1, 2, 3
@@ -97,21 +97,16 @@ def _unpooled_forward_kernel(
 
 
 @triton.jit
-def _unpooled_expand_kernel(
-    values_ptr, seg_ptr, meta_ptr, row_key_ptr, src_ptr, scale_ptr, feature_ptr,
-    num_outputs, num_features, seg_stride, dim,
+def _row_key_kernel(
+    values_ptr, seg_ptr, meta_ptr, row_key_ptr, num_outputs, num_features, seg_stride,
     META_W: tl.constexpr, BLOCK_R: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
-    """The backward's lookups: output row r reads row key ``row_base + id`` and its gradient is
-    ``grad_output[r]``."""
+    """Each output row's row key (its table's row base + id; row 0 of the table for a bad id)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = r < num_outputs
     f, pos, idx, rows, key, bad = _row_lookup(values_ptr, seg_ptr, meta_ptr, r, live, num_features, seg_stride,
                                               META_W, SEARCH_STEPS)
-    tl.store(row_key_ptr + r, key.to(row_key_ptr.dtype.element_ty), mask=live)
-    tl.store(src_ptr + r, r * dim, mask=live)
-    tl.store(scale_ptr + r, tl.full([BLOCK_R], 1.0, tl.float32), mask=live)
-    tl.store(feature_ptr + r, f.to(tl.int32), mask=live)
+    tl.store(row_key_ptr + r, key, mask=live)
 
 
 def _search_steps(num_features: int) -> int:
@@ -119,10 +114,11 @@ def _search_steps(num_features: int) -> int:
 
 
 def _forward_block(dim: int):
-    """(rows, columns) a program covers: a row's columns in one or a few 128-wide blocks, ~4k
-    elements a program."""
-    block_d = min(next_power_of_2(dim), 128)
-    return max(1, 4096 // block_d), block_d
+    """(rows, columns) a program covers: whole rows (up to 512 columns), ~1K elements a program,
+    and its warps. At dim 256 on the H200 (docs/perf-notes.md, v40) 4 rows at 2 warps read 4.7
+    TB/s (L2 hits included), 16-32 rows at 4-8 warps 4.3-4.6, 64 rows 3.1."""
+    block_d = min(next_power_of_2(dim), 512)
+    return max(1, 1024 // block_d), block_d, 2 if block_d >= 256 else 4
 
 
 def forward(flat, values, segments, feature_meta, offsets, num_outputs, dim, check=None):
@@ -130,55 +126,24 @@ def forward(flat, values, segments, feature_meta, offsets, num_outputs, dim, che
     num_features = feature_meta.shape[0]
     if num_outputs == 0 or num_features == 0:
         return out
-    block_r, block_d = _forward_block(dim)
+    block_r, block_d, num_warps = _forward_block(dim)
     report = check is not None
     _unpooled_forward_kernel[(cdiv(num_outputs, block_r), cdiv(dim, block_d))](
         flat, values, segments, feature_meta, offsets, out,
         check.claim if report else out, check.words if report else out,
         num_outputs, num_features, segments.shape[1], dim, values.numel(),
         META_W=META_WIDTH, BLOCK_R=block_r, BLOCK_D=block_d, SEARCH_STEPS=_search_steps(num_features),
-        REPORT=report, num_warps=4,
+        REPORT=report, num_warps=num_warps,
     )
     return out
 
 
-def _planner(segments, num_outputs, dim):
-    """run_backward's planner for unpooled lookups (its pooled arguments are unused)."""
-
-    def plan(values, offsets, per_sample_weights, feature_meta, key_index, batch_size, row_count, total_dim,
-             num_lookups):
-        device = values.device
-        n = num_outputs
-        row_key = torch.empty(n, dtype=torch.int32 if row_count < 2**31 else torch.int64, device=device)
-        src = torch.empty(n, dtype=torch.int64, device=device)
-        scale = torch.empty(n, dtype=torch.float32, device=device)
-        feature = torch.empty(n, dtype=torch.int32, device=device)
-        if n:
-            block_r = 512
-            _unpooled_expand_kernel[(cdiv(n, block_r),)](
-                values, segments, feature_meta, row_key, src, scale, feature,
-                n, feature_meta.shape[0], segments.shape[1], dim,
-                META_W=META_WIDTH, BLOCK_R=block_r, SEARCH_STEPS=_search_steps(feature_meta.shape[0]), num_warps=4,
-            )
-        sorted_key, order = torch.sort(row_key, stable=True)
-        return plan_sorted_lookups(sorted_key, order, src, scale, feature)
-
-    return plan
-
-
-def _run(grad_output, out, states, hyper, step, values, segments, feature_meta, dim, num_rows, opt):
-    num_outputs = grad_output.shape[0]
-    if num_outputs == 0 or feature_meta.shape[0] == 0:
-        return
-    run_backward(grad_output.contiguous(), out, states, hyper, step, values, None, None, feature_meta, None, 0, dim,
-                 num_rows, opt, num_outputs, planner=_planner(segments, num_outputs, dim))
-
-
-def backward(grad_output, values, segments, feature_meta, total_numel, dtype, dim, num_rows=-1):
-    grad = torch.zeros(total_numel, dtype=dtype, device=grad_output.device)
-    _run(grad_output, grad, [], None, None, values, segments, feature_meta, dim, num_rows, -1)
-    return grad
-
-
-def fused_update(grad_output, flat, states, hyper, step, values, segments, feature_meta, dim, kind, num_rows=-1):
-    _run(grad_output, flat, states, hyper, step, values, segments, feature_meta, dim, num_rows, kind)
+def row_keys(values, segments, feature_meta, num_outputs):
+    """int64 ``[num_outputs]``: the row of the group's buffer (viewed ``[-1, dim]``) each output reads."""
+    keys = torch.empty(num_outputs, dtype=torch.int64, device=values.device)
+    if num_outputs and feature_meta.shape[0]:
+        block_r = 1024
+        _row_key_kernel[(cdiv(num_outputs, block_r),)](
+            values, segments, feature_meta, keys, num_outputs, feature_meta.shape[0], segments.shape[1],
+            META_W=META_WIDTH, BLOCK_R=block_r, SEARCH_STEPS=_search_steps(feature_meta.shape[0]), num_warps=4)
+    return keys

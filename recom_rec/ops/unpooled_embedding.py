@@ -4,7 +4,8 @@
 tables from one flat weight buffer in a single kernel: a ``[M, dim]`` fp32 block whose rows
 ``[out_start[f], out_start[f + 1])`` are feature f's ids in their KJT order. Its autograd formula
 calls ``unpooled_embedding_backward`` (dense gradient of the flat buffer) or, with a fused
-optimizer, ``fused_unpooled_update`` (rows and optimizer state updated in place).
+optimizer, ``fused_unpooled_update`` (rows and optimizer state updated in place); on the kernel
+backends both run the pooled lookup's backward kernels on bags of one id (``_as_pooled``).
 
 ``segments`` (int64 ``[4, F + 1]``, built per batch by ``segments_for``) says where each feature's
 ids are: row 0 its first output row (plus the total), row 1 its first position in the KJT's
@@ -17,9 +18,10 @@ from typing import List, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import unpooled_torch
+from . import pooled_embedding, unpooled_torch
 from .backends import resolve_backend
 from .input_check import kernel_report
+from .layout import META_DIM, META_NUM_EMBEDDINGS, META_WIDTH
 from .plan import FusedStep, group_states
 from .pooled_embedding import _eager_ok, _wants_grad
 
@@ -103,10 +105,38 @@ def _(weights, flat, values, offsets, segments, feature_meta, num_outputs, dim, 
     return flat.new_empty((num_outputs, dim), dtype=torch.float32)
 
 
+def _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows):
+    """The unpooled backward as the pooled lookup's: each output row a bag of one id, its row key,
+    looked up in one virtual table that is the group's whole buffer (all its tables share ``dim``,
+    so row key k starts at element k * dim, and row-wise optimizer state is indexed by k too). The
+    pooled backward's kernels (CUDA where built, with their measured paths, else Triton) then
+    sum duplicate rows and apply the optimizer. Returns (values, offsets, meta, key_index)."""
+    keys = _triton().row_keys(values, segments, feature_meta, num_outputs)
+    device = values.device
+    offsets = torch.arange(num_outputs + 1, dtype=torch.int64, device=device)
+    return keys, offsets, _whole_buffer_meta(device, dim, num_rows), _first_key(device)
+
+
+@lru_cache(maxsize=64)
+def _whole_buffer_meta(device: torch.device, dim: int, num_rows: int) -> Tensor:
+    meta = torch.zeros(1, META_WIDTH, dtype=torch.int64)
+    meta[0, META_DIM], meta[0, META_NUM_EMBEDDINGS] = dim, num_rows
+    return meta.to(device)
+
+
+@lru_cache(maxsize=16)
+def _first_key(device: torch.device) -> Tensor:
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
 def _backward_impl(grad_output, values, segments, feature_meta, total_numel, dim, dtype, backend):
-    if _on_kernels(backend, grad_output.device):
-        return _triton().backward(grad_output, values, segments, feature_meta, total_numel, dtype, dim)
-    return unpooled_torch.backward(grad_output, values, segments, feature_meta, total_numel, dim, dtype)
+    num_outputs = grad_output.shape[0]
+    if not _on_kernels(backend, grad_output.device) or num_outputs == 0:
+        return unpooled_torch.backward(grad_output, values, segments, feature_meta, total_numel, dim, dtype)
+    num_rows = total_numel // dim
+    keys, offsets, meta, key_index = _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows)
+    return pooled_embedding._backward_impl(grad_output, keys, offsets, None, meta, key_index, num_outputs, total_numel,
+                                           dim, dtype, backend, num_outputs, num_rows)
 
 
 @torch.library.custom_op("recom_rec::unpooled_embedding_backward", mutates_args=())
@@ -123,12 +153,17 @@ def _(grad_output, values, segments, feature_meta, total_numel, dim, dtype, back
 
 def _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, segments, feature_meta,
                        dim, optimizer, backend):
-    states = [t for t in (state1, state2) if t is not None]
-    if _on_kernels(backend, flat.device):
-        _triton().fused_update(grad_output, flat, states, hyper, step, values, segments, feature_meta, dim, optimizer)
-    else:
+    num_outputs = grad_output.shape[0]
+    if not _on_kernels(backend, flat.device) or num_outputs == 0:
+        states = [t for t in (state1, state2) if t is not None]
         unpooled_torch.fused_update(grad_output, flat, states, [state1_is_row, False][:len(states)], hyper, step,
                                     values, segments, feature_meta, dim, optimizer)
+        return
+    num_rows = flat.numel() // dim
+    keys, offsets, meta, key_index = _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows)
+    pooled_embedding._fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, keys, offsets,
+                                        None, meta, key_index, num_outputs, dim, optimizer, backend, num_outputs,
+                                        num_rows)
 
 
 @torch.library.custom_op("recom_rec::fused_unpooled_update", mutates_args=("flat", "state1", "state2"))
