@@ -30,11 +30,12 @@ from torchrec.distributed.embedding_types import (
     ShardedEmbeddingTable,
 )
 from torchrec.distributed.types import ShardingType
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ..modules.embedding_collection import EmbeddingCollection
 from ..modules.embedding_modules import EmbeddingBagCollection
 from ..optim.keyed import FusedEmbeddingOptimizer
 from .ps_placement import PS_KERNEL, ps_config, shard_table_name
@@ -163,10 +164,11 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
 
         # Tables sharing (compute kernel, optimizer) go into one local module (one launch per
         # weight dtype); a lookup normally has exactly one.
-        buckets: "OrderedDict[Tuple[str, str], List[int]]" = OrderedDict()
+        buckets: "OrderedDict[Tuple[str, str, int], List[int]]" = OrderedDict()
+        config_of = [c for c, g in enumerate(grouped_configs) for _ in g.embedding_tables]
         for i, t in enumerate(self._tables):
             fused_key = _fused_key(fused[i]) if kernels[i] == EmbeddingComputeKernel.FUSED else ""
-            buckets.setdefault((str(kernels[i]), fused_key), []).append(i)
+            buckets.setdefault((str(kernels[i]), fused_key, self._bucket_of_config(config_of[i])), []).append(i)
         self._local_modules = nn.ModuleList()
         self._table_slot: List[Tuple[int, str]] = [(-1, "")] * len(self._tables)
         col_sources: List[int] = []
@@ -176,7 +178,7 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
             col += t.local_cols * len(t.feature_names)
         self._fused_optimizers = nn.ModuleList()
         self._ps_tables: List[int] = []  # indices of the shards in the parameter-server tier
-        for b, ((kernel, _), members) in enumerate(buckets.items()):
+        for b, ((kernel, _, _), members) in enumerate(buckets.items()):
             configs = []
             in_ps = kernel == str(EmbeddingComputeKernel(PS_KERNEL))  # bucket keys hold str(enum)
             ps = {}
@@ -189,18 +191,11 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
                     self._ps_tables.append(i)
                 self._table_slot[i] = (b, name)
                 self._error_names[name] = _shard_label(t, *self._offsets(i))
-                configs.append(EmbeddingBagConfig(
-                    num_embeddings=t.local_rows, embedding_dim=t.local_cols, name=name,
-                    feature_names=table_features[i], data_type=t.data_type,
-                    pooling=PoolingType.SUM if sum_pooling else t.pooling,
-                    # the global table's init range (as torchrec's TBEs), not the shard's
-                    weight_init_min=t.get_weight_init_min(), weight_init_max=t.get_weight_init_max(),
-                ))
+                configs.append(self._local_config(t, name, table_features[i], sum_pooling))
                 for j in range(len(t.feature_names)):
                     col_sources.extend(range(out_start[i] + j * t.local_cols,
                                              out_start[i] + (j + 1) * t.local_cols))
-            module = _RankShards(configs, is_weighted=self._is_weighted, device=device,
-                                 backend=backend, ps=ps or None)
+            module = self._local_module(configs, device, backend, ps)
             fuses = kernel == str(EmbeddingComputeKernel.FUSED) or in_ps
             opt = optimizer_from_fused_params(fused[members[0]]) if fuses else None
             if opt is not None:
@@ -212,7 +207,7 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
                 # tensor a checkpoint could hold.
                 params, state = {}, {}
                 for i in members:
-                    p = module.embedding_bags[self._table_slot[i][1]].weight
+                    p = module._table_modules()[self._table_slot[i][1]].weight
                     key = f"{self._tables[i].name}.weight"
                     if key in params:  # a second column shard of the same table on this rank
                         key = f"{key}.shard{i}"
@@ -223,7 +218,7 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
                     FusedEmbeddingOptimizer(inner.spec, params, state, module._fused_hyper)))
             if fuses:
                 for i in members:
-                    p = module.embedding_bags[self._table_slot[i][1]].weight
+                    p = module._table_modules()[self._table_slot[i][1]].weight
                     # torchrec's convention: tables updated in the backward are left out of
                     # dense optimizers (in_backward_optimizer_filter).
                     p._in_backward_optimizers = [EmptyFusedOptimizer()]
@@ -243,6 +238,22 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
             first += len(config.embedding_tables)
         self.register_buffer("_dummy_embs_tensor", torch.empty([0], dtype=torch.float32, device=device,
                                                                  requires_grad=True), persistent=False)
+
+    def _bucket_of_config(self, config: int) -> int:
+        """Grouped configs whose tables may share a local module (given one kernel and optimizer): all."""
+        return 0
+
+    def _local_config(self, t: ShardedEmbeddingTable, name: str, features: List[str], sum_pooling: bool):
+        """The local module's config of shard ``t``."""
+        return EmbeddingBagConfig(
+            num_embeddings=t.local_rows, embedding_dim=t.local_cols, name=name, feature_names=features,
+            data_type=t.data_type, pooling=PoolingType.SUM if sum_pooling else t.pooling,
+            # the global table's init range (as torchrec's TBEs), not the shard's
+            weight_init_min=t.get_weight_init_min(), weight_init_max=t.get_weight_init_max(),
+        )
+
+    def _local_module(self, configs, device: torch.device, backend: str, ps: Dict[str, Any]) -> nn.Module:
+        return _RankShards(configs, is_weighted=self._is_weighted, device=device, backend=backend, ps=ps or None)
 
     # ------------------------------------------------------------------ torchrec lookup API
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
@@ -289,7 +300,7 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
 
     def local_weight(self, i: int) -> nn.Parameter:
         b, name = self._table_slot[i]
-        return self._local_modules[b].embedding_bags[name].weight
+        return self._local_modules[b]._table_modules()[name].weight
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
         """torchrec's lookup convention: ``<table>.weight`` -> a ShardedTensor of this rank's
@@ -369,7 +380,8 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
     def load_ps_shard(self, i: int, weight: torch.Tensor) -> None:
         """Writes ``weight`` (the shard's ``[rows, columns]``) into the shard's store."""
         b, name = self._table_slot[i]
-        self._local_modules[b].load_state_dict({f"embedding_bags.{name}.weight": weight}, strict=False)
+        module = self._local_modules[b]
+        module.load_state_dict({f"{module._TABLES_ATTR}.{name}.weight": weight}, strict=False)
 
     def flush(self) -> None:
         pass
@@ -428,3 +440,49 @@ class _FusedOptimizerHolder(nn.Module, FusedOptimizerModule):
     @property
     def fused_optimizer(self) -> KeyedOptimizer:
         return self._optimizer
+
+
+class _RankSequenceShards(EmbeddingCollection):
+    """A rank's shards of one kernel kind, unpooled (a row-wise shard may hold no rows)."""
+
+    _allows_empty_tables = True
+
+
+class FusedSequenceEmbeddingsLookup(FusedPooledEmbeddingsLookup):
+    """A drop-in for torchrec's sequence ``GroupedEmbeddingsLookup`` backed by
+    ``recom_rec.EmbeddingCollection``: each grouped config's local shards (one width, one dtype) gathered
+    by one fused launch, the optimizer fused into the backward.
+
+    Input: the rank's KJT after the input distribution, keys = the grouped configs' features in
+    order. Output, as torchrec's: per grouped config its ids' rows in the KJT's value order,
+    flattened, the configs one after another (1-D; what the sequence output distribution sends)."""
+
+    def _bucket_of_config(self, config: int) -> int:
+        return config  # a local module per grouped config: its rows are the config's output
+
+    def _local_config(self, t: ShardedEmbeddingTable, name: str, features: List[str], sum_pooling: bool):
+        return EmbeddingConfig(num_embeddings=t.local_rows, embedding_dim=t.local_cols, name=name,
+                               feature_names=features, data_type=t.data_type,
+                               weight_init_min=t.get_weight_init_min(), weight_init_max=t.get_weight_init_max())
+
+    def _local_module(self, configs, device: torch.device, backend: str, ps: Dict[str, Any]) -> nn.Module:
+        if ps:
+            raise ValueError("recom_rec: sequence (EmbeddingCollection) shards cannot live in the parameter-server tier")
+        return _RankSequenceShards(configs, device=device, backend=backend)
+
+    def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        if len(self._local_modules) == 0:
+            return self._dummy_embs_tensor
+        keys = sparse_features.keys()
+        if len(keys) != len(self._local_keys):
+            raise ValueError(f"lookup expected {len(self._local_keys)} features, got keys {keys}")
+        kjt = KeyedJaggedTensor(
+            keys=self._local_keys, values=sparse_features.values(), lengths=sparse_features.lengths_or_none(),
+            offsets=sparse_features.offsets_or_none(), stride=sparse_features.stride(),
+            length_per_key=sparse_features.length_per_key(), offset_per_key=sparse_features.offset_per_key(),
+        )
+        try:
+            outs = [m.rows_in_feature_order(kjt).view(-1) for m in self._local_modules]
+        except ValueError as e:  # an input error, reported by this rank's kernels for this call or the last
+            raise ValueError(self._global_names(str(e))) from None
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -6,7 +6,7 @@ inside, all tables of one weight dtype live in one flat buffer (modules/flat_tab
 feature of every table is gathered by one kernel launch, its backward with the optimizer fused in.
 """
 from collections import OrderedDict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -71,6 +71,7 @@ class EmbeddingCollection(FlatTables, _TorchrecEmbeddingCollection):
     __jit_ignored_attributes__ = ["_table_parameters"]
     _TABLES_ATTR = "embeddings"
     _plan: UnpooledPlan
+    _allows_empty_tables = False  # (a sharded lookup's row-wise shards may hold no rows: distributed/lookup.py)
 
     def __init__(
         self,
@@ -105,7 +106,7 @@ class EmbeddingCollection(FlatTables, _TorchrecEmbeddingCollection):
                     "All tables in a EmbeddingCollection are required to have same embedding dimension."
                     f" Violating case: {config.name}'s embedding_dim {config.embedding_dim} != {self._embedding_dim}")
             _table_dtype(config)
-            check_table_size(config)
+            check_table_size(config, allow_empty=self._allows_empty_tables)
             if not config.feature_names:
                 config.feature_names = [config.name]
         device = torch.device(device) if device is not None else torch.empty(0).device
@@ -172,16 +173,26 @@ class EmbeddingCollection(FlatTables, _TorchrecEmbeddingCollection):
 
     @torch.jit.unused
     def _lookup(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        return _collection_lookup(maybe_td_to_kjt(features, None), *self._lookup_arguments())
+
+    @torch.jit.unused
+    def rows_in_feature_order(self, features: KeyedJaggedTensor) -> Optional[torch.Tensor]:
+        """Every output's rows in one ``[ids, dim]`` tensor, outputs in the module's order, when one
+        launch makes them all (one weight dtype); else None. (The sharded lookup's output.)"""
+        if len(self._groups) != 1:
+            return None
         features = maybe_td_to_kjt(features, None)
+        return _group_rows(features, *self._lookup_arguments())[0][0]
+
+    def _lookup_arguments(self):
         if self._flat_link.stale:
             self._repack_flat_buffers()
         if not (torch.compiler.is_compiling() or _fx_tracing()):
             self._sync_optimizer_in_backward()
         grad = torch.is_grad_enabled()
-        return _collection_lookup(
-            features, [self._flat(g) for g in self._groups],
-            [self._autograd_inputs(g) if grad else [self._flat(g)] for g in self._groups],
-            [getattr(self, g.meta_name) for g in self._groups], self._plan, self._fused_step_for_forward())
+        return ([self._flat(g) for g in self._groups],
+                [self._autograd_inputs(g) if grad else [self._flat(g)] for g in self._groups],
+                [getattr(self, g.meta_name) for g in self._groups], self._plan, self._fused_step_for_forward())
 
     def _fused_step_for_forward(self) -> Optional[FusedStep]:
         spec = self._fused_spec
@@ -224,6 +235,25 @@ def _collection_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], w
     """Every group's lookup, split into the module's JaggedTensors. A free function, ``fx.wrap``-ed,
     so fx records one call (the KJT's per-key lengths are read on the host); TorchScript compiles
     its scripted branch."""
+    rows, counts, key_indices = _group_rows(features, flats, weights, metas, plan, fused)
+    stride_per_key: List[int] = features.stride_per_key()
+    lengths = features.lengths().split(stride_per_key)
+    values = features.values()
+    indices: List[torch.Tensor] = values.split(features.length_per_key()) if plan.need_indices else []
+    pieces = [rows[g].split(counts[g]) for g in range(len(rows))]
+    out: Dict[str, JaggedTensor] = {}
+    for g, j in plan.order:
+        k = key_indices[g][j]
+        out[plan.groups[g].embedding_names[j]] = JaggedTensor(
+            values=pieces[g][j], lengths=lengths[k], weights=indices[k] if plan.need_indices else None)
+    return out
+
+
+def _group_rows(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights: List[List[torch.Tensor]],
+                metas: List[torch.Tensor], plan: UnpooledPlan,
+                fused: Optional[FusedStep]) -> Tuple[List[torch.Tensor], List[List[int]], List[List[int]]]:
+    """Each group's ``[ids, dim]`` rows (its outputs one after another), each output's id count and
+    the KJT key it reads."""
     keys: List[str] = features.keys()
     values = features.values()
     length_per_key: List[int] = features.length_per_key()
@@ -233,30 +263,26 @@ def _collection_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], w
                          + str(values.numel()) + " values")
     offset_per_key: List[int] = features.offset_per_key()
     offsets = features.offsets()
-    pieces: List[List[torch.Tensor]] = []
+    rows: List[torch.Tensor] = []
+    counts: List[List[int]] = []
     key_indices: List[List[int]] = []
     for g in range(len(plan.groups)):
         group = plan.groups[g]
         key_index = _key_index(keys, group.features, group.tables)
         segments = segments_for(key_index, length_per_key, offset_per_key, stride_per_key, flats[g].device)
-        counts = [length_per_key[k] for k in key_index]
+        group_counts = [length_per_key[k] for k in key_index]
         if torch.jit.is_scripting():
-            rows = torch.ops.recom_rec.unpooled_embedding_forward(
-                weights[g], flats[g], values, offsets, segments, metas[g], sum(counts), plan.dim, plan.backend,
-                plan.validate, group.names, -1, None, None, False, None, None, plan.report_id)
+            group_rows = torch.ops.recom_rec.unpooled_embedding_forward(
+                weights[g], flats[g], values, offsets, segments, metas[g], sum(group_counts), plan.dim,
+                plan.backend, plan.validate, group.names, -1, None, None, False, None, None, plan.report_id)
         else:
-            rows = unpooled_lookup(weights[g], flats[g], metas[g], UnpooledBatch(values, offsets, segments, sum(counts)),
-                                   plan.dim, plan.backend, plan.validate, group.names, plan.report_id, fused, g)
-        pieces.append(list(rows.split(counts)))
+            group_rows = unpooled_lookup(weights[g], flats[g], metas[g],
+                                         UnpooledBatch(values, offsets, segments, sum(group_counts)), plan.dim,
+                                         plan.backend, plan.validate, group.names, plan.report_id, fused, g)
+        rows.append(group_rows)
+        counts.append(group_counts)
         key_indices.append(key_index)
-    lengths = features.lengths().split(stride_per_key)
-    indices: List[torch.Tensor] = values.split(length_per_key) if plan.need_indices else []
-    out: Dict[str, JaggedTensor] = {}
-    for g, j in plan.order:
-        k = key_indices[g][j]
-        out[plan.groups[g].embedding_names[j]] = JaggedTensor(
-            values=pieces[g][j], lengths=lengths[k], weights=indices[k] if plan.need_indices else None)
-    return out
+    return rows, counts, key_indices
 
 
 def _key_index(keys: List[str], features: List[str], tables: List[str]) -> List[int]:
