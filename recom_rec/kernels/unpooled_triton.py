@@ -98,15 +98,21 @@ def _unpooled_forward_kernel(
 
 @triton.jit
 def _row_key_kernel(
-    values_ptr, seg_ptr, meta_ptr, row_key_ptr, num_outputs, num_features, seg_stride,
-    META_W: tl.constexpr, BLOCK_R: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    values_ptr, seg_ptr, meta_ptr, offsets_ptr, row_key_ptr, claim_ptr, report_ptr, num_outputs, num_features,
+    seg_stride, num_values,
+    META_W: tl.constexpr, BLOCK_R: tl.constexpr, SEARCH_STEPS: tl.constexpr, REPORT: tl.constexpr,
 ):
-    """Each output row's row key (its table's row base + id; row 0 of the table for a bad id)."""
+    """Each output row's row key (its table's row base + id; row 0 of the table for a bad id,
+    reported with REPORT as the forward reports it)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = r < num_outputs
     f, pos, idx, rows, key, bad = _row_lookup(values_ptr, seg_ptr, meta_ptr, r, live, num_features, seg_stride,
                                               META_W, SEARCH_STEPS)
     tl.store(row_key_ptr + r, key, mask=live)
+    if REPORT:
+        if tl.max(bad.to(tl.int32), axis=0) > 0:
+            _report_bad_id(claim_ptr, report_ptr, seg_ptr, offsets_ptr, bad, f, pos, idx, rows, seg_stride,
+                           num_values, BLOCK_R)
 
 
 def _search_steps(num_features: int) -> int:
@@ -138,12 +144,17 @@ def forward(flat, values, segments, feature_meta, offsets, num_outputs, dim, che
     return out
 
 
-def row_keys(values, segments, feature_meta, num_outputs):
-    """int64 ``[num_outputs]``: the row of the group's buffer (viewed ``[-1, dim]``) each output reads."""
+def row_keys(values, segments, feature_meta, num_outputs, offsets=None, check=None):
+    """int64 ``[num_outputs]``: the row key each output reads (``feature_meta``'s row base + id).
+    With ``check`` (an input_check.KernelReport, and the KJT's ``offsets``) bad ids are reported."""
     keys = torch.empty(num_outputs, dtype=torch.int64, device=values.device)
     if num_outputs and feature_meta.shape[0]:
         block_r = 1024
+        report = check is not None
         _row_key_kernel[(cdiv(num_outputs, block_r),)](
-            values, segments, feature_meta, keys, num_outputs, feature_meta.shape[0], segments.shape[1],
-            META_W=META_WIDTH, BLOCK_R=block_r, SEARCH_STEPS=_search_steps(feature_meta.shape[0]), num_warps=4)
+            values, segments, feature_meta, offsets if report else values, keys,
+            check.claim if report else keys, check.words if report else keys,
+            num_outputs, feature_meta.shape[0], segments.shape[1], values.numel(),
+            META_W=META_WIDTH, BLOCK_R=block_r, SEARCH_STEPS=_search_steps(feature_meta.shape[0]), REPORT=report,
+            num_warps=4)
     return keys

@@ -266,3 +266,34 @@ def unpooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, b
     return unpooled_embedding_forward(weights, flat, batch.values, batch.offsets, batch.segments, feature_meta,
                                       batch.num_outputs, dim, backend, validate, names, kind, state1, state2,
                                       row_state, hyper, step, report_id)
+
+
+def _row_keys_impl(values, offsets, segments, key_meta, num_outputs, backend, validate, names, report_id):
+    if not _on_kernels(backend, values.device):
+        if validate:
+            unpooled_torch.validate_ids(values, offsets, segments, key_meta, num_outputs, names)
+        return unpooled_torch.row_keys(values, segments, key_meta, num_outputs)
+    check = kernel_report(key_meta, names, report_id) if validate else None
+    return _triton().row_keys(values, segments, key_meta, num_outputs, offsets, check)
+
+
+@torch.library.custom_op("recom_rec::unpooled_row_keys", mutates_args=())
+def unpooled_row_keys(values: Tensor, offsets: Tensor, segments: Tensor, key_meta: Tensor, num_outputs: int,
+                      backend: str, validate: bool, names: str, report_id: int = 0) -> Tensor:
+    """int64 ``[num_outputs]``: each id's row key (``key_meta``'s row base of its feature's table +
+    the id; row 0 of the table for a bad id, which ``validate`` reports with its feature, table
+    and batch index). The quantized EmbeddingCollection's first step."""
+    return _row_keys_impl(values, offsets, segments, key_meta, num_outputs, backend, validate, names, report_id)
+
+
+@unpooled_row_keys.register_fake
+def _(values, offsets, segments, key_meta, num_outputs, backend, validate, names, report_id=0):
+    return values.new_empty((num_outputs,), dtype=torch.int64)
+
+
+def row_keys(values: Tensor, offsets: Tensor, segments: Tensor, key_meta: Tensor, num_outputs: int, backend: str,
+             validate: bool, names: str, report_id: int) -> Tensor:
+    """``unpooled_row_keys``: the registered op when traced or compiled, else its body."""
+    if _eager_ok([], values, offsets, segments, key_meta):
+        return _row_keys_impl(values, offsets, segments, key_meta, num_outputs, backend, validate, names, report_id)
+    return unpooled_row_keys(values, offsets, segments, key_meta, num_outputs, backend, validate, names, report_id)

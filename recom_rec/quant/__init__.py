@@ -1,6 +1,8 @@
-"""Quantized inference: ``recom_rec.quant.EmbeddingBagCollection`` (torchrec's quantized EBC,
-fused) and ``recom_rec.quantize`` (converts a trained model's EmbeddingBagCollections)."""
+"""Quantized inference: ``recom_rec.quant.EmbeddingBagCollection`` and
+``recom_rec.quant.EmbeddingCollection`` (torchrec's quantized modules, fused) and
+``recom_rec.quantize`` (converts a trained model's embedding modules)."""
 from .convert import quantize
+from .embedding_collection import EmbeddingCollection
 from .embedding_modules import EmbeddingBagCollection
 
-__all__ = ["EmbeddingBagCollection", "quantize"]
+__all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "quantize"]

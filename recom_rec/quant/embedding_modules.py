@@ -34,6 +34,27 @@ def _rows_of(config: EmbeddingBagConfig) -> int:
     return pruned if pruned is not None else config.num_embeddings
 
 
+def bind_table_views(tables: nn.ModuleDict, slots: List[QuantTableSlot], flat: Tensor, split_scale_bias: bool) -> None:
+    """(Re-)registers each table's state_dict buffers (``weight``, and with ``split_scale_bias``
+    ``weight_qscale`` / ``weight_qbias``) as views of the flat buffer, as torchrec registers views of
+    its TBEs' buffers."""
+    for s in slots:
+        rows = s.rows_of(flat)
+        table = tables[s.name]
+        weight = rows
+        if split_scale_bias:
+            start = SCALE_BIAS_BYTES if s.kind.has_scale_bias else 0
+            weight = rows[:, start:start + data_bytes(s.kind, s.embedding_dim)]
+        if s.kind == RowType.INT4:
+            weight = UInt4Tensor(weight)
+        elif s.kind == RowType.INT2:
+            weight = UInt2Tensor(weight)
+        table.register_buffer("weight", weight)
+        if split_scale_bias and s.kind.has_scale_bias:
+            table.register_buffer("weight_qscale", rows[:, 0:2].view(torch.float16))
+            table.register_buffer("weight_qbias", rows[:, 2:4].view(torch.float16))
+
+
 @torch.fx.wrap
 def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, wanted: Tuple[str, ...],
                       tables: Tuple[str, ...], widths: List[int], dims: List[int], is_weighted: bool,
@@ -163,23 +184,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return slot.rows_of(self._flat_rows)
 
     def _bind_table_views(self) -> None:
-        """(Re-)registers each table's state_dict buffers as views of the flat buffer, as
-        torchrec registers views of its TBEs' buffers."""
-        for s in self._slots:
-            rows = self._table_rows(s)
-            bag = self.embedding_bags[s.name]
-            weight = rows
-            if self._split_scale_bias:
-                start = SCALE_BIAS_BYTES if s.kind.has_scale_bias else 0
-                weight = rows[:, start:start + data_bytes(s.kind, s.embedding_dim)]
-            if s.kind == RowType.INT4:
-                weight = UInt4Tensor(weight)
-            elif s.kind == RowType.INT2:
-                weight = UInt2Tensor(weight)
-            bag.register_buffer("weight", weight)
-            if self._split_scale_bias and s.kind.has_scale_bias:
-                bag.register_buffer("weight_qscale", rows[:, 0:2].view(torch.float16))
-                bag.register_buffer("weight_qbias", rows[:, 2:4].view(torch.float16))
+        bind_table_views(self.embedding_bags, self._slots, self._flat_rows, self._split_scale_bias)
 
     def _apply(self, fn, recurse=True):
         # Convert the flat buffer once and re-point the tables' views at it (converting each view

@@ -1,0 +1,271 @@
+"""``recom_rec.quant.EmbeddingCollection``: torchrec's quantized EmbeddingCollection (unpooled, for
+serving sequence models), fused.
+
+Same constructor, ``from_float``, input, output and ``state_dict`` as
+``torchrec.quant.embedding_modules.EmbeddingCollection``. Every table lives in one flat byte buffer
+in fbgemm's row layout (quant/layout.py, as the quantized EmbeddingBagCollection's). Tables of one
+data type share a row stride (an EmbeddingCollection's tables share a dim), and each starts on a
+whole number of its rows, so a data type's rows can be numbered as one virtual table over the
+buffer: row key = the table's first byte / stride + id. A lookup is then two launches a data
+type: the row keys (one kernel that also checks every id against its own table), and the
+quantized pooled kernel over bags of one row key, which dequantizes exactly as for pooled
+tables (fbgemm's arithmetic of the device).
+"""
+import copy
+import itertools
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollectionInterface, get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
+
+from ..modules.table_size import check_table_size
+from ..ops.backends import check_backend
+from ..ops.input_check import new_report_id
+from ..ops.layout import META_NUM_EMBEDDINGS, META_ROW_BASE, META_WIDTH, POOLING_SUM
+from ..ops.quantized_lookup import OUTPUT_DTYPES, quantized_lookup
+from ..ops.unpooled_embedding import row_keys, segments_for
+from ..ops.validation import encode_names
+from .embedding_modules import bind_table_views
+from .from_float import quantized_module_args
+from .layout import (
+    QMETA_DIM,
+    QMETA_NUM_EMBEDDINGS,
+    QMETA_POOLING,
+    QMETA_ROW_STRIDE,
+    QMETA_ROW_TYPE,
+    QMETA_WIDTH,
+    buffer_bytes,
+    pack_quant_tables,
+)
+from .rows import DEFAULT_ROW_ALIGNMENT, check_dim, pack_rows, row_type
+
+
+class _TypeGroup:
+    """The tables of one data type: their features, the row-key metadata (per feature: its
+    table's rows and first row key) and the one-row metadata of the virtual table."""
+
+    def __init__(self, features: List[str], tables: List[str], embedding_names: List[str], key_meta: Tensor,
+                 virtual_meta: Tensor) -> None:
+        self.features = features
+        self.tables = tables
+        self.embedding_names = embedding_names
+        self.names = encode_names([], features, tables)
+        self.key_meta = key_meta
+        self.virtual_meta = virtual_meta
+
+
+class EmbeddingCollection(EmbeddingCollectionInterface):
+    """A drop-in replacement for ``torchrec.quant.embedding_modules.EmbeddingCollection``.
+
+    Args (torchrec's): ``tables`` (``EmbeddingConfig`` of one ``embedding_dim``, ``data_type``
+        INT8 / UINT8 / INT4 / INT2 / FP16 / FP32, or NFP8), ``device``, ``need_indices``,
+        ``output_dtype`` (fp32, fp16 or bf16), ``table_name_to_quantized_weights``,
+        ``register_tbes`` (accepted; no fbgemm TBE submodules), ``quant_state_dict_split_scale_bias``,
+        ``row_alignment``, ``cache_features_order`` (accepted).
+    Args (ours): ``backend``, ``validate_inputs``: as ``recom_rec.quant.EmbeddingBagCollection``'s
+        (a bad id is named with its feature, table and batch index).
+
+    The output is torchrec's: a ``JaggedTensor`` per feature in ``output_dtype``, the features
+    ordered by data type (torchrec's batched tables), then table, then feature.
+    """
+
+    def __init__(
+        self,
+        tables: List[EmbeddingConfig],
+        device: torch.device,
+        need_indices: bool = False,
+        output_dtype: torch.dtype = torch.float,
+        table_name_to_quantized_weights: Optional[Dict[str, Tuple[Tensor, Optional[Tensor]]]] = None,
+        register_tbes: bool = False,
+        quant_state_dict_split_scale_bias: bool = False,
+        row_alignment: int = DEFAULT_ROW_ALIGNMENT,
+        cache_features_order: bool = False,
+        *,
+        backend: str = "auto",
+        validate_inputs: bool = True,
+    ) -> None:
+        super().__init__()
+        if output_dtype not in OUTPUT_DTYPES:
+            raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {output_dtype}")
+        if row_alignment <= 0 or row_alignment & (row_alignment - 1):
+            raise ValueError(f"row_alignment must be a power of two, got {row_alignment}")
+        self._embedding_configs = tables
+        self._need_indices = need_indices
+        self._output_dtype = output_dtype
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self.row_alignment = row_alignment
+        self.register_tbes = register_tbes
+        self._split_scale_bias = quant_state_dict_split_scale_bias
+        self.backend = check_backend(backend)
+        self.validate_inputs = validate_inputs
+        self._report_id = new_report_id(self)
+        self._embedding_dim = -1
+        by_type: "OrderedDict[object, List[EmbeddingConfig]]" = OrderedDict()
+        seen = set()
+        for config in tables:
+            if config.name in seen:
+                raise ValueError(f"Duplicate table name {config.name}")
+            seen.add(config.name)
+            if self._embedding_dim < 0:
+                self._embedding_dim = config.embedding_dim
+            if config.embedding_dim != self._embedding_dim:
+                raise ValueError(
+                    "All tables in a EmbeddingCollection are required to have same embedding dimension."
+                    f" Violating case: {config.name}'s embedding_dim {config.embedding_dim} != {self._embedding_dim}")
+            check_table_size(config)
+            check_dim(row_type(config.data_type, config.name), config.embedding_dim, config.name)
+            if not config.feature_names:
+                config.feature_names = [config.name]
+            by_type.setdefault(config.data_type, []).append(config)
+        # torchrec batches tables by data type: its outputs, keys and state_dict follow that order.
+        ordered = list(itertools.chain(*by_type.values()))
+        self._slots = pack_quant_tables([c.name for c in ordered], [c.num_embeddings for c in ordered],
+                                        [c.embedding_dim for c in ordered],
+                                        [row_type(c.data_type, c.name) for c in ordered], row_alignment)
+        slot_of = {s.name: s for s in self._slots}
+        total = buffer_bytes(self._slots)
+        self._groups: List[_TypeGroup] = []
+        self._host_metas: List[Tuple[Tensor, Tensor]] = []
+        for configs in by_type.values():
+            stride = slot_of[configs[0].name].row_stride
+            features = [f for c in configs for f in c.feature_names]
+            names = [c.name for c in configs for _ in c.feature_names]
+            key_meta = torch.zeros(len(features), META_WIDTH, dtype=torch.int64)
+            for i, table in enumerate(names):
+                key_meta[i, META_NUM_EMBEDDINGS] = slot_of[table].num_embeddings
+                key_meta[i, META_ROW_BASE] = slot_of[table].byte_base // stride
+            virtual = torch.zeros(1, QMETA_WIDTH, dtype=torch.int64)
+            virtual[0, QMETA_DIM] = self._embedding_dim
+            virtual[0, QMETA_POOLING] = POOLING_SUM
+            virtual[0, QMETA_NUM_EMBEDDINGS] = total // stride
+            virtual[0, QMETA_ROW_STRIDE] = stride
+            virtual[0, QMETA_ROW_TYPE] = int(slot_of[configs[0].name].kind)
+            self._host_metas.append((key_meta, virtual))
+            self._groups.append(_TypeGroup(features, names,
+                                           list(itertools.chain(*get_embedding_names_by_table(configs))),
+                                           key_meta.to(self._device), virtual.to(self._device)))
+        self._embedding_names_by_table = get_embedding_names_by_table(tables)
+        self.register_buffer("_flat_rows", torch.zeros(total, dtype=torch.uint8, device=self._device),
+                             persistent=False)
+        self.register_buffer("_first_key", torch.zeros(1, dtype=torch.int64, device=self._device), persistent=False)
+        self.embeddings: nn.ModuleDict = nn.ModuleDict({c.name: nn.Module() for c in ordered})
+        bind_table_views(self.embeddings, self._slots, self._flat_rows, self._split_scale_bias)
+        if table_name_to_quantized_weights and self._device.type != "meta":
+            for s in self._slots:
+                elements, scale_bias = table_name_to_quantized_weights[s.name]
+                pack_rows(elements.view(torch.uint8) if isinstance(elements, (UInt4Tensor, UInt2Tensor)) else elements,
+                          scale_bias, s.rows_of(self._flat_rows))
+
+    # ----------------------------------------------------------------------------- storage
+    def _apply(self, fn, recurse=True):
+        # The flat buffer converted once and the tables' views re-pointed at it; metadata rebuilt
+        # from its host copies (fn must not touch it), as the quantized EBC does.
+        self._buffers["_flat_rows"] = fn(self._flat_rows)
+        self._device = self._flat_rows.device
+        self._buffers["_first_key"] = torch.zeros(1, dtype=torch.int64, device=self._device)
+        for group, (key_meta, virtual) in zip(self._groups, self._host_metas):
+            group.key_meta, group.virtual_meta = key_meta.to(self._device), virtual.to(self._device)
+        bind_table_views(self.embeddings, self._slots, self._flat_rows, self._split_scale_bias)
+        return self
+
+    def __deepcopy__(self, memo):
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key in ("_buffers", "_modules"):
+                continue
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        new._buffers = OrderedDict((k, v.clone()) for k, v in self._buffers.items())
+        new._modules = OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._modules.items())
+        bind_table_views(new.embeddings, new._slots, new._flat_rows, new._split_scale_bias)
+        new._report_id = new_report_id(new)
+        return new
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._report_id = new_report_id(self)
+
+    # ----------------------------------------------------------------------------- torchrec API
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        return _quantized_collection_lookup(features, self._flat_rows, self._first_key, self._groups,
+                                            self._embedding_dim, self._need_indices, self._output_dtype,
+                                            self.backend, self.validate_inputs, self._report_id)
+
+    def _get_name(self) -> str:
+        return "QuantizedEmbeddingCollection"
+
+    def check_inputs(self) -> None:
+        """Waits for the kernels this thread queued for this module and raises the input error
+        they reported, if any."""
+        torch.ops.recom_rec.check_input_reports(self._report_id)
+
+    @classmethod
+    def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False,
+                   **kwargs) -> "EmbeddingCollection":
+        """Quantizes a float ``torchrec.EmbeddingCollection`` or ``recom_rec.EmbeddingCollection``
+        carrying a ``qconfig``, row by row with fbgemm's quantizers; ``kwargs`` go to the
+        constructor (``backend``, ``validate_inputs``)."""
+        return cls(**quantized_module_args(module), **kwargs)
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def embedding_dim(self) -> int:
+        return self._embedding_dim
+
+    def embedding_configs(self) -> List[EmbeddingConfig]:
+        return self._embedding_configs
+
+    def embedding_names_by_table(self) -> List[List[str]]:
+        return self._embedding_names_by_table
+
+    def output_dtype(self) -> torch.dtype:
+        return self._output_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(f"{s.name}: {s.kind.name} {s.num_embeddings}x{s.embedding_dim}" for s in self._slots[:8])
+        more = f", ... ({len(self._slots)} tables)" if len(self._slots) > 8 else ""
+        return f"output_dtype={self._output_dtype}, backend={self.backend!r}, tables=[{kinds}{more}]"
+
+
+@torch.fx.wrap
+def _quantized_collection_lookup(features: KeyedJaggedTensor, flat: Tensor, first_key: Tensor,
+                                 groups: List[_TypeGroup], dim: int, need_indices: bool, output_dtype: torch.dtype,
+                                 backend: str, validate: bool, report_id: int) -> Dict[str, JaggedTensor]:
+    """Every data type's lookup, split into the module's JaggedTensors (a free, fx-wrapped function)."""
+    keys = list(features.keys())
+    position = {k: i for i, k in enumerate(keys)}
+    values, offsets = features.values(), features.offsets()
+    length_per_key: List[int] = features.length_per_key()
+    stride_per_key: List[int] = features.stride_per_key()
+    if validate and sum(length_per_key) != values.numel():
+        raise ValueError(f"KeyedJaggedTensor lengths add up to {sum(length_per_key)} but there are "
+                         f"{values.numel()} values")
+    offset_per_key: List[int] = features.offset_per_key()
+    lengths = features.lengths().split(stride_per_key)
+    indices = values.split(length_per_key) if need_indices else None
+    out: Dict[str, JaggedTensor] = {}
+    for group in groups:
+        missing = [f"{f!r} (table {t!r})" for f, t in zip(group.features, group.tables) if f not in position]
+        if missing:
+            raise ValueError(f"KeyedJaggedTensor is missing feature(s) {', '.join(missing)}; it has keys {keys}")
+        key_index = [position[f] for f in group.features]
+        segments = segments_for(key_index, length_per_key, offset_per_key, stride_per_key, flat.device)
+        counts = [length_per_key[k] for k in key_index]
+        num = sum(counts)
+        row_key = row_keys(values, offsets, segments, group.key_meta, num, backend, validate, group.names, report_id)
+        bags = torch.arange(num + 1, dtype=torch.int64, device=flat.device)
+        rows = quantized_lookup(flat, row_key, bags, None, group.virtual_meta, first_key, num, dim, dim, output_dtype,
+                                backend, False, "", report_id)
+        for name, piece, k in zip(group.embedding_names, rows.split(counts), key_index):
+            out[name] = JaggedTensor(values=piece, lengths=lengths[k], weights=indices[k] if indices else None)
+    return out

@@ -1,0 +1,164 @@
+"""recom_rec.quant.EmbeddingCollection against torchrec's quantized EmbeddingCollection (fbgemm's IntN
+TBE in PoolingMode.NONE, on the CPU; on the GPU with RECOM_TEST_DEVICE=cuda): outputs bit for bit
+on every row type, the state_dict layout, checkpoints both ways, from_float of our float module,
+recom_rec.quantize, bad ids."""
+import copy
+
+import pytest
+import torch
+import torchrec
+from torch import quantization as tq
+from torchrec.modules.embedding_configs import EmbeddingConfig, QuantConfig
+from torchrec.quant.embedding_modules import EmbeddingCollection as TorchrecQuantEC
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import recom_rec
+from ebc_cases import DEVICE
+from recom_rec.quant import EmbeddingCollection as QuantEC
+
+DIM = 16
+WEIGHT_DTYPES = {"t0": torch.qint8, "t1": torch.quint4x2, "t2": torch.quint2x4, "t3": torch.half,
+                 "t4": torch.float, "t5": torch.qint8}
+BACKENDS = ["torch", "triton"] if DEVICE.type == "cpu" else ["triton"]
+
+
+def _tables():
+    tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=11 + 3 * i, feature_names=[f"f{i}"])
+              for i in range(6)]
+    tables[5].feature_names = ["f5", "f0"]  # a feature read by two tables, a table with two features
+    return tables
+
+
+def _float_ec(seed=0, need_indices=False):
+    torch.manual_seed(seed)
+    return torchrec.EmbeddingCollection(tables=_tables(), need_indices=need_indices, device=DEVICE)
+
+
+def _qconfig(output_dtype):
+    return QuantConfig(activation=tq.PlaceholderObserver.with_args(dtype=output_dtype),
+                       weight=tq.PlaceholderObserver.with_args(dtype=torch.qint8),
+                       per_table_weight_dtype=WEIGHT_DTYPES)
+
+
+def _kjt(batch_size=7, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    keys = ["f3", "extra", "f1", "f0", "f2", "f5", "f4"]  # not the module's order, plus a key it ignores
+    lengths = torch.randint(0, 5, (len(keys) * batch_size,), generator=g)
+    lengths[::4] = 0
+    lengths[3 * batch_size:4 * batch_size] = 0  # f0 without ids in the whole batch
+    values = torch.randint(0, 11, (int(lengths.sum()),), generator=g)
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths).to(DEVICE)
+
+
+def _pair(output_dtype, split=False, backend="auto", need_indices=False):
+    float_ec = _float_ec(need_indices=need_indices)
+    float_ec.qconfig = _qconfig(output_dtype)
+    if split:
+        setattr(float_ec, "__quant_state_dict_split_scale_bias", True)
+    return TorchrecQuantEC.from_float(float_ec), QuantEC.from_float(float_ec, backend=backend)
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _assert_equal(a, b, output_dtype):
+    assert list(a) == list(b)
+    for k in a:
+        assert b[k].values().dtype == output_dtype
+        assert torch.equal(_bits(a[k].values()), _bits(b[k].values())), k
+        assert torch.equal(a[k].lengths(), b[k].lengths()), k
+        assert (a[k].weights_or_none() is None) == (b[k].weights_or_none() is None), k
+        if a[k].weights_or_none() is not None:
+            assert torch.equal(a[k].weights(), b[k].weights()), k
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("output_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("need_indices", [False, True])
+def test_outputs_equal_torchrec_bit_for_bit(backend, output_dtype, need_indices):
+    theirs, ours = _pair(output_dtype, backend=backend, need_indices=need_indices)
+    for seed in (1, 2):
+        _assert_equal(theirs(_kjt(seed=seed)), ours(_kjt(seed=seed)), output_dtype)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_state_dict_layout_and_checkpoints_both_ways(split):
+    theirs, ours = _pair(torch.float16, split)
+    sd_theirs, sd_ours = theirs.state_dict(), ours.state_dict()
+    assert list(sd_theirs) == list(sd_ours)
+    for k in sd_theirs:
+        t, o = sd_theirs[k], sd_ours[k]
+        assert type(t) is type(o) and t.shape == o.shape and t.dtype == o.dtype, k
+        assert torch.equal(t.view(torch.uint8) if t.dtype != torch.float16 else t,
+                           o.view(torch.uint8) if o.dtype != torch.float16 else o), k
+    other = _float_ec(seed=5)
+    other.qconfig = _qconfig(torch.float16)
+    if split:
+        setattr(other, "__quant_state_dict_split_scale_bias", True)
+    kjt = _kjt()
+    fresh_ours = QuantEC.from_float(other)
+    fresh_ours.load_state_dict(theirs.state_dict())
+    _assert_equal(theirs(kjt), fresh_ours(kjt), torch.float16)
+    fresh_theirs = TorchrecQuantEC.from_float(other)
+    fresh_theirs.load_state_dict(ours.state_dict())
+    _assert_equal(fresh_theirs(kjt), ours(kjt), torch.float16)
+
+
+def test_from_float_of_our_float_module_and_quantize():
+    """Our float EmbeddingCollection quantizes to the same module; recom_rec.quantize converts the
+    EmbeddingCollections of a model (torchrec's and ours)."""
+    torch.manual_seed(0)
+    ours_float = recom_rec.EmbeddingCollection(tables=_tables(), device=DEVICE)
+    theirs_float = _float_ec()
+    theirs_float.load_state_dict(ours_float.state_dict())
+    for module in (ours_float, theirs_float):
+        module.qconfig = _qconfig(torch.float32)
+    a, b = QuantEC.from_float(ours_float), TorchrecQuantEC.from_float(theirs_float)
+    _assert_equal(b(_kjt()), a(_kjt()), torch.float32)
+
+    model = torch.nn.ModuleDict({"ours": recom_rec.EmbeddingCollection(tables=_tables(), device=DEVICE),
+                                 "theirs": _float_ec()})
+    quantized = recom_rec.quantize(model, torch.qint8)
+    assert all(isinstance(m, QuantEC) for m in quantized.values())
+    assert isinstance(model["theirs"], torchrec.EmbeddingCollection)  # not in place by default
+
+
+def test_deepcopy_and_to_keep_the_tables_on_the_kernel_s_buffer():
+    _, ours = _pair(torch.float32)
+    kjt = _kjt()
+    expected = ours(kjt)
+    copied = copy.deepcopy(ours)
+    with torch.no_grad():
+        copied.embeddings["t4"].weight.zero_()  # fp32 rows: all zeros
+    assert not torch.equal(copied(kjt)["f4"].values(), expected["f4"].values())
+    assert torch.equal(ours(kjt)["f4"].values(), expected["f4"].values())
+    moved = ours.to(DEVICE)
+    _assert_equal(expected, moved(kjt), torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_id_names_feature_table_and_batch_index(backend):
+    _, ours = _pair(torch.float32, backend=backend)
+    # f1 reads t1 (14 rows): id 20 in its second bag
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1", "f2", "f3", "f4", "f5"],
+                                              values=torch.tensor([1, 3, 2, 20, 1, 1, 1, 1]),
+                                              lengths=torch.tensor([1, 0, 1, 2, 1, 0, 1, 0, 1, 0, 1, 0])).to(DEVICE)
+    with pytest.raises(ValueError) as error:
+        ours(kjt)
+        ours.check_inputs()
+    message = str(error.value)
+    assert "'f1'" in message and "'t1'" in message and "id 20" in message and "batch index 1" in message
+    ours(_kjt())
+    ours.check_inputs()
+
+
+def test_construction_errors_as_torchrec():
+    with pytest.raises(ValueError, match="same embedding dimension"):
+        QuantEC([EmbeddingConfig(name="a", embedding_dim=8, num_embeddings=4, feature_names=["x"]),
+                 EmbeddingConfig(name="b", embedding_dim=16, num_embeddings=4, feature_names=["y"])],
+                device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="Duplicate table name"):
+        QuantEC([EmbeddingConfig(name="a", embedding_dim=8, num_embeddings=4, feature_names=["x"]),
+                 EmbeddingConfig(name="a", embedding_dim=8, num_embeddings=4, feature_names=["y"])],
+                device=torch.device("cpu"))
