@@ -17,8 +17,11 @@ from ebc_cases import DEVICE
 from recom_rec.quant import EmbeddingCollection as QuantEC
 
 DIM = 16
-WEIGHT_DTYPES = {"t0": torch.qint8, "t1": torch.quint4x2, "t2": torch.quint2x4, "t3": torch.half,
-                 "t4": torch.float, "t5": torch.qint8}
+# fbgemm's unpooled IntN TBE gives wrong INT2 rows on CUDA (only the first 4 of 16 columns are
+# dequantized; the rest are raw codes, seen on the H200 with fbgemm-gpu 1.6.0): there, INT2 rows
+# are compared with the CPU's instead (test_int2_rows_on_the_gpu_match_the_cpu_s).
+WEIGHT_DTYPES = {"t0": torch.qint8, "t1": torch.quint4x2, "t2": torch.quint2x4 if DEVICE.type == "cpu" else torch.qint8,
+                 "t3": torch.half, "t4": torch.float, "t5": torch.qint8}
 BACKENDS = ["torch", "triton"] if DEVICE.type == "cpu" else ["triton"]
 
 
@@ -34,10 +37,10 @@ def _float_ec(seed=0, need_indices=False):
     return torchrec.EmbeddingCollection(tables=_tables(), need_indices=need_indices, device=DEVICE)
 
 
-def _qconfig(output_dtype):
+def _qconfig(output_dtype, weight_dtypes=WEIGHT_DTYPES):
     return QuantConfig(activation=tq.PlaceholderObserver.with_args(dtype=output_dtype),
                        weight=tq.PlaceholderObserver.with_args(dtype=torch.qint8),
-                       per_table_weight_dtype=WEIGHT_DTYPES)
+                       per_table_weight_dtype=weight_dtypes)
 
 
 def _kjt(batch_size=7, seed=1):
@@ -162,3 +165,20 @@ def test_construction_errors_as_torchrec():
         QuantEC([EmbeddingConfig(name="a", embedding_dim=8, num_embeddings=4, feature_names=["x"]),
                  EmbeddingConfig(name="a", embedding_dim=8, num_embeddings=4, feature_names=["y"])],
                 device=torch.device("cpu"))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the CPU comparison above covers INT2 bit for bit")
+def test_int2_rows_on_the_gpu_match_the_cpu_s():
+    """INT2 rows on the GPU (fbgemm's CUDA arithmetic: the element rounded to fp16) against
+    torchrec's module on the CPU (fp32 arithmetic): within fp16 rounding."""
+    float_ec = _float_ec()
+    float_ec.qconfig = _qconfig(torch.float32, {t.name: torch.quint2x4 for t in _tables()})
+    ours = QuantEC.from_float(float_ec)
+    cpu_float = torchrec.EmbeddingCollection(tables=_tables())
+    cpu_float.load_state_dict({k: v.cpu() for k, v in float_ec.state_dict().items()})
+    cpu_float.qconfig = float_ec.qconfig
+    theirs = TorchrecQuantEC.from_float(cpu_float)
+    kjt = _kjt()
+    a, b = theirs(kjt.to("cpu")), ours(kjt)
+    for k in a:
+        torch.testing.assert_close(b[k].values().cpu(), a[k].values(), rtol=0, atol=5e-4)

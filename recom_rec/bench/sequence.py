@@ -8,8 +8,9 @@ ours; fbgemm's TBE in ``PoolingMode.NONE`` (what torchrec's sharded EmbeddingCol
 its default bounds check, the SGD fused into its backward as ours; torchrec's EmbeddingCollection
 (an nn.Embedding per table; forward only: its training step writes a dense 10 GB gradient).
 
-Phases: ``forward`` (no_grad) and ``sgd`` (forward + backward with SGD fused, upstream gradient of
-ones). The modules' forwards include splitting their output into one JaggedTensor a feature (and
+Phases: ``forward`` (no_grad), ``sgd`` (forward + backward with SGD fused, upstream gradient of
+ones) and ``int8`` (serving INT8 rows: ours against torchrec's quantized EmbeddingCollection, both
+quantized from the same tables). The modules' forwards include splitting their output into one JaggedTensor a feature (and
 their backward the gathering of those gradients into one, autograd's copy); fbgemm's TBE returns
 one tensor and takes one gradient. Bytes moved by a forward: each id's row read and written (fp32),
 plus the ids.
@@ -44,6 +45,11 @@ class SequenceWorkload:
             EmbeddingConfig(name="action", embedding_dim=DIM, num_embeddings=self.side_rows[1],
                             feature_names=["history_actions"]),
         ]
+
+    def tables_as(self, configs: List[EmbeddingConfig]) -> List[EmbeddingConfig]:
+        """Fresh copies of ``configs`` (a module may change the configs it is given)."""
+        return [EmbeddingConfig(name=c.name, embedding_dim=c.embedding_dim, num_embeddings=c.num_embeddings,
+                                feature_names=list(c.feature_names), data_type=c.data_type) for c in configs]
 
     def make_input(self, device: torch.device, seed: int = 0) -> KeyedJaggedTensor:
         rng = random.Random(seed)
@@ -200,8 +206,45 @@ def run_sequence(device: torch.device, small: bool, iters: int = 20, warmup: int
                 del peer, step
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        del reference, weights
+        del reference
+        rows.extend(_int8_rows(w, kjt, weights, device, name, iters, warmup))
+        del weights
     return rows
+
+
+def _int8_rows(w: SequenceWorkload, kjt, weights, device, name: str, iters: int, warmup: int) -> List[Dict]:
+    """Serving: INT8 rows, ours (recom_rec.quant.EmbeddingCollection) against torchrec's quantized
+    EmbeddingCollection (fbgemm's IntN TBE, unpooled), both quantized from the same float tables."""
+    from torchrec.modules.embedding_configs import DataType
+    from torchrec.quant.embedding_modules import EmbeddingCollection as TorchrecQuantEC
+
+    from ..quant import EmbeddingCollection as QuantEC
+    from ..quant.rows import RowType, quantize_rows
+
+    # Both modules from the same INT8 rows (fbgemm's quantizer, in blocks of rows: recom_rec.quant.rows).
+    configs = w.tables()
+    for config in configs:
+        config.data_type = DataType.INT8
+    quantized = {c.name: quantize_rows(weight, RowType.INT8) for c, weight in zip(configs, weights)}
+    peers = {"recom_rec": QuantEC(configs, device=device, table_name_to_quantized_weights=quantized),
+             "torchrec": TorchrecQuantEC(w.tables_as(configs), device=device, table_name_to_quantized_weights=quantized)}
+    del quantized
+    rows, reference = [], None
+    for peer_name, module in peers.items():
+        with torch.no_grad():
+            out = _flat(module(kjt))
+            reference = out if reference is None else reference
+            row = {"workload": name, "peer": peer_name, "phase": "int8", "ids": kjt.values().numel(),
+                   "identical": bool(torch.equal(out, reference))}
+            del out
+
+        def step():
+            with torch.no_grad():
+                module(kjt)
+        row["ms"] = time_ms(step, device, warmup=warmup, iters=iters)
+        rows.append(row)
+    return rows
+
 
 
 def format_sequence(rows: List[Dict]) -> str:

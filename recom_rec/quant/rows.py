@@ -91,6 +91,9 @@ def _fbgemm_op(name: str):
     return getattr(torch.ops.fbgemm, name)
 
 
+QUANTIZE_BLOCK_ELEMENTS = 1 << 30
+
+
 def quantize_rows(weight: torch.Tensor, kind: RowType) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(elements [rows, data_bytes] uint8, scale_bias [rows, 4] uint8 or None)`` of a float
     table, by fbgemm's own quantizers (the numbers torchrec's ``from_float`` stores)."""
@@ -104,7 +107,12 @@ def quantize_rows(weight: torch.Tensor, kind: RowType) -> Tuple[torch.Tensor, Op
     if kind == RowType.FP8:
         q = _fbgemm_op("FloatToHFP8Quantized")(w.float().contiguous(), FP8_EXPONENT_BITS, FP8_EXPONENT_BIAS, FP8_MAX)
         return q.view(torch.uint8), None
-    fused = _fbgemm_op("FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf")(w.contiguous(), kind.bits)
+    quantizer = _fbgemm_op("FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf")
+    # fbgemm's CUDA quantizer indexes elements in 32 bits: a table of 2**31 elements or more (10M
+    # rows x 256) faults. Its rows are independent: quantize blocks of them.
+    rows_a_block = max(1, QUANTIZE_BLOCK_ELEMENTS // max(1, w.shape[1]))
+    fused = torch.cat([quantizer(block.contiguous(), kind.bits) for block in w.split(rows_a_block)]) \
+        if w.shape[0] > rows_a_block else quantizer(w.contiguous(), kind.bits)
     # fbgemm's quantizer puts the scale and bias last; the TBE's rows (and torchrec) put them first.
     return fused[:, :-SCALE_BIAS_BYTES], fused[:, -SCALE_BIAS_BYTES:]
 
