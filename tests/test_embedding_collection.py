@@ -391,3 +391,25 @@ def test_swap_modules_replaces_torchrecs_module_in_a_model():
     for name, table in reference.ec.embeddings.items():
         torch.testing.assert_close(swapped.ec.embeddings[name].weight.grad, table.weight.grad)
     assert swapped.inner[0].fused_optimizer is not None
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_variable_batch_per_feature_as_torchrec(backend):
+    """A KJT with a batch size per feature (VBE): each feature's ids and lengths as torchrec's
+    module gives them (an unpooled lookup needs no inverse indices)."""
+    tables = _tables(6)
+    ours, theirs = _pair(tables, backend, need_indices=True)
+    features = [f for t in tables for f in t.feature_names]
+    keys = list(dict.fromkeys(features))
+    rows = {f: min(t.num_embeddings for t in tables if f in t.feature_names) for f in keys}
+    strides = [1 + (3 * i) % 5 for i in range(len(keys))]
+    g = torch.Generator().manual_seed(6)
+    lengths = [int(x) for s in strides for x in torch.randint(0, 4, (s,), generator=g)]
+    values, at = [], 0
+    for key, stride in zip(keys, strides):
+        n = sum(lengths[at:at + stride])
+        values += torch.randint(0, rows[key], (n,), generator=g).tolist()
+        at += stride
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.tensor(values, dtype=torch.int64), lengths=torch.tensor(lengths),
+                            stride_per_key_per_rank=[[s] for s in strides]).to(DEVICE)
+    _assert_same_output(ours(kjt), theirs(kjt))

@@ -180,3 +180,15 @@ def test_quantized_module_pools_a_vbe_batch_as_its_rows_spelled_out(backend, see
     assert torch.equal(quant(kjt).values(), quant(_spelled_out(kjt)).values())
     with torch.no_grad():
         assert torch.equal(float_ebc(kjt).values(), float_ebc(_spelled_out(kjt)).values())
+
+
+def test_scripted_module_pools_variable_batches_as_eager():
+    """TorchScript (torch.jit.script of the module, and of its fx trace) takes VBE KJTs too."""
+    from torchrec.fx import symbolic_trace
+
+    tables = _tables(5)
+    ours, _ = _pair(tables, "torch")
+    kjt = _vbe_kjt(tables, 5)
+    expected = ours(kjt).values()
+    for scripted in (torch.jit.script(ours), torch.jit.script(symbolic_trace(ours))):
+        assert torch.equal(scripted(kjt).values(), expected)

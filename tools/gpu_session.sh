@@ -81,9 +81,9 @@ if [[ " $STAGES " == *" ps "* ]]; then
     | tee "$OUT/ps.log" | tail -36; cp /tmp/ps.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STAGES " == *" sequence "* ]]; then
-  stage sequence  # EmbeddingCollection: ours vs fbgemm's unpooled TBE and torchrec's module
-  timeout ${SEQ_TIMEOUT:-240} python3 -m recom_rec.bench --workloads sequence --out /tmp/sequence ${SEQ_ARGS:-} 2>&1 \
-    | quiet | tee "$OUT/sequence.log" | tail -8; cp /tmp/sequence.json "$OUT/" 2>/dev/null
+  stage sequence  # EmbeddingCollection (and VBE): ours vs fbgemm's unpooled (VBE) TBE and torchrec's modules
+  timeout ${SEQ_TIMEOUT:-300} python3 -m recom_rec.bench --workloads sequence vbe --out /tmp/sequence ${SEQ_ARGS:-} 2>&1 \
+    | quiet | tee "$OUT/sequence.log" | tail -14; cp /tmp/sequence.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STAGES " == *" quant "* ]]; then
   stage quant-tests  # quantized inference (issue 21): kernel and module against torchrec/fbgemm, serving

@@ -34,12 +34,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m recom_rec.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", default=None,
-                   choices=list(WORKLOADS) + ["ps", "sequence", "sharded-dlrm", "sweep"],
+                   choices=list(WORKLOADS) + ["ps", "sequence", "sharded-dlrm", "sweep", "vbe"],
                    help="not in the default set: 'sweep', ours against fbgemm over a grid of table layouts "
                    "(recom_rec/bench/sweep.py; --warmup/--iters/--out apply); 'ps', a 1e8-row table in the parameter-server tier (see "
                    "--ps-urls); 'sharded-dlrm', a DLRM training step under DistributedModelParallel, ours vs "
                    "torchrec's sharder (see --worlds); 'sequence', a sequence model's unpooled lookups (recom_rec.EmbeddingCollection) "
-                   "against fbgemm's TBE in PoolingMode.NONE and torchrec's EmbeddingCollection. Default: " + " ".join(DEFAULT_WORKLOADS) +
+                   "against fbgemm's TBE in PoolingMode.NONE and torchrec's EmbeddingCollection; 'vbe', a batch size per feature "
+                   "against fbgemm's VBE TBE and torchrec's module. Default: " + " ".join(DEFAULT_WORKLOADS) +
                    "; with --phases inference alone: dlrm-kaggle many-500 many-4000")
     p.add_argument("--row-types", nargs="+", default=["int8", "int4", "fp16"],
                    choices=["int8", "int4", "int2", "fp16"], help="row types of --phases inference")
@@ -243,6 +244,13 @@ def main(argv=None):
                                      iters=args.iters, warmup=args.warmup)
         print(format_sequence(sequence_rows))
         results = results + sequence_rows
+    if "vbe" in args.workloads:
+        from .vbe import format_vbe, run_vbe
+
+        vbe_rows = run_vbe(torch.device(args.device), args.small or args.device == "cpu", iters=args.iters,
+                           warmup=args.warmup)
+        print(format_vbe(vbe_rows))
+        results = results + vbe_rows
     if "sharded-dlrm" in args.workloads:
         from .sharded_dlrm import default_worlds, format_sharded, run_sharded_dlrm
 

@@ -139,14 +139,6 @@ def _fused_lookup(
     return _python_lookup(features, flats, weights, metas, output_columns, plan, fused)
 
 
-def check_uniform_batch(features: KeyedJaggedTensor, module: str = "recom_rec.EmbeddingBagCollection") -> None:
-    if features.variable_stride_per_key():
-        raise ValueError(
-            module + " does not take variable-batch KeyedJaggedTensors "
-            "(stride_per_key_per_rank); give every key the same batch size"
-        )
-
-
 def _concat_groups(outs: List[torch.Tensor], output_columns: Optional[torch.Tensor]) -> torch.Tensor:
     if len(outs) == 1:
         return outs[0]
@@ -222,8 +214,16 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
 def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights: List[List[torch.Tensor]],
                      metas: List[torch.Tensor], output_columns: Optional[torch.Tensor], plan: LookupPlan,
                      fused: Optional[FusedStep]) -> torch.Tensor:
-    """TorchScript: the same lookups through the registered op, key plans built per call."""
-    check_uniform_batch(features)
+    """TorchScript: the same lookups through the registered op, key plans built per call (a
+    variable batch per feature padded and expanded as in eager mode)."""
+    rows: Optional[torch.Tensor] = None
+    if features.variable_stride_per_key() or features.inverse_indices_or_none() is not None:
+        rows = output_rows(features, plan.output_features, plan.output_dims)
+        if features.variable_stride_per_key():
+            if rows is None:
+                raise ValueError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) "
+                                 "needs its inverse_indices: they say which bag each output row takes")
+            features = pad_to_uniform(features)
     keys = features.keys()
     position: Dict[str, int] = {}
     for i in range(len(keys)):
@@ -257,7 +257,8 @@ def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], wei
             fused.hyper if fused is not None else None, fused.step if fused is not None else None,
             values.numel() if reads_each_key_once else -1, group.num_rows, plan.report_id,
         ))
-    return _concat_groups(outs, output_columns)
+    out = _concat_groups(outs, output_columns)
+    return out if rows is None else expand_rows(out, rows)
 
 
 _NO_PS_GRAPHS = ("recom_rec.EmbeddingBagCollection with parameter-server tables (ps=...) does not support {what}: "
@@ -471,9 +472,6 @@ class EmbeddingBagCollection(FlatTables, _TorchrecEmbeddingBagCollection):
         if getattr(self, "_ps", None) is not None:
             if _fx_tracing():
                 raise ValueError(_NO_PS_GRAPHS.format(what="fx tracing"))
-            if features.variable_stride_per_key():
-                raise ValueError("recom_rec.EmbeddingBagCollection: parameter-server tables take KeyedJaggedTensors "
-                                 "of one batch size for every feature, not a batch size per feature")
             features = self._ps.prepare(features)  # PS tables' ids -> cache slots
         grad = torch.is_grad_enabled()
         spec = self._fused_spec

@@ -8,9 +8,9 @@ values, weights and so the rows read stay the KJT's), the kernel pools ``[S, tot
 each feature's columns take their rows by ``inverse_indices`` (one gather, as torchrec's module
 does with fbgemm's ``group_index_select_dim0``). The gather's backward adds each output row's
 gradient to its bag, which the kernel's backward then spreads to the bag's ids; padded bags are
-empty and take nothing.
+empty and take nothing. (Written for TorchScript too: the scripted module calls these.)
 """
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -28,7 +28,7 @@ def pad_to_uniform(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
     key_of_bag = torch.repeat_interleave(torch.arange(len(strides), device=device), stride, output_size=bags)
     first_bag = torch.cumsum(stride, 0) - stride
     position = key_of_bag * width + torch.arange(bags, device=device) - first_bag[key_of_bag]
-    padded = lengths.new_zeros(len(strides) * width).index_put_((position,), lengths)
+    padded = lengths.new_zeros(len(strides) * width).index_put_([position], lengths)
     return KeyedJaggedTensor(keys=keys, values=features.values(), weights=features.weights_or_none(),
                              lengths=padded, stride=width)
 
@@ -42,11 +42,16 @@ def output_rows(features: KeyedJaggedTensor, output_features: List[str],
     if inverse is None:
         return None
     names, indices = inverse
-    where = {name: i for i, name in enumerate(names)}
-    missing = [f for f in output_features if f.split("@")[0] not in where]
-    if missing:
-        raise ValueError(f"the KeyedJaggedTensor's inverse_indices have no row for features {missing}")
-    order = torch.tensor([where[f.split("@")[0]] for f in output_features], device=indices.device)
+    where: Dict[str, int] = {}
+    for i in range(len(names)):
+        where[names[i]] = i
+    order_list: List[int] = []
+    for f in output_features:
+        name = f.split("@")[0]
+        if name not in where:
+            raise ValueError("the KeyedJaggedTensor's inverse_indices have no row for feature " + name)
+        order_list.append(where[name])
+    order = torch.tensor(order_list, device=indices.device)
     per_feature = indices.index_select(0, order).to(torch.int64)  # [features, B]
     widths = torch.tensor(output_dims, device=indices.device)
     return per_feature.repeat_interleave(widths, dim=0, output_size=sum(output_dims)).t()

@@ -449,10 +449,15 @@ class PSTier:
             stats["pushed"] += pushed
             stats["evictions"] += evictions
         kjt = pending.kjt
+        # The same KJT with its ids replaced (a variable batch per feature keeps its strides and
+        # inverse indices: the remap works on each key's span of values, whatever its bags).
+        variable = kjt.variable_stride_per_key()
         remapped = KeyedJaggedTensor(
             keys=kjt.keys(), values=pending.out, weights=kjt.weights_or_none(), lengths=kjt.lengths(),
-            offsets=kjt.offsets(), stride=kjt.stride(), length_per_key=kjt.length_per_key(),
-            offset_per_key=kjt.offset_per_key(),
+            offsets=kjt.offsets(), stride=None if variable else kjt.stride(),
+            stride_per_key_per_rank=kjt.stride_per_key_per_rank() if variable else None,
+            length_per_key=kjt.length_per_key(), offset_per_key=kjt.offset_per_key(),
+            inverse_indices=kjt.inverse_indices_or_none(),
         )
         return remapped, handle
 

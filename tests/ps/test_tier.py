@@ -393,3 +393,32 @@ def test_two_ps_tables_around_an_ordinary_feature_with_int32_ids():
         assert torch.equal(ps.export_table(m, t), ref.embedding_bags[t].weight.detach())
         assert m._ps.tables[t].cache.stats["pushed"] > 0
     assert torch.equal(m.embedding_bags["mid"].weight, ref.embedding_bags["mid"].weight)
+
+
+def _variable_batches(n, seed=3):
+    """VBE KJTs: f_big at the full batch, f_small at a quarter of it, inverse indices for both."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lb = torch.randint(0, 4, (8,), generator=g)
+        ls = torch.randint(0, 3, (2,), generator=g)
+        values = torch.cat([torch.randint(0, BIG, (int(lb.sum()),), generator=g),
+                            torch.randint(0, SMALL, (int(ls.sum()),), generator=g)])
+        inverse = torch.stack([torch.arange(8), torch.randint(0, 2, (8,), generator=g)])
+        out.append(KeyedJaggedTensor(keys=["f_big", "f_small"], values=values, lengths=torch.cat([lb, ls]),
+                                     stride_per_key_per_rank=[[8], [2]], inverse_indices=(["f_big", "f_small"], inverse)))
+    return out
+
+
+@pytest.mark.parametrize("prefetch", [None, 2])
+def test_variable_batch_per_feature_trains_as_in_memory(prefetch):
+    """A batch size per feature (VBE KJTs) through parameter-server tables: the tier remaps each
+    key's ids whatever its bags; outputs and tables equal the in-memory module's."""
+    data = _variable_batches(10)
+    m = ps_model("memory://", cache_rows=40)
+    ref = reference_model(m.embedding_bags["small"].weight.detach().clone())
+    for a, b in zip(train(m, data, prefetch=prefetch), train(ref, data)):
+        assert torch.equal(a, b)
+    assert m._ps.tables["big"].cache.stats["evictions"] > 0
+    ps.flush(m)
+    assert_same_tables(m, ref)

@@ -1,0 +1,195 @@
+"""The ``vbe`` workload: a variable batch per feature (torchrec's VBE KJTs).
+
+A DLRM-like layer of 26 tables (dim 128, 1M rows each, fp32) at batch 8192, whose 8 user features
+come at 1/16 of the batch (one user row per 16 requests: ``stride_per_key_per_rank`` 512, the
+inverse indices say which) and 18 item features at the full batch; 12 of the features multi-hot
+(20 ids a bag), the rest one id. Peers, on the same KJT and weights: ours (the module pools each
+feature's own bags and expands them to the batch's rows by the inverse indices); fbgemm's VBE TBE
+(``batch_size_per_feature_per_rank``: its output is each feature's own bags, not expanded - less
+work than a module's output) with its bounds check, SGD fused; torchrec's EmbeddingBagCollection
+(a kernel per table, then its expansion; forward only).
+"""
+import random
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+from .timing import time_ms
+
+LR = 0.01
+
+
+@dataclass
+class VbeWorkload:
+    batch_size: int
+    rows: int
+    dim: int
+    user_features: int
+    item_features: int
+    multi_hot: int
+    divisor: int = 16
+
+    def keys(self) -> List[str]:
+        return [f"user{i}" for i in range(self.user_features)] + [f"item{i}" for i in range(self.item_features)]
+
+    def tables(self) -> List[EmbeddingBagConfig]:
+        return [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=self.dim, num_embeddings=self.rows, feature_names=[k])
+                for k in self.keys()]
+
+    def strides(self) -> List[int]:
+        return [self.batch_size // self.divisor] * self.user_features + [self.batch_size] * self.item_features
+
+    def make_input(self, device: torch.device, seed: int = 0) -> KeyedJaggedTensor:
+        rng = random.Random(seed)
+        g = torch.Generator().manual_seed(seed)
+        keys, strides = self.keys(), self.strides()
+        lengths = []
+        for i, s in enumerate(strides):
+            hot = self.multi_hot if i % 2 == 0 else 1
+            lengths += [rng.randint(1, hot) if hot > 1 else 1 for _ in range(s)]
+        n = sum(lengths)
+        inverse = torch.stack([torch.randint(s, (self.batch_size,), generator=g) if s < self.batch_size
+                               else torch.arange(self.batch_size) for s in strides])
+        return KeyedJaggedTensor(keys=keys, values=torch.randint(self.rows, (n,), generator=g),
+                                 lengths=torch.tensor(lengths), stride_per_key_per_rank=[[s] for s in strides],
+                                 inverse_indices=(keys, inverse)).to(device)
+
+
+def workloads(small: bool) -> List[VbeWorkload]:
+    if small:
+        return [VbeWorkload(256, 5_000, 16, 3, 5, 5)]
+    return [VbeWorkload(8192, 1_000_000, 128, 8, 18, 20)]
+
+
+class _Module:
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def load(self, weights: List[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for bag, w in zip(self.module.embedding_bags.values(), weights):
+                bag.weight.copy_(w)
+
+    def forward(self, kjt) -> torch.Tensor:
+        return self.module(kjt).values()
+
+    def train_step(self, kjt) -> None:
+        out = self.module(kjt).values()
+        out.backward(torch.ones_like(out))
+
+
+class _Fbgemm:
+    def __init__(self, w: VbeWorkload, device, train: bool) -> None:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode,
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(t.num_embeddings, t.embedding_dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
+                             for t in w.tables()],
+            optimizer=EmbOptimType.EXACT_SGD, learning_rate=LR, pooling_mode=PoolingMode.SUM,
+            weights_precision=SparseType.FP32, output_dtype=SparseType.FP32, device=device,
+            bounds_check_mode=BoundsCheckMode.WARNING)
+        self.per_feature = [[s] for s in w.strides()]
+        self.w = w
+
+    def load(self, weights: List[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for mine, weight in zip(self.tbe.split_embedding_weights(), weights):
+                mine.copy_(weight)
+
+    def forward(self, kjt) -> torch.Tensor:
+        return self.tbe(kjt.values(), kjt.offsets(), batch_size_per_feature_per_rank=self.per_feature)
+
+    def train_step(self, kjt) -> None:
+        out = self.forward(kjt)
+        out.backward(torch.ones_like(out))
+
+    def expanded(self, out: torch.Tensor, kjt) -> torch.Tensor:
+        """fbgemm's per-feature bags expanded to the batch's rows (to compare with a module's output)."""
+        inverse = kjt.inverse_indices()[1]
+        pieces, at = [], 0
+        for f, s in enumerate(self.w.strides()):
+            bags = out[at:at + s * self.w.dim].view(s, self.w.dim)
+            pieces.append(bags[inverse[f].long()])
+            at += s * self.w.dim
+        return torch.cat(pieces, dim=1)
+
+
+def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5) -> List[Dict]:
+    import torchrec
+
+    import recom_rec
+
+    from .peers import fbgemm_available
+
+    rows: List[Dict] = []
+    for w in workloads(small):
+        kjt = w.make_input(device)
+        name = f"vbe-b{w.batch_size}"
+        torch.manual_seed(0)
+        weights = [torch.empty(w.rows, w.dim, device=device).uniform_(-0.01, 0.01) for _ in w.tables()]
+        peers = ["recom_rec", "torchrec"] + (["fbgemm"] if device.type == "cuda" and fbgemm_available(device) else [])
+        reference = None
+        for phase in ("forward", "sgd"):
+            for peer_name in peers:
+                if phase == "sgd" and peer_name == "torchrec":
+                    continue
+                if peer_name == "fbgemm":
+                    peer = _Fbgemm(w, device, phase == "sgd")
+                elif peer_name == "recom_rec":
+                    module = recom_rec.EmbeddingBagCollection(w.tables(), device=device)
+                    if phase == "sgd":
+                        module.enable_fused_optimizer("sgd", lr=LR)
+                    peer = _Module(module)
+                else:
+                    peer = _Module(torchrec.EmbeddingBagCollection(w.tables(), device=device))
+                peer.load(weights)
+                row = {"workload": name, "peer": peer_name, "phase": phase, "ids": kjt.values().numel()}
+                if phase == "forward":
+                    with torch.no_grad():
+                        out = peer.forward(kjt)
+                        out = peer.expanded(out, kjt) if peer_name == "fbgemm" else out
+                        reference = out if reference is None else reference
+                        row["identical"] = bool(torch.equal(out, reference))
+                        del out
+
+                    def step():
+                        with torch.no_grad():
+                            peer.forward(kjt)
+                else:
+                    def step():
+                        peer.train_step(kjt)
+                row["ms"] = time_ms(step, device, warmup=warmup, iters=iters)
+                rows.append(row)
+                del peer, step
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        del weights, reference
+    return rows
+
+
+def format_vbe(rows: List[Dict]) -> str:
+    lines = ["vbe (a batch size per feature): median ms; ours' speed-up over each peer in this run",
+             f"{'workload':<12}{'phase':<9}{'ids':>9}  {'recom_rec':>10}{'fbgemm':>10}{'torchrec':>10}"
+             f"{'x fbgemm':>10}{'x torchrec':>11}  identical"]
+    by = {(r["workload"], r["phase"], r["peer"]): r for r in rows}
+    for workload, phase in dict.fromkeys((r["workload"], r["phase"]) for r in rows):
+        ours = by[(workload, phase, "recom_rec")]
+        cells = "".join(f"{by[(workload, phase, p)]['ms']:>10.3f}" if (workload, phase, p) in by else f"{'-':>10}"
+                        for p in ("recom_rec", "fbgemm", "torchrec"))
+        ratios = "".join(f"{by[(workload, phase, p)]['ms'] / ours['ms']:>9.2f}x " if (workload, phase, p) in by
+                         else f"{'-':>10} " for p in ("fbgemm", "torchrec"))
+        same = ",".join(f"{p}={by[(workload, phase, p)]['identical']}" for p in ("fbgemm", "torchrec")
+                        if "identical" in by.get((workload, phase, p), {}))
+        lines.append(f"{workload:<12}{phase:<9}{ours['ids']:>9}  {cells}{ratios} {same}")
+    return "\n".join(lines)
