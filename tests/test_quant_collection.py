@@ -182,3 +182,16 @@ def test_int2_rows_on_the_gpu_match_the_cpu_s():
     a, b = theirs(kjt.to("cpu")), ours(kjt)
     for k in a:
         torch.testing.assert_close(b[k].values().cpu(), a[k].values(), rtol=0, atol=5e-4)
+
+
+def test_more_ids_than_one_launch_takes_bags(monkeypatch):
+    """Past the kernel's bags a launch (its grid's y axis) the ids spread over virtual features:
+    the same rows (the limit lowered here so that a small batch crosses it)."""
+    import recom_rec.quant.embedding_collection as qec
+
+    theirs, ours = _pair(torch.float32)
+    kjt = _kjt(batch_size=9, seed=4)
+    expected = ours(kjt)
+    monkeypatch.setattr(qec, "MAX_BAGS", 5)
+    _assert_equal(expected, ours(kjt), torch.float32)
+    _assert_equal(theirs(kjt), ours(kjt), torch.float32)

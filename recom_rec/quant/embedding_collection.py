@@ -35,6 +35,7 @@ from .from_float import quantized_module_args
 from .layout import (
     QMETA_DIM,
     QMETA_NUM_EMBEDDINGS,
+    QMETA_OUT_COL,
     QMETA_POOLING,
     QMETA_ROW_STRIDE,
     QMETA_ROW_TYPE,
@@ -263,9 +264,34 @@ def _quantized_collection_lookup(features: KeyedJaggedTensor, flat: Tensor, firs
         counts = [length_per_key[k] for k in key_index]
         num = sum(counts)
         row_key = row_keys(values, offsets, segments, group.key_meta, num, backend, validate, group.names, report_id)
-        bags = torch.arange(num + 1, dtype=torch.int64, device=flat.device)
-        rows = quantized_lookup(flat, row_key, bags, None, group.virtual_meta, first_key, num, dim, dim, output_dtype,
-                                backend, False, "", report_id)
+        rows = _one_id_bags(flat, row_key, group.virtual_meta, first_key, dim, output_dtype, backend, report_id)
         for name, piece, k in zip(group.embedding_names, rows.split(counts), key_index):
             out[name] = JaggedTensor(values=piece, lengths=lengths[k], weights=indices[k] if indices else None)
     return out
+
+
+# The quantized kernel's grid has the batch's blocks of bags on its y axis (at most 65535 blocks).
+MAX_BAGS = 65535
+
+
+def _one_id_bags(flat: Tensor, row_key: Tensor, virtual_meta: Tensor, first_key: Tensor, dim: int,
+                 output_dtype: torch.dtype, backend: str, report_id: int) -> Tensor:
+    """``[ids, dim]``: the quantized pooled lookup of bags of one row key each. Past MAX_BAGS ids
+    the bags are spread over F virtual features side by side (id r is bag r // F of feature r % F,
+    whose pooled output row r // F, columns (r % F) * dim, is row r of ``[ids, dim]``)."""
+    num = row_key.numel()
+    features = max(1, -(-num // MAX_BAGS))
+    if features == 1:
+        bags = torch.arange(num + 1, dtype=torch.int64, device=flat.device)
+        return quantized_lookup(flat, row_key, bags, None, virtual_meta, first_key, num, dim, dim, output_dtype,
+                                backend, False, "", report_id)
+    batch = -(-num // features)
+    padded = torch.cat([row_key, row_key.new_zeros(batch * features - num)])  # key 0: a real row, dropped after
+    values = padded.view(batch, features).t().reshape(-1)  # a KJT's order: feature after feature
+    bags = torch.arange(batch * features + 1, dtype=torch.int64, device=flat.device)
+    meta = virtual_meta.repeat(features, 1)
+    meta[:, QMETA_OUT_COL] = torch.arange(features, device=flat.device) * dim
+    key_index = torch.arange(features, dtype=torch.int64, device=flat.device)
+    out = quantized_lookup(flat, values, bags, None, meta, key_index, batch, features * dim, dim, output_dtype,
+                           backend, False, "", report_id)
+    return out.view(-1, dim)[:num]
