@@ -188,7 +188,7 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
     indices after the lookup (ops/variable_batch.py)."""
     rows: Optional[torch.Tensor] = None
     if features.variable_stride_per_key() or features.inverse_indices_or_none() is not None:
-        rows = output_rows(features, plan.output_features, plan.output_dims)
+        rows = output_rows(features, plan.output_features)
         if features.variable_stride_per_key():
             if rows is None:
                 raise ValueError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) "
@@ -208,7 +208,7 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
         routing = KeyRouting(key_index, names, values.numel() if reads_each_key_once else -1)
         outs.append(pooled_lookup(weights[g], flats[g], metas[g], batch, routing, group, plan, fused, g))
     out = _concat_groups(outs, output_columns)
-    return out if rows is None else expand_rows(out, rows)
+    return out if rows is None else expand_rows(out, rows, plan.output_dims)
 
 
 def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights: List[List[torch.Tensor]],
@@ -218,7 +218,7 @@ def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], wei
     variable batch per feature padded and expanded as in eager mode)."""
     rows: Optional[torch.Tensor] = None
     if features.variable_stride_per_key() or features.inverse_indices_or_none() is not None:
-        rows = output_rows(features, plan.output_features, plan.output_dims)
+        rows = output_rows(features, plan.output_features)
         if features.variable_stride_per_key():
             if rows is None:
                 raise ValueError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) "
@@ -258,7 +258,7 @@ def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], wei
             values.numel() if reads_each_key_once else -1, group.num_rows, plan.report_id,
         ))
     out = _concat_groups(outs, output_columns)
-    return out if rows is None else expand_rows(out, rows)
+    return out if rows is None else expand_rows(out, rows, plan.output_dims)
 
 
 _NO_PS_GRAPHS = ("recom_rec.EmbeddingBagCollection with parameter-server tables (ps=...) does not support {what}: "

@@ -5,8 +5,8 @@ A VBE KJT gives each key its own number of bags ``s_f``; its ``inverse_indices``
 which of key f's bags each of the B output rows takes. The fused kernel pools a uniform batch, so
 each key's bags are padded with empty bags up to ``S = max s_f`` (only the lengths change: the
 values, weights and so the rows read stay the KJT's), the kernel pools ``[S, total_dim]``, and
-each feature's columns take their rows by ``inverse_indices`` (one gather, as torchrec's module
-does with fbgemm's ``group_index_select_dim0``). The gather's backward adds each output row's
+each feature's columns take their rows by ``inverse_indices`` (one kernel, ops/expand_bags.py, as
+torchrec's module does with fbgemm's ``group_index_select_dim0``). The gather's backward adds each output row's
 gradient to its bag, which the kernel's backward then spreads to the bag's ids; padded bags are
 empty and take nothing. (Written for TorchScript too: the scripted module calls these.)
 """
@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from . import expand_bags  # noqa: F401 - registers recom_rec::expand_bags
 
 
 def pad_to_uniform(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -33,11 +35,10 @@ def pad_to_uniform(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
                              lengths=padded, stride=width)
 
 
-def output_rows(features: KeyedJaggedTensor, output_features: List[str],
-                output_dims: List[int]) -> Optional[torch.Tensor]:
-    """``[B, total_dim]`` row index of each output element in the pooled ``[S, total_dim]``, from the
-    KJT's inverse indices (None without them). ``output_features`` are the output's features in
-    column order, ``output_dims`` their widths."""
+def output_rows(features: KeyedJaggedTensor, output_features: List[str]) -> Optional[torch.Tensor]:
+    """``[F, B]`` int64: the bag (row of the pooled ``[S, total_dim]``) each of the B output rows
+    takes for each of the output's features (``output_features``, in column order), from the KJT's
+    inverse indices (None without them)."""
     inverse: Optional[Tuple[List[str], torch.Tensor]] = features.inverse_indices_or_none()
     if inverse is None:
         return None
@@ -52,11 +53,11 @@ def output_rows(features: KeyedJaggedTensor, output_features: List[str],
             raise ValueError("the KeyedJaggedTensor's inverse_indices have no row for feature " + name)
         order_list.append(where[name])
     order = torch.tensor(order_list, device=indices.device)
-    per_feature = indices.index_select(0, order).to(torch.int64)  # [features, B]
-    widths = torch.tensor(output_dims, device=indices.device)
-    return per_feature.repeat_interleave(widths, dim=0, output_size=sum(output_dims)).t()
+    return indices.index_select(0, order).to(torch.int64)
 
 
-def expand_rows(pooled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Each output element from its bag's row: ``pooled[rows[b, c], c]``."""
-    return pooled.gather(0, rows.to(pooled.device))
+def expand_rows(pooled: torch.Tensor, inverse: torch.Tensor, output_dims: List[int]) -> torch.Tensor:
+    """Each output element from its bag's row, ``pooled[inverse[feature(c), b], c]`` (ops/expand_bags.py)."""
+    col_feature = torch.repeat_interleave(torch.arange(len(output_dims), dtype=torch.int32),
+                                          torch.tensor(output_dims), output_size=sum(output_dims))
+    return torch.ops.recom_rec.expand_bags(pooled, inverse.to(pooled.device), col_feature.to(pooled.device))

@@ -65,7 +65,7 @@ def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, w
     as torchrec's quantized module ignores them."""
     rows: Optional[Tensor] = None
     if features.variable_stride_per_key():
-        rows = output_rows(features, list(wanted), dims)
+        rows = output_rows(features, list(wanted))
         if rows is None:
             raise ValueError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) "
                              "needs its inverse_indices: they say which bag each output row takes")
@@ -78,7 +78,7 @@ def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, w
     total_dim, max_dim = widths
     out = quantized_lookup(flat, features.values(), features.offsets(), per_sample_weights, meta, key_index,
                            features.stride(), total_dim, max_dim, output_dtype, backend, validate, names, report_id)
-    return out if rows is None else expand_rows(out, rows)
+    return out if rows is None else expand_rows(out, rows, dims)
 
 
 class EmbeddingBagCollection(EmbeddingBagCollectionInterface):

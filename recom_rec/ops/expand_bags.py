@@ -1,0 +1,63 @@
+"""The variable-batch expansion as torch custom ops: ``recom_rec::expand_bags`` gives each output row
+its bag's pooled row by the KJT's inverse indices, feature by feature
+(``out[b, c] = pooled[inverse[feature(c), b], c]``); its backward adds each row's gradient to its
+bag (``expand_bags_backward``). On CUDA the Triton kernels (kernels/expand_triton.py), elsewhere
+torch's gather and scatter-add, which are also their reference.
+"""
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+
+@lru_cache(maxsize=None)
+def _triton():
+    from ..kernels import expand_triton
+
+    return expand_triton
+
+
+def _rows(inverse: Tensor, col_feature: Tensor) -> Tensor:
+    return inverse.index_select(0, col_feature.to(torch.int64)).t()
+
+
+@torch.library.custom_op("recom_rec::expand_bags", mutates_args=())
+def expand_bags(pooled: Tensor, inverse: Tensor, col_feature: Tensor) -> Tensor:
+    """``[B, C]`` from ``pooled [S, C]``: ``inverse [F, B]`` (int64) is each feature's bag of each
+    output row, ``col_feature [C]`` each column's feature."""
+    if pooled.is_cuda and pooled.dtype != torch.float64:
+        return _triton().forward(pooled, inverse, col_feature)
+    return pooled.gather(0, _rows(inverse, col_feature))
+
+
+@expand_bags.register_fake
+def _(pooled, inverse, col_feature):
+    return pooled.new_empty((inverse.shape[1], pooled.shape[1]))
+
+
+@torch.library.custom_op("recom_rec::expand_bags_backward", mutates_args=())
+def expand_bags_backward(grad: Tensor, inverse: Tensor, col_feature: Tensor, num_bags: int) -> Tensor:
+    """``[num_bags, C]``: each output row's gradient added to its bag's row."""
+    if grad.is_cuda and grad.dtype == torch.float32:  # (the kernel adds in fp32 atomics)
+        return _triton().backward(grad.contiguous(), inverse, col_feature, num_bags)
+    out = torch.zeros(num_bags, grad.shape[1], dtype=grad.dtype, device=grad.device)
+    return out.scatter_add_(0, _rows(inverse, col_feature), grad)
+
+
+@expand_bags_backward.register_fake
+def _(grad, inverse, col_feature, num_bags):
+    return grad.new_empty((num_bags, grad.shape[1]))
+
+
+def _setup(ctx, inputs, output):
+    pooled, inverse, col_feature = inputs
+    ctx.save_for_backward(inverse, col_feature)
+    ctx.num_bags = pooled.shape[0]
+
+
+def _backward(ctx, grad):
+    inverse, col_feature = ctx.saved_tensors
+    return expand_bags_backward(grad, inverse, col_feature, ctx.num_bags), None, None
+
+
+expand_bags.register_autograd(_backward, setup_context=_setup)

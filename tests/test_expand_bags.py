@@ -1,0 +1,35 @@
+"""The variable-batch expansion (ops/expand_bags.py): the Triton kernels (under the interpreter on
+the CPU) against torch's gather and scatter-add, on random shapes; the op's gradient."""
+import pytest
+import torch
+
+from ebc_cases import DEVICE
+from recom_rec.kernels import expand_triton
+from recom_rec.ops.expand_bags import expand_bags
+
+
+def _case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    dims = torch.randint(1, 40, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+    batch = int(torch.randint(1, 40, (1,), generator=g))
+    bags = int(torch.randint(1, batch + 1, (1,), generator=g))
+    pooled = torch.randn(bags, sum(dims), generator=g)
+    inverse = torch.randint(0, bags, (len(dims), batch), generator=g)
+    col_feature = torch.repeat_interleave(torch.arange(len(dims), dtype=torch.int32), torch.tensor(dims))
+    return pooled.to(DEVICE), inverse.to(DEVICE), col_feature.to(DEVICE)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_triton_kernels_match_gather_and_scatter_add(seed):
+    pooled, inverse, col_feature = _case(seed)
+    rows = inverse.index_select(0, col_feature.long()).t()
+    assert torch.equal(expand_triton.forward(pooled, inverse, col_feature), pooled.gather(0, rows))
+    grad = torch.randn(inverse.shape[1], pooled.shape[1], device=pooled.device)
+    expected = torch.zeros_like(pooled).scatter_add_(0, rows, grad)
+    torch.testing.assert_close(expand_triton.backward(grad, inverse, col_feature, pooled.shape[0]), expected)
+
+
+def test_op_gradient():
+    pooled, inverse, col_feature = _case(7)
+    pooled = pooled.double().requires_grad_()
+    torch.autograd.gradcheck(lambda p: expand_bags(p, inverse, col_feature), (pooled,))
