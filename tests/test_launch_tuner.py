@@ -103,7 +103,9 @@ def launch(tuner, stream, times, s=None):
 F, B = FEATURE_MAJOR, BAG_MAJOR
 
 
-@pytest.mark.parametrize("ms, faster", [({F: 2.0, B: 1.0}, "bags"), ({F: 1.0, B: 2.0}, "features"),
+# (bags 20% slower: within DROP_MARGIN, so it is tried in full; test_a_clearly_slower_candidate_... has
+# the early drop)
+@pytest.mark.parametrize("ms, faster", [({F: 2.0, B: 1.0}, "bags"), ({F: 1.0, B: 1.2}, "features"),
                                         # bags' mean is larger (one slow timed launch) but its median smaller
                                         ({F: 2.0, B: [5.0, 9.0, 1.0, 1.0, 1.0]}, "bags")])
 def test_warms_up_then_times_orders_abba_then_keeps_the_faster_median_untimed(ms, faster):
@@ -185,7 +187,7 @@ def test_unfinished_events_never_block_and_decide_once_finished():
 
 
 def test_partly_finished_samples_keep_the_shape_on_trial():
-    stream = FakeStream({F: 1.0, B: 3.0}, finished=False)
+    stream = FakeStream({F: 1.0, B: 1.2}, finished=False)  # (within the drop margin: tried in full)
     tuner = stream.tuner(min_trials=3)
     launch(tuner, stream, 4)
     stream.finished = True
@@ -447,3 +449,23 @@ def test_backward_paths_measure_lanes_by_width_where_a_groups_rows_differ_in_wid
     paths = backward_paths(BackwardShape(*forward, optimizer=-1, singletons_ok=singletons_ok))
     assert paths == expected
     assert set(paths) <= set(BACKWARD_PATHS)
+
+
+def test_a_clearly_slower_candidate_stops_being_tried_early():
+    """A candidate 3x slower than the default runs its untimed warm-up and DROP_AFTER timed trials,
+    not MIN_TRIALS: the user's first calls pay little for it."""
+    from recom_rec.kernels.launch_tuner import DROP_AFTER
+
+    stream = FakeStream({F: 1.0, B: 3.0})
+    tuner = stream.tuner()
+    launch(tuner, stream, 60)
+    assert tuner.decisions() == {shape(): "features"}
+    assert stream.launches.count(B) <= 1 + DROP_AFTER + 1  # (one more may be planned in the round under way)
+    assert stream.launches.count(B) < 1 + MIN_TRIALS
+
+
+def test_a_candidate_within_the_drop_margin_is_tried_in_full():
+    stream = FakeStream({F: 1.0, B: 1.1})
+    tuner = stream.tuner()
+    launch(tuner, stream, 60)
+    assert stream.launches.count(B) >= 1 + MIN_TRIALS

@@ -32,6 +32,9 @@ graph, and the capture must stay free of host-side CUDA calls); the capture gets
 decided choice, or the default.
 
 Tests and tools force one choice with :meth:`LaunchOrderTuner.force` (the product always measures).
+With ``RECOM_REC_CACHE`` set, decisions are also kept on disk (its ``decisions.json``) and a shape
+the file knows is decided at its first call (decision_cache.py). A candidate clearly slower than
+the default after DROP_AFTER samples each stops being tried.
 """
 import math
 import statistics
@@ -61,6 +64,10 @@ MARGIN = 0.03
 # samples that hold host time (Triton's, against a CUDA launch) spread by 10-30%; with equal
 # candidates at a 15-30% spread, 3.5 switched in under 1% of simulated runs (3: 1-2%).
 CONFIDENCE_Z = 3.5
+# A candidate stops being tried once, after DROP_AFTER samples each, its fastest sample is slower
+# than the default's slowest by DROP_MARGIN: a clear loser costs the user's first calls little.
+DROP_AFTER = 2
+DROP_MARGIN = 0.25
 # The hold ahead of a timed trial: twice the host's last call for the shape plus HOLD_SLACK_MS (its
 # time jitters; a call that outlasts the hold gives one slow sample, which the medians ignore), at
 # most MAX_HOLD_MS (a first call may compile for seconds). Held only while a shape is on trial.
@@ -225,7 +232,7 @@ class LaunchOrderTuner:
                  capturing: Callable = stream_is_capturing, names: Dict[bool, str] = ORDER_NAMES,
                  candidates: Optional[Callable] = None, default=DEFAULT_ORDER,
                  host_path: Optional[Callable[[object], object]] = None, hold: Callable = hold_device,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, cache_name: Optional[str] = None):
         if not 1 <= min_trials <= max_trials:
             raise ValueError(f"need 1 <= min_trials <= max_trials (got {min_trials}, {max_trials})")
         self.min_trials, self.max_trials, self.margin, self.z = min_trials, max_trials, margin, z
@@ -250,6 +257,10 @@ class LaunchOrderTuner:
         self.trial_launches = 0
         # The PS tier may run forwards from a background thread: the dicts change under this lock.
         self._lock = threading.Lock()
+        # Under this name the tuner's decisions go to, and come from, the on-disk cache
+        # (decision_cache.py, RECOM_REC_CACHE); a shape the cache lacked is looked up once.
+        self.cache_name = cache_name
+        self._cache_missed: set = set()
 
     def force(self, name: Optional[str]) -> None:
         """Tests and tools: run every shape with the choice called ``name`` (one of ``names``'
@@ -269,6 +280,10 @@ class LaunchOrderTuner:
             with self._lock:
                 self._decided[shape] = candidates[0]
             return run(candidates[0])
+        if self.cache_name is not None and shape not in self._cache_missed:
+            cached = self._from_cache(shape, candidates, device)
+            if cached is not None:
+                return run(cached)
         if self._capturing(device):
             return run(self.default)
         with self._lock:
@@ -276,6 +291,7 @@ class LaunchOrderTuner:
             order, timed = self._next_launch(shape, candidates)
             trials = self._trials.get(shape)
         if trials is None:  # decided by this call
+            self._to_cache(shape, order, device)
             return run(order)
         if timed:  # the device busy until the call has queued the trial's kernels
             self._hold(device, trials.hold_ms())
@@ -293,6 +309,52 @@ class LaunchOrderTuner:
                 trials.in_flight.append((order, start, end, host_ms))
         return result
 
+    def _drop_clear_losers(self, trials: "_ShapeTrials") -> None:
+        """Stops trying a candidate once it is clearly slower than the default: after DROP_AFTER
+        samples each, its fastest sample above the default's slowest by DROP_MARGIN (the user's
+        calls run the candidates on trial; a clear loser need not run MIN_TRIALS times)."""
+        default = self.default if self.default in trials.candidates else trials.candidates[0]
+        ours = trials.samples.get(default, [])
+        if len(ours) < DROP_AFTER:
+            return
+        losers = []
+        for c in trials.candidates:
+            theirs = trials.samples.get(c, [])
+            if c == default or len(theirs) < DROP_AFTER:
+                continue
+            differ = self.host_path is not None and self.host_path(c) != self.host_path(default)
+            mine = [max(d, h) for d, h in zip(theirs, trials.host[c])] if differ else theirs
+            base = [max(d, h) for d, h in zip(ours, trials.host[default])] if differ else ours
+            if min(mine) > max(base) * (1 + DROP_MARGIN):
+                losers.append(c)
+        if losers:
+            trials.candidates = tuple(c for c in trials.candidates if c not in losers)
+            trials.planned = [(c, timed) for c, timed in trials.planned if c not in losers]
+
+    def _from_cache(self, shape, candidates, device: torch.device):
+        """The cached choice for ``shape`` (then decided here too), or None."""
+        from .decision_cache import active_cache
+
+        cache = active_cache()
+        name = cache.lookup(self.cache_name, device, shape) if cache is not None else None
+        by_name = {n: choice for choice, n in self.names.items()}
+        if name not in by_name or by_name[name] not in candidates:
+            self._cache_missed.add(shape)
+            return None
+        with self._lock:
+            self._decided[shape] = by_name[name]
+            self._trials.pop(shape, None)
+        return by_name[name]
+
+    def _to_cache(self, shape, choice, device: torch.device) -> None:
+        if self.cache_name is None:
+            return
+        from .decision_cache import active_cache
+
+        cache = active_cache()
+        if cache is not None:
+            cache.record(self.cache_name, device, shape, self.names[choice])
+
     def _next_launch(self, shape, candidates) -> Tuple[bool, bool]:
         """(choice, whether to time it) for an undecided shape; decides it once its samples are
         in and the verdict is clear (or MAX_TRIALS samples did not make it clear)."""
@@ -301,6 +363,7 @@ class LaunchOrderTuner:
             trials = self._trials[shape] = _ShapeTrials(candidates, [(c, False) for c in candidates])
             trials.plan_rounds(self.min_trials)
         trials.collect_finished()
+        self._drop_clear_losers(trials)
         if trials.all_in():
             default = self.default if self.default in candidates else candidates[0]
             choice, clear = decide(candidates, trials.samples, default, self.margin, self.z, trials.host,
@@ -321,6 +384,7 @@ class LaunchOrderTuner:
         with self._lock:
             self._decided.clear()
             self._trials.clear()
+            self._cache_missed.clear()
 
     def decisions(self) -> Dict[ForwardLaunchShape, str]:
         """The decided shapes and their choice's name ("features" or "bags" for the forward)."""

@@ -79,7 +79,7 @@ def piece_lanes(mode: str, max_dim: int) -> int:
 
 
 BACKWARD_PATH_TUNER = LaunchOrderTuner(names={n: n for n in BACKWARD_PATHS}, candidates=backward_paths,
-                                       default="pieces")
+                                       default="pieces", cache_name="backward_path")
 # The forward's launches by name: (bag_major, rows in flight a lane, rounds). See
 # pooled_forward_kernel in the source: the two orders; 4 rows in flight (more blocks an SM) where
 # rows take one 16-byte chunk a lane, which wins on short bags and loses on long bags of narrow
@@ -104,7 +104,7 @@ def forward_launches(shape) -> tuple:
 
 # The forward's launch per shape, measured on its first launches.
 FORWARD_ORDER_TUNER = LaunchOrderTuner(names={n: n for n in FORWARD_LAUNCHES}, candidates=forward_launches,
-                                       default="features")
+                                       default="features", cache_name="forward_order")
 
 
 def supports(flat: torch.Tensor, max_dim: int) -> bool:

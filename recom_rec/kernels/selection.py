@@ -45,7 +45,7 @@ class ForwardChoiceShape(tuple):
 # The CUDA launches are one call to the extension with other flags: device time decides among them.
 # Triton's launch costs the host more, so it is compared on the longer of its device and host times.
 FORWARD = LaunchOrderTuner(names={c: c for c in CHOICES}, candidates=_candidates, default=CUDA_FEATURES,
-                           host_path=lambda choice: choice == TRITON)
+                           host_path=lambda choice: choice == TRITON, cache_name="forward")
 
 
 def force_forward(choice: Optional[str]) -> None:
