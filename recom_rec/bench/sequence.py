@@ -23,7 +23,8 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .timing import time_ms
+from .report import format_peers
+from .timing import time_ms, time_phase
 
 DIM = 256
 LR = 0.01
@@ -185,25 +186,12 @@ def run_sequence(device: torch.device, small: bool, iters: int = 20, warmup: int
                 row = {"workload": name, "peer": peer_name, "phase": phase, "ids": kjt.values().numel()}
                 peer = _make(peer_name, w, device, phase == "sgd", keys)
                 peer.load(weights)
-                if phase == "forward":
-                    with torch.no_grad():
-                        out = _flat(peer.forward(kjt))
-                        if reference is None:
-                            reference = out
-                        row["identical"] = bool(torch.equal(out, reference))
-                        del out
-
-                    def step():
-                        with torch.no_grad():
-                            peer.forward(kjt)
-                else:
-                    def step():
-                        peer.train_step(kjt)
-                row["ms"] = time_ms(step, device, warmup=warmup, iters=iters)
+                timed, reference = time_phase(peer, kjt, phase, device, warmup, iters, _flat, reference)
+                row.update(timed)
                 if phase == "forward":
                     row["gbs"] = w.forward_bytes(kjt) / (row["ms"] * 1e-3) / 1e9
                 rows.append(row)
-                del peer, step
+                del peer
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         del reference
@@ -248,25 +236,4 @@ def _int8_rows(w: SequenceWorkload, kjt, weights, device, name: str, iters: int,
 
 
 def format_sequence(rows: List[Dict]) -> str:
-    """One line per workload and phase: each peer's ms, and ours over each (in-run ratios)."""
-    lines = ["sequence (EmbeddingCollection): median ms; ours' speed-up over each peer in this run",
-             f"{'workload':<16}{'phase':<9}{'ids':>10}  {'recom_rec':>10}{'fbgemm':>10}{'torchrec':>10}"
-             f"{'x fbgemm':>10}{'x torchrec':>11}{'GB/s':>8}  identical"]
-    by = {(r["workload"], r["phase"], r["peer"]): r for r in rows}
-    for workload, phase in dict.fromkeys((r["workload"], r["phase"]) for r in rows):
-        ours = by.get((workload, phase, "recom_rec"))
-        if ours is None:
-            continue
-        cells = []
-        for peer in ("recom_rec", "fbgemm", "torchrec"):
-            r = by.get((workload, phase, peer))
-            cells.append(f"{r['ms']:>10.3f}" if r else f"{'-':>10}")
-        ratios = []
-        for peer in ("fbgemm", "torchrec"):
-            r = by.get((workload, phase, peer))
-            ratios.append(f"{r['ms'] / ours['ms']:>10.2f}x" if r else f"{'-':>11}")
-        same = ",".join(f"{p}={by[(workload, phase, p)]['identical']}" for p in ("fbgemm", "torchrec")
-                        if (workload, phase, p) in by and "identical" in by[(workload, phase, p)])
-        gbs = f"{ours['gbs']:>8.0f}" if "gbs" in ours else f"{'':>8}"
-        lines.append(f"{workload:<16}{phase:<9}{ours['ids']:>10}  {''.join(cells)}{''.join(ratios)}{gbs}  {same}")
-    return "\n".join(lines)
+    return format_peers("sequence (EmbeddingCollection)", rows)

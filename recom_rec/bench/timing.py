@@ -3,7 +3,7 @@ on the GPU, perf_counter on the CPU. Peers compared with each other are timed in
 import gc
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -152,3 +152,26 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), device, warmup=3, iters=20)
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def time_phase(peer, kjt, phase: str, device: torch.device, warmup: int, iters: int, comparable: Callable,
+               reference: Optional[torch.Tensor]) -> Tuple[Dict[str, object], Optional[torch.Tensor]]:
+    """One peer's phase: ``forward`` (under no_grad; its output, as ``comparable(output)`` makes it,
+    compared with ``reference``, the first peer's) or a training step (``peer.train_step``).
+    Returns the row's ``ms`` (and ``identical``) and the reference for the next peers."""
+    row: Dict[str, object] = {}
+    if phase == "forward":
+        with torch.no_grad():
+            out = comparable(peer.forward(kjt))
+            reference = out if reference is None else reference
+            row["identical"] = bool(torch.equal(out, reference))
+            del out
+
+        def step():
+            with torch.no_grad():
+                peer.forward(kjt)
+    else:
+        def step():
+            peer.train_step(kjt)
+    row["ms"] = time_ms(step, device, warmup=warmup, iters=iters)
+    return row, reference

@@ -16,7 +16,8 @@ from typing import Dict, List
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-from .timing import time_ms
+from .report import format_peers
+from .timing import time_phase
 
 LR = 0.01
 
@@ -155,23 +156,11 @@ def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5)
                     peer = _Module(torchrec.EmbeddingBagCollection(w.tables(), device=device))
                 peer.load(weights)
                 row = {"workload": name, "peer": peer_name, "phase": phase, "ids": kjt.values().numel()}
-                if phase == "forward":
-                    with torch.no_grad():
-                        out = peer.forward(kjt)
-                        out = peer.expanded(out, kjt) if peer_name == "fbgemm" else out
-                        reference = out if reference is None else reference
-                        row["identical"] = bool(torch.equal(out, reference))
-                        del out
-
-                    def step():
-                        with torch.no_grad():
-                            peer.forward(kjt)
-                else:
-                    def step():
-                        peer.train_step(kjt)
-                row["ms"] = time_ms(step, device, warmup=warmup, iters=iters)
+                comparable = (lambda out, peer=peer: peer.expanded(out, kjt)) if peer_name == "fbgemm" else (lambda out: out)
+                timed, reference = time_phase(peer, kjt, phase, device, warmup, iters, comparable, reference)
+                row.update(timed)
                 rows.append(row)
-                del peer, step
+                del peer
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         del weights, reference
@@ -179,17 +168,4 @@ def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5)
 
 
 def format_vbe(rows: List[Dict]) -> str:
-    lines = ["vbe (a batch size per feature): median ms; ours' speed-up over each peer in this run",
-             f"{'workload':<12}{'phase':<9}{'ids':>9}  {'recom_rec':>10}{'fbgemm':>10}{'torchrec':>10}"
-             f"{'x fbgemm':>10}{'x torchrec':>11}  identical"]
-    by = {(r["workload"], r["phase"], r["peer"]): r for r in rows}
-    for workload, phase in dict.fromkeys((r["workload"], r["phase"]) for r in rows):
-        ours = by[(workload, phase, "recom_rec")]
-        cells = "".join(f"{by[(workload, phase, p)]['ms']:>10.3f}" if (workload, phase, p) in by else f"{'-':>10}"
-                        for p in ("recom_rec", "fbgemm", "torchrec"))
-        ratios = "".join(f"{by[(workload, phase, p)]['ms'] / ours['ms']:>9.2f}x " if (workload, phase, p) in by
-                         else f"{'-':>10} " for p in ("fbgemm", "torchrec"))
-        same = ",".join(f"{p}={by[(workload, phase, p)]['identical']}" for p in ("fbgemm", "torchrec")
-                        if "identical" in by.get((workload, phase, p), {}))
-        lines.append(f"{workload:<12}{phase:<9}{ours['ids']:>9}  {cells}{ratios} {same}")
-    return "\n".join(lines)
+    return format_peers("vbe (a batch size per feature)", rows)

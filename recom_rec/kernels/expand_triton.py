@@ -15,13 +15,20 @@ BLOCK_B, BLOCK_C = 16, 128
 
 
 @triton.jit
-def _expand_forward_kernel(pooled_ptr, inverse_ptr, col_feature_ptr, out_ptr, batch, cols, inverse_stride,
-                           BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+def _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The program's rows b, columns c, mask, and each element's bag."""
     b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (b < batch)[:, None] & (c < cols)[None, :]
     f = tl.load(col_feature_ptr + c, mask=c < cols, other=0).to(tl.int64)
-    src = tl.load(inverse_ptr + f[None, :] * inverse_stride + b[:, None], mask=mask, other=0).to(tl.int64)
+    bag = tl.load(inverse_ptr + f[None, :] * inverse_stride + b[:, None], mask=mask, other=0).to(tl.int64)
+    return b, c, mask, bag
+
+
+@triton.jit
+def _expand_forward_kernel(pooled_ptr, inverse_ptr, col_feature_ptr, out_ptr, batch, cols, inverse_stride,
+                           BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+    b, c, mask, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B, BLOCK_C)
     v = tl.load(pooled_ptr + src * cols + c[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + b[:, None] * cols + c[None, :], v, mask=mask)
 
@@ -29,11 +36,7 @@ def _expand_forward_kernel(pooled_ptr, inverse_ptr, col_feature_ptr, out_ptr, ba
 @triton.jit
 def _expand_backward_kernel(grad_ptr, inverse_ptr, col_feature_ptr, grad_pooled_ptr, batch, cols, inverse_stride,
                             BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (b < batch)[:, None] & (c < cols)[None, :]
-    f = tl.load(col_feature_ptr + c, mask=c < cols, other=0).to(tl.int64)
-    src = tl.load(inverse_ptr + f[None, :] * inverse_stride + b[:, None], mask=mask, other=0).to(tl.int64)
+    b, c, mask, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B, BLOCK_C)
     g = tl.load(grad_ptr + b[:, None] * cols + c[None, :], mask=mask, other=0.0)
     tl.atomic_add(grad_pooled_ptr + src * cols + c[None, :], g, mask=mask)
 

@@ -26,7 +26,7 @@ from ..ops.validation import encode_names
 from ..optim.spec import FusedOptimizerSpec
 from .embedding_modules import _fx_tracing, _table_dtype, maybe_td_to_kjt
 from .flat_tables import FlatTables, TableGroup
-from .table_size import check_table_size
+from .table_size import check_sequence_tables
 from .table_weight import FlatLink, TableEmbedding
 
 
@@ -88,27 +88,14 @@ class EmbeddingCollection(FlatTables, _TorchrecEmbeddingCollection):
         torch._C._log_api_usage_once(f"recom_rec.modules.{self.__class__.__name__}")
         self.embeddings: nn.ModuleDict = nn.ModuleDict()
         self._embedding_configs = tables
-        self._embedding_dim: int = -1
         self._need_indices = need_indices
         self._use_gather_select = use_gather_select
         self._use_gather_select_per_sharding = use_gather_select_per_sharding
         self._flat_link = FlatLink()
         self._group_parameters = False
-        seen = set()
+        self._embedding_dim = check_sequence_tables(tables, allow_empty=self._allows_empty_tables)
         for config in tables:
-            if config.name in seen:
-                raise ValueError(f"Duplicate table name {config.name}")
-            seen.add(config.name)
-            if self._embedding_dim < 0:
-                self._embedding_dim = config.embedding_dim
-            if config.embedding_dim != self._embedding_dim:
-                raise ValueError(
-                    "All tables in a EmbeddingCollection are required to have same embedding dimension."
-                    f" Violating case: {config.name}'s embedding_dim {config.embedding_dim} != {self._embedding_dim}")
             _table_dtype(config)
-            check_table_size(config, allow_empty=self._allows_empty_tables)
-            if not config.feature_names:
-                config.feature_names = [config.name]
         device = torch.device(device) if device is not None else torch.empty(0).device
         self._device = device
         self._embedding_names_by_table: List[List[str]] = get_embedding_names_by_table(tables)

@@ -37,7 +37,7 @@ from ..ops.layout import (
 from ..ops.input_check import new_report_id
 from ..ops.plan import FusedStep, GroupPlan, LookupPlan, group_states
 from ..ops.validation import encode_names
-from ..ops.variable_batch import expand_rows, output_rows, pad_to_uniform
+from ..ops.variable_batch import expand_rows, uniform_batch
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import FusedOptimizerSpec
 from .flat_tables import FlatTables, TableGroup
@@ -186,14 +186,7 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
     """Eager and compiled: key plans cached per key order (torch.compile folds them). A KJT with
     variable batch per feature is padded to a uniform one, its rows expanded by its inverse
     indices after the lookup (ops/variable_batch.py)."""
-    rows: Optional[torch.Tensor] = None
-    if features.variable_stride_per_key() or features.inverse_indices_or_none() is not None:
-        rows = output_rows(features, plan.output_features)
-        if features.variable_stride_per_key():
-            if rows is None:
-                raise ValueError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) "
-                                 "needs its inverse_indices: they say which bag each output row takes")
-            features = pad_to_uniform(features)
+    features, rows = uniform_batch(features, plan.output_features)
     keys = tuple(features.keys())
     values = features.values()
     per_sample_weights = features.weights_or_none() if plan.is_weighted else None
@@ -216,14 +209,7 @@ def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], wei
                      fused: Optional[FusedStep]) -> torch.Tensor:
     """TorchScript: the same lookups through the registered op, key plans built per call (a
     variable batch per feature padded and expanded as in eager mode)."""
-    rows: Optional[torch.Tensor] = None
-    if features.variable_stride_per_key() or features.inverse_indices_or_none() is not None:
-        rows = output_rows(features, plan.output_features)
-        if features.variable_stride_per_key():
-            if rows is None:
-                raise ValueError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) "
-                                 "needs its inverse_indices: they say which bag each output row takes")
-            features = pad_to_uniform(features)
+    features, rows = uniform_batch(features, plan.output_features)
     keys = features.keys()
     position: Dict[str, int] = {}
     for i in range(len(keys)):

@@ -1,4 +1,5 @@
-"""The size check every module runs on its table configs at construction."""
+"""The checks every module runs on its table configs at construction: sizes, and for the
+EmbeddingCollections torchrec's rules (unique names, one dim), with its messages."""
 import numbers
 
 
@@ -11,3 +12,21 @@ def check_table_size(config, allow_empty: bool = False) -> None:
                                 ("embedding_dim", config.embedding_dim, 1)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
             raise ValueError(f"table {config.name!r}: {field} must be an integer >= {least}, got {value!r}")
+
+
+def check_sequence_tables(configs, allow_empty: bool = False) -> int:
+    """An EmbeddingCollection's configs: unique names, one ``embedding_dim`` (torchrec's errors),
+    sizes; features default to the table's name, as torchrec sets them. Returns the dim (-1: none)."""
+    dim, seen = -1, set()
+    for config in configs:
+        if config.name in seen:
+            raise ValueError(f"Duplicate table name {config.name}")
+        seen.add(config.name)
+        dim = config.embedding_dim if dim < 0 else dim
+        if config.embedding_dim != dim:
+            raise ValueError("All tables in a EmbeddingCollection are required to have same embedding dimension."
+                             f" Violating case: {config.name}'s embedding_dim {config.embedding_dim} != {dim}")
+        check_table_size(config, allow_empty=allow_empty)
+        if not config.feature_names:
+            config.feature_names = [config.name]
+    return dim

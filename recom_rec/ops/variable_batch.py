@@ -18,6 +18,23 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from . import expand_bags  # noqa: F401 - registers recom_rec::expand_bags
 
 
+def uniform_batch(features: KeyedJaggedTensor, output_features: List[str],
+                  expand_uniform: bool = True) -> Tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
+    """(the KJT the fused lookup pools, the ``[F, B]`` bag of each output row or None): a KJT with a
+    batch size per feature is padded to a uniform one (it needs its inverse indices); a uniform KJT
+    carrying inverse indices is pooled as it is and, with ``expand_uniform`` (torchrec's float
+    module; its quantized module ignores them), expanded by them."""
+    rows: Optional[torch.Tensor] = None
+    if features.variable_stride_per_key() or (expand_uniform and features.inverse_indices_or_none() is not None):
+        rows = output_rows(features, output_features)
+        if features.variable_stride_per_key():
+            if rows is None:
+                raise ValueError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) "
+                                 "needs its inverse_indices: they say which bag each output row takes")
+            features = pad_to_uniform(features)
+    return features, rows
+
+
 def pad_to_uniform(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
     """``features`` with every key's bags padded (empty bags at its end) to the largest key's count."""
     strides: List[int] = features.stride_per_key()

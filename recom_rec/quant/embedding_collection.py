@@ -11,7 +11,6 @@ type: the row keys (one kernel that also checks every id against its own table),
 quantized pooled kernel over bags of one row key, which dequantizes exactly as for pooled
 tables (fbgemm's arithmetic of the device).
 """
-import copy
 import itertools
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
@@ -23,14 +22,11 @@ from torchrec.modules.embedding_modules import EmbeddingCollectionInterface, get
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
-from ..modules.table_size import check_table_size
-from ..ops.backends import check_backend
-from ..ops.input_check import new_report_id
+from ..modules.table_size import check_sequence_tables
 from ..ops.layout import META_NUM_EMBEDDINGS, META_ROW_BASE, META_WIDTH, POOLING_SUM
-from ..ops.quantized_lookup import OUTPUT_DTYPES, quantized_lookup
+from ..ops.quantized_lookup import quantized_lookup
 from ..ops.unpooled_embedding import row_keys, segments_for
 from ..ops.validation import encode_names
-from .embedding_modules import bind_table_views
 from .from_float import quantized_module_args
 from .layout import (
     QMETA_DIM,
@@ -44,6 +40,7 @@ from .layout import (
     pack_quant_tables,
 )
 from .rows import DEFAULT_ROW_ALIGNMENT, check_dim, pack_rows, row_type
+from .storage import QuantizedStorage
 
 
 class _TypeGroup:
@@ -60,7 +57,7 @@ class _TypeGroup:
         self.virtual_meta = virtual_meta
 
 
-class EmbeddingCollection(EmbeddingCollectionInterface):
+class EmbeddingCollection(QuantizedStorage, EmbeddingCollectionInterface):
     """A drop-in replacement for ``torchrec.quant.embedding_modules.EmbeddingCollection``.
 
     Args (torchrec's): ``tables`` (``EmbeddingConfig`` of one ``embedding_dim``, ``data_type``
@@ -74,6 +71,8 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
     The output is torchrec's: a ``JaggedTensor`` per feature in ``output_dtype``, the features
     ordered by data type (torchrec's batched tables), then table, then feature.
     """
+
+    _TABLES_ATTR = "embeddings"
 
     def __init__(
         self,
@@ -91,37 +90,14 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
         validate_inputs: bool = True,
     ) -> None:
         super().__init__()
-        if output_dtype not in OUTPUT_DTYPES:
-            raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {output_dtype}")
-        if row_alignment <= 0 or row_alignment & (row_alignment - 1):
-            raise ValueError(f"row_alignment must be a power of two, got {row_alignment}")
+        self._init_settings(device, output_dtype, row_alignment, register_tbes, quant_state_dict_split_scale_bias,
+                            backend, validate_inputs)
         self._embedding_configs = tables
         self._need_indices = need_indices
-        self._output_dtype = output_dtype
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
-        self.row_alignment = row_alignment
-        self.register_tbes = register_tbes
-        self._split_scale_bias = quant_state_dict_split_scale_bias
-        self.backend = check_backend(backend)
-        self.validate_inputs = validate_inputs
-        self._report_id = new_report_id(self)
-        self._embedding_dim = -1
+        self._embedding_dim = check_sequence_tables(tables)
         by_type: "OrderedDict[object, List[EmbeddingConfig]]" = OrderedDict()
-        seen = set()
         for config in tables:
-            if config.name in seen:
-                raise ValueError(f"Duplicate table name {config.name}")
-            seen.add(config.name)
-            if self._embedding_dim < 0:
-                self._embedding_dim = config.embedding_dim
-            if config.embedding_dim != self._embedding_dim:
-                raise ValueError(
-                    "All tables in a EmbeddingCollection are required to have same embedding dimension."
-                    f" Violating case: {config.name}'s embedding_dim {config.embedding_dim} != {self._embedding_dim}")
-            check_table_size(config)
             check_dim(row_type(config.data_type, config.name), config.embedding_dim, config.name)
-            if not config.feature_names:
-                config.feature_names = [config.name]
             by_type.setdefault(config.data_type, []).append(config)
         # torchrec batches tables by data type: its outputs, keys and state_dict follow that order.
         ordered = list(itertools.chain(*by_type.values()))
@@ -155,7 +131,7 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
                              persistent=False)
         self.register_buffer("_first_key", torch.zeros(1, dtype=torch.int64, device=self._device), persistent=False)
         self.embeddings: nn.ModuleDict = nn.ModuleDict({c.name: nn.Module() for c in ordered})
-        bind_table_views(self.embeddings, self._slots, self._flat_rows, self._split_scale_bias)
+        self._bind_table_views()
         if table_name_to_quantized_weights and self._device.type != "meta":
             for s in self._slots:
                 elements, scale_bias = table_name_to_quantized_weights[s.name]
@@ -171,25 +147,8 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
         self._buffers["_first_key"] = torch.zeros(1, dtype=torch.int64, device=self._device)
         for group, (key_meta, virtual) in zip(self._groups, self._host_metas):
             group.key_meta, group.virtual_meta = key_meta.to(self._device), virtual.to(self._device)
-        bind_table_views(self.embeddings, self._slots, self._flat_rows, self._split_scale_bias)
+        self._bind_table_views()
         return self
-
-    def __deepcopy__(self, memo):
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            if key in ("_buffers", "_modules"):
-                continue
-            new.__dict__[key] = copy.deepcopy(value, memo)
-        new._buffers = OrderedDict((k, v.clone()) for k, v in self._buffers.items())
-        new._modules = OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._modules.items())
-        bind_table_views(new.embeddings, new._slots, new._flat_rows, new._split_scale_bias)
-        new._report_id = new_report_id(new)
-        return new
-
-    def __setstate__(self, state) -> None:
-        super().__setstate__(state)
-        self._report_id = new_report_id(self)
 
     # ----------------------------------------------------------------------------- torchrec API
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
@@ -199,11 +158,6 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
 
     def _get_name(self) -> str:
         return "QuantizedEmbeddingCollection"
-
-    def check_inputs(self) -> None:
-        """Waits for the kernels this thread queued for this module and raises the input error
-        they reported, if any."""
-        torch.ops.recom_rec.check_input_reports(self._report_id)
 
     @classmethod
     def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False,
@@ -224,18 +178,6 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
 
     def embedding_names_by_table(self) -> List[List[str]]:
         return self._embedding_names_by_table
-
-    def output_dtype(self) -> torch.dtype:
-        return self._output_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def extra_repr(self) -> str:
-        kinds = ", ".join(f"{s.name}: {s.kind.name} {s.num_embeddings}x{s.embedding_dim}" for s in self._slots[:8])
-        more = f", ... ({len(self._slots)} tables)" if len(self._slots) > 8 else ""
-        return f"output_dtype={self._output_dtype}, backend={self.backend!r}, tables=[{kinds}{more}]"
 
 
 @torch.fx.wrap

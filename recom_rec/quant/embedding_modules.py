@@ -5,7 +5,6 @@ Same constructor, ``from_float``, input, output and ``state_dict`` as
 INT2 / FP8 / FP16 / FP32 rows, any pooling) lives in one flat byte buffer laid out as fbgemm's
 IntN TBE lays out its tables, and one kernel launch pools every feature.
 """
-import copy
 import itertools
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
@@ -19,40 +18,18 @@ from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
 from ..modules.embedding_modules import key_routing
 from ..modules.table_size import check_table_size
-from ..ops.backends import check_backend
-from ..ops.input_check import new_report_id
 from ..ops.layout import POOLING_MEAN, POOLING_SUM
-from ..ops.quantized_lookup import OUTPUT_DTYPES, quantized_lookup
-from ..ops.variable_batch import expand_rows, output_rows, pad_to_uniform
+from ..ops.quantized_lookup import quantized_lookup
+from ..ops.variable_batch import expand_rows, uniform_batch
 from .from_float import quantized_module_args
 from .layout import QuantTableSlot, buffer_bytes, pack_quant_tables, quant_feature_meta
-from .rows import DEFAULT_ROW_ALIGNMENT, SCALE_BIAS_BYTES, RowType, check_dim, data_bytes, pack_rows, row_type
+from .rows import DEFAULT_ROW_ALIGNMENT, check_dim, pack_rows, row_type
+from .storage import QuantizedStorage
 
 
 def _rows_of(config: EmbeddingBagConfig) -> int:
     pruned = getattr(config, "num_embeddings_post_pruning", None)
     return pruned if pruned is not None else config.num_embeddings
-
-
-def bind_table_views(tables: nn.ModuleDict, slots: List[QuantTableSlot], flat: Tensor, split_scale_bias: bool) -> None:
-    """(Re-)registers each table's state_dict buffers (``weight``, and with ``split_scale_bias``
-    ``weight_qscale`` / ``weight_qbias``) as views of the flat buffer, as torchrec registers views of
-    its TBEs' buffers."""
-    for s in slots:
-        rows = s.rows_of(flat)
-        table = tables[s.name]
-        weight = rows
-        if split_scale_bias:
-            start = SCALE_BIAS_BYTES if s.kind.has_scale_bias else 0
-            weight = rows[:, start:start + data_bytes(s.kind, s.embedding_dim)]
-        if s.kind == RowType.INT4:
-            weight = UInt4Tensor(weight)
-        elif s.kind == RowType.INT2:
-            weight = UInt2Tensor(weight)
-        table.register_buffer("weight", weight)
-        if split_scale_bias and s.kind.has_scale_bias:
-            table.register_buffer("weight_qscale", rows[:, 0:2].view(torch.float16))
-            table.register_buffer("weight_qbias", rows[:, 2:4].view(torch.float16))
 
 
 @torch.fx.wrap
@@ -63,13 +40,7 @@ def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, w
     batch size per feature is padded to a uniform one and its rows expanded by its inverse
     indices after the lookup (ops/variable_batch.py); a uniform KJT's inverse indices are ignored,
     as torchrec's quantized module ignores them."""
-    rows: Optional[Tensor] = None
-    if features.variable_stride_per_key():
-        rows = output_rows(features, list(wanted))
-        if rows is None:
-            raise ValueError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) "
-                             "needs its inverse_indices: they say which bag each output row takes")
-        features = pad_to_uniform(features)
+    features, rows = uniform_batch(features, list(wanted), expand_uniform=False)
     keys = tuple(features.keys())
     per_sample_weights = features.weights_or_none() if is_weighted else None
     if is_weighted and per_sample_weights is None:
@@ -81,7 +52,7 @@ def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, w
     return out if rows is None else expand_rows(out, rows, dims)
 
 
-class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
+class EmbeddingBagCollection(QuantizedStorage, EmbeddingBagCollectionInterface):
     """A drop-in replacement for ``torchrec.quant.embedding_modules.EmbeddingBagCollection``.
 
     Args (torchrec's): ``tables`` (``EmbeddingBagConfig`` with ``data_type`` INT8 / UINT8 / INT4 /
@@ -123,21 +94,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         validate_inputs: bool = True,
     ) -> None:
         super().__init__()
-        if output_dtype not in OUTPUT_DTYPES:
-            raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {output_dtype}")
-        if row_alignment <= 0 or row_alignment & (row_alignment - 1):
-            raise ValueError(f"row_alignment must be a power of two, got {row_alignment}")
+        self._init_settings(device, output_dtype, row_alignment, register_tbes, quant_state_dict_split_scale_bias,
+                            backend, validate_inputs)
         self._is_weighted = is_weighted
         self._embedding_bag_configs = tables
-        self._output_dtype = output_dtype
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
-        self.row_alignment = row_alignment
-        self.register_tbes = register_tbes
-        self._split_scale_bias = quant_state_dict_split_scale_bias
-        self.backend = check_backend(backend)
-        self.validate_inputs = validate_inputs
-        self._report_id = new_report_id(self)
-
         # torchrec orders tables by pooling type (one TBE per pooling), then by config order; the
         # output, its keys and the state_dict follow that order.
         by_pooling: "OrderedDict[PoolingType, List[EmbeddingBagConfig]]" = OrderedDict()
@@ -183,9 +143,6 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def _table_rows(self, slot: QuantTableSlot) -> Tensor:
         return slot.rows_of(self._flat_rows)
 
-    def _bind_table_views(self) -> None:
-        bind_table_views(self.embedding_bags, self._slots, self._flat_rows, self._split_scale_bias)
-
     def _apply(self, fn, recurse=True):
         # Convert the flat buffer once and re-point the tables' views at it (converting each view
         # on its own would cut them off the buffer the kernel reads). Metadata is rebuilt from its
@@ -196,23 +153,6 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._bind_table_views()
         return self
 
-    def __deepcopy__(self, memo):
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            if key in ("_buffers", "_modules"):
-                continue
-            new.__dict__[key] = copy.deepcopy(value, memo)
-        new._buffers = OrderedDict((k, v.clone()) for k, v in self._buffers.items())
-        new._modules = OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._modules.items())
-        new._bind_table_views()
-        new._report_id = new_report_id(new)
-        return new
-
-    def __setstate__(self, state) -> None:
-        super().__setstate__(state)
-        self._report_id = new_report_id(self)  # a module unpickled twice is two modules
-
     # ----------------------------------------------------------------------------- torchrec API
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         values = _quantized_lookup(features, self._flat_rows, self._feature_meta, self._feature_names,
@@ -222,12 +162,6 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def _get_name(self) -> str:
         return "QuantizedEmbeddingBagCollection"
-
-    def check_inputs(self) -> None:
-        """Waits for the kernels this thread queued for this module and raises the input error
-        they reported (see ``validate_inputs``), if any; other modules' and threads' reports stay
-        theirs."""
-        torch.ops.recom_rec.check_input_reports(self._report_id)
 
     @classmethod
     def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False,
@@ -243,15 +177,3 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def is_weighted(self) -> bool:
         return self._is_weighted
-
-    def output_dtype(self) -> torch.dtype:
-        return self._output_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def extra_repr(self) -> str:
-        kinds = ", ".join(f"{s.name}: {s.kind.name} {s.num_embeddings}x{s.embedding_dim}" for s in self._slots[:8])
-        more = f", ... ({len(self._slots)} tables)" if len(self._slots) > 8 else ""
-        return f"output_dtype={self._output_dtype}, backend={self.backend!r}, tables=[{kinds}{more}]"
