@@ -5,7 +5,7 @@
 # GPU), then the benchmarks. Each stage has its own time limit; logs under $OUT. A fresh build comes
 # back as $OUT/_lookup_cuda.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that
 # folder, so the next machine loads it instead of building while the source is unchanged.
-#   STAGES="tests soak nccl dlrm bench sequence sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests soak nccl dlrm bench sequence cold sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 #   (the tests stage runs the whole suite, tests/, with CUDA tensors in one process; TESTS="files or
 #   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it)
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
@@ -84,6 +84,15 @@ if [[ " $STAGES " == *" sequence "* ]]; then
   stage sequence  # EmbeddingCollection (and VBE): ours vs fbgemm's unpooled (VBE) TBE and torchrec's modules
   timeout ${SEQ_TIMEOUT:-300} python3 -m recom_rec.bench --workloads sequence vbe --out /tmp/sequence ${SEQ_ARGS:-} 2>&1 \
     | quiet | tee "$OUT/sequence.log" | tail -14; cp /tmp/sequence.json "$OUT/" 2>/dev/null
+fi
+if [[ " $STAGES " == *" cold "* ]]; then
+  stage cold  # each peer's first calls in a fresh process (issue 51); twice with RECOM_REC_CACHE: measure, then reuse
+  export RECOM_REC_CACHE=/tmp/recom-cache
+  for run in 1 2; do
+    timeout ${COLD_TIMEOUT:-200} python3 -m recom_rec.bench --phases cold --out /tmp/cold$run ${COLD_ARGS:-} 2>&1 \
+      | quiet | tee "$OUT/cold$run.log" | tail -12
+  done
+  unset RECOM_REC_CACHE
 fi
 if [[ " $STAGES " == *" quant "* ]]; then
   stage quant-tests  # quantized inference (issue 21): kernel and module against torchrec/fbgemm, serving

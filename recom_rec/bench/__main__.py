@@ -26,7 +26,7 @@ from .workloads import DEFAULT_WORKLOADS, WORKLOADS, get_workload
 # inference: quantized tables (recom_rec/bench/inference.py), INT8 / INT4 / FP16 rows (--row-types),
 # ours vs fbgemm's IntN TBE vs torchrec's quantized EBC, at the workload's batch and at batches
 # 1, 16, 64 replayed from CUDA graphs; its own default workloads (dlrm-kaggle, many-500, many-4000).
-PHASES = ("forward", "forward-graph", "backward", "sgd", "rowwise_adagrad", "inference")
+PHASES = ("forward", "forward-graph", "backward", "sgd", "rowwise_adagrad", "inference", "cold")
 FORWARD_PHASES = ("forward", "forward-graph", "backward")
 
 
@@ -56,11 +56,14 @@ def parse_args(argv=None):
                    "with that backend pinned, beside 'recom_rec' (--backend); recom_rec:group-params: ours with "
                    "group_parameters=True (one trainable Parameter a dtype group, for dense gradients)")
     p.add_argument("--batch-size", type=int, default=None, help="override every workload's batch size")
-    p.add_argument("--phases", nargs="+", default=[p for p in PHASES if p not in ("forward-graph", "inference")],
+    p.add_argument("--phases", nargs="+", default=[p for p in PHASES if p not in ("forward-graph", "inference", "cold")],
                    choices=PHASES,
                    help="forward: inference under no_grad; backward: forward+backward to dense gradients "
                    "(fbgemm applies its fused SGD); sgd, rowwise_adagrad: forward+backward+optimizer "
-                   "(fused for recom_rec and fbgemm); inference: quantized tables (see --row-types)")
+                   "(fused for recom_rec and fbgemm); inference: quantized tables (see --row-types); cold: the "
+                   "summed time of each peer's first 1, 10, 100 and --cold-calls calls (forward and fused SGD), "
+                   "each peer in a fresh process")
+    p.add_argument("--cold-calls", type=int, default=1000, help="calls a peer makes in --phases cold")
     p.add_argument("--backend", default="auto", help="recom_rec backend: auto, triton, cuda or torch")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="scaled-down workloads (default on the CPU)")
@@ -218,6 +221,20 @@ def main(argv=None):
             return
     if args.workloads is None:
         args.workloads = list(DEFAULT_WORKLOADS)
+    if "cold" in args.phases:
+        from .cold import format_cold, run_cold
+
+        device = torch.device(args.device)
+        cold_rows = run_cold([w for w in args.workloads if w in WORKLOADS], args.peers, ["forward", "sgd"], device,
+                             args.small or device.type == "cpu", args.cold_calls, args.backend)
+        print(format_cold(cold_rows))
+        stem = args.out + "-cold"
+        os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
+        with open(stem + ".json", "w") as f:
+            json.dump({"results": cold_rows}, f, indent=1)
+        args.phases = [p for p in args.phases if p != "cold"]
+        if not args.phases:
+            return
     if "sweep" in args.workloads:
         from .sweep import main_sweep
 

@@ -1,0 +1,111 @@
+"""``--phases cold``: what a user's first calls cost, per peer, each in a fresh process.
+
+The other phases time a peer after ``timing.settle`` (its tuners decided); a model's first steps
+and a server's first requests run before that, while the kernels are compiled and the measured
+choices are on trial (issue 51). Here each (workload, peer, phase) runs in a new Python process:
+it builds the peer, makes the input, then times every call from the first, one after another as a
+user makes them (CUDA events around each call on the GPU, queued back to back; the host's clock
+on the CPU), and reports the summed time of calls 1, 1-10, 1-100 and 1-N. With ``RECOM_REC_CACHE``
+set in the environment the children read (and write) its decision file, the "second process with
+the cache" of the issue.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+SPANS = (1, 10, 100, 1000)
+
+
+def _child(workload: str, peer_name: str, phase: str, device_name: str, calls: int, small: bool,
+           backend: str) -> Dict[str, float]:
+    from .peers import make_peer
+    from .workloads import get_workload
+
+    device = torch.device(device_name)
+    w = get_workload(workload, small)
+    kjt = w.make_input(device)
+    optimizer = "none" if phase == "forward" else "sgd"
+    peer = make_peer(peer_name, w, device, optimizer if not peer_name.startswith("fbgemm") else "sgd", backend)
+    grad = torch.ones(w.batch_size, sum(w.dims), device=device)
+
+    def call():
+        if phase == "forward":
+            with torch.no_grad():
+                peer.forward(kjt)
+        else:
+            peer.train_step(kjt, grad)
+
+    times: List[float] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = []
+        for _ in range(calls):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize(device)
+        # back to back: each call's span from its start to its end event, host gaps included
+        times = [s.elapsed_time(e) for s, e in events]
+    else:
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {str(n): sum(times[:n]) for n in SPANS if n <= calls} | {"calls": calls}
+
+
+def run_cold(workloads: List[str], peers: List[str], phases: List[str], device: torch.device, small: bool,
+             calls: int = 1000, backend: str = "auto") -> List[Dict]:
+    """A row per (workload, peer, phase): the summed ms of its first 1, 10, 100 and ``calls`` calls,
+    each measured in a fresh process."""
+    rows = []
+    env = {**os.environ}
+    for workload in workloads:
+        for phase in phases:
+            for peer in peers:
+                if phase != "forward" and peer == "torchrec":  # (its dense-gradient step is not comparable)
+                    continue
+                args = [sys.executable, "-m", "recom_rec.bench.cold", workload, peer, phase, str(device), str(calls),
+                        "1" if small else "0", backend]
+                done = subprocess.run(args, capture_output=True, text=True, env=env)
+                row = {"workload": workload, "peer": peer, "phase": f"cold {phase}"}
+                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+                if done.returncode != 0 or not lines:
+                    row["error"] = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+                else:
+                    row["cumulative_ms"] = json.loads(lines[-1])
+                rows.append(row)
+    return rows
+
+
+def format_cold(rows: List[Dict]) -> str:
+    lines = ["cold: the summed ms of each peer's first calls, each peer in a fresh process; ours' speed-up in ()"]
+    by = {(r["workload"], r["phase"], r["peer"]): r for r in rows}
+    for workload, phase in dict.fromkeys((r["workload"], r["phase"]) for r in rows):
+        ours = by.get((workload, phase, "recom_rec"), {}).get("cumulative_ms", {})
+        for (w, p, peer), row in by.items():
+            if (w, p) != (workload, phase):
+                continue
+            if "error" in row:
+                lines.append(f"{workload:<14}{phase:<14}{peer:<18}error: {row['error']}")
+                continue
+            cells = []
+            for span, ms in row["cumulative_ms"].items():
+                if span == "calls":
+                    continue
+                ratio = f" ({ms / ours[span]:.2f}x)" if peer != "recom_rec" and ours.get(span) else ""
+                cells.append(f"1-{span}: {ms:.2f}{ratio}")
+            lines.append(f"{workload:<14}{phase:<14}{peer:<18}" + "  ".join(cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # a child of run_cold: one peer, one phase, in this fresh process
+    workload, peer, phase, device, calls, small, backend = sys.argv[1:8]
+    print(json.dumps(_child(workload, peer, phase, device, int(calls), small == "1", backend)))

@@ -1,0 +1,15 @@
+"""--phases cold on the CPU: each peer's first calls timed in a fresh process."""
+import torch
+
+from recom_rec.bench.cold import format_cold, run_cold
+
+
+def test_cold_rows_sum_the_first_calls_of_a_fresh_process():
+    rows = run_cold(["dlrm-kaggle"], ["recom_rec", "torchrec"], ["forward"], torch.device("cpu"), small=True, calls=3)
+    assert [r["peer"] for r in rows] == ["recom_rec", "torchrec"]
+    for row in rows:
+        assert "error" not in row, row
+        spans = row["cumulative_ms"]
+        assert spans["calls"] == 3 and 0 < spans["1"]
+    text = format_cold(rows)
+    assert "dlrm-kaggle" in text and "1-1:" in text and "x)" in text
