@@ -14,7 +14,7 @@ from tqdm import tqdm
 from .peers import GROUP_PARAMETERS, PEERS, PINNED_BACKENDS, fbgemm_available, make_peer
 from .report import format_table, plot_results
 from .timing import copy_bandwidth_gbs, graph_replay, time_ms, time_second_half_ms
-from .workloads import DEFAULT_WORKLOADS, WORKLOADS, get_workload
+from .workloads import DEFAULT_WORKLOADS, DRAWN, WORKLOADS, get_workload
 
 # forward: inference under no_grad. backward: forward + backward to dense gradients (fbgemm has
 # no such mode and applies its fused SGD); ours also on the backward alone, against the byte
@@ -34,13 +34,14 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m recom_rec.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", default=None,
-                   choices=list(WORKLOADS) + ["ps", "sequence", "sharded-dlrm", "sweep", "vbe"],
+                   choices=list(WORKLOADS) + ["ps", "random", "sequence", "sharded-dlrm", "sweep", "vbe"],
                    help="not in the default set: 'sweep', ours against fbgemm over a grid of table layouts "
                    "(recom_rec/bench/sweep.py; --warmup/--iters/--out apply); 'ps', a 1e8-row table in the parameter-server tier (see "
                    "--ps-urls); 'sharded-dlrm', a DLRM training step under DistributedModelParallel, ours vs "
                    "torchrec's sharder (see --worlds); 'sequence', a sequence model's unpooled lookups (recom_rec.EmbeddingCollection) "
                    "against fbgemm's TBE in PoolingMode.NONE and torchrec's EmbeddingCollection; 'vbe', a batch size per feature "
-                   "against fbgemm's VBE TBE and torchrec's module. Default: " + " ".join(DEFAULT_WORKLOADS) +
+                   "against fbgemm's VBE TBE and torchrec's module; 'random', --random-count layouts drawn with --seed "
+                   "(recom_rec/bench/random_layouts.py) and MLPerf DLRM-DCNv2's. Default: " + " ".join(DEFAULT_WORKLOADS) +
                    "; with --phases inference alone: dlrm-kaggle many-500 many-4000")
     p.add_argument("--row-types", nargs="+", default=["int8", "int4", "fp16"],
                    choices=["int8", "int4", "int2", "fp16"], help="row types of --phases inference")
@@ -63,6 +64,8 @@ def parse_args(argv=None):
                    "(fused for recom_rec and fbgemm); inference: quantized tables (see --row-types); cold: the "
                    "summed time of each peer's first 1, 10, 100 and --cold-calls calls (forward and fused SGD), "
                    "each peer in a fresh process")
+    p.add_argument("--seed", type=int, default=None, help="the 'random' workloads' draw (default: a fresh one, printed)")
+    p.add_argument("--random-count", type=int, default=8, help="layouts the 'random' workloads draw")
     p.add_argument("--cold-calls", type=int, default=1000, help="calls a peer makes in --phases cold")
     p.add_argument("--backend", default="auto", help="recom_rec backend: auto, triton, cuda or torch")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -162,7 +165,7 @@ def run(args):
     ceiling = copy_bandwidth_gbs(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 26))
     results = []
     peers = [p for p in args.peers if not p.startswith("fbgemm") or fbgemm_available(device)]
-    for wname in tqdm([w for w in args.workloads if w in WORKLOADS], desc="workloads", file=sys.stderr):
+    for wname in tqdm([w for w in args.workloads if w in WORKLOADS or w in DRAWN], desc="workloads", file=sys.stderr):
         if device.type == "cuda":
             _forget_launch_orders()  # zipf's model may be built where many-500's was: tune it afresh
         w = get_workload(wname, small)
@@ -179,7 +182,7 @@ def run(args):
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "copy_gbs": ceiling, "small": small, "backend": args.backend,
-        "workloads": {n: get_workload(n, small).description for n in args.workloads if n in WORKLOADS},
+        "workloads": {n: get_workload(n, small).description for n in args.workloads if n in WORKLOADS or n in DRAWN},
     }
     return meta, results
 
@@ -194,6 +197,23 @@ def _run_inference(args):
             "torch": torch.__version__, "copy_gbs": ceiling, "small": small, "backend": "quantized",
             "workloads": {n: get_workload(n, small).description for n in INFERENCE_WORKLOADS}}
     return meta, run_inference(args, device, ceiling, small)
+
+
+def _draw_random(args) -> list:
+    """Draws the 'random' workloads (registered for this run under their names) in their place in
+    ``args.workloads``; returns their names."""
+    from .random_layouts import random_workloads
+
+    if args.seed is None:
+        args.seed = int.from_bytes(os.urandom(4), "little")
+    small = args.small or args.device == "cpu"
+    names = []
+    for w in random_workloads(args.seed, args.random_count, small):
+        DRAWN[w.name] = w
+        names.append(w.name)
+    i = args.workloads.index("random")
+    args.workloads[i:i + 1] = names
+    return names
 
 
 def main(argv=None):
@@ -221,6 +241,9 @@ def main(argv=None):
             return
     if args.workloads is None:
         args.workloads = list(DEFAULT_WORKLOADS)
+    drawn = []
+    if "random" in args.workloads:
+        drawn = _draw_random(args)
     if "cold" in args.phases:
         from .cold import format_cold, run_cold
 
@@ -248,6 +271,12 @@ def main(argv=None):
     meta, results = run(args)
     if results:
         print(format_table(meta, results, args.peers))
+    if drawn:
+        from .random_layouts import summarize
+
+        meta["seed"] = args.seed
+        print(f"random layouts drawn with --seed {args.seed}")
+        print(summarize(results, drawn, [p for p in args.peers if p != "recom_rec"]))
     if "ps" in args.workloads:
         from .ps_workload import format_ps, run_ps_workload
 

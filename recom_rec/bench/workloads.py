@@ -110,7 +110,13 @@ WORKLOADS: Dict[str, Callable[[bool], Workload]] = {
 DEFAULT_WORKLOADS = [name for name in WORKLOADS if name != "many-4000"]
 
 
+# Workloads made for one run (the drawn layouts of --workloads random), by name.
+DRAWN: Dict[str, Workload] = {}
+
+
 def get_workload(name: str, small: bool) -> Workload:
+    if name in DRAWN:
+        return DRAWN[name]
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     return WORKLOADS[name](small)
