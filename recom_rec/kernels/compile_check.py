@@ -57,6 +57,39 @@ def _variants():
         }, {"META_W": 8, "PIECE": k.PIECE, "BLOCK_R": 1, "BLOCK_K": k.split_block_k(block_d),
             "BLOCK_D": block_d, "OPT": opt}, {"num_warps": 4}
     yield from _quantized_variants(ptr)
+    yield from _unpooled_variants(ptr)
+
+
+def _unpooled_variants(ptr):
+    """The EmbeddingCollection's gather and row keys, and the variable-batch expansion."""
+    from . import expand_triton as e
+    from . import unpooled_triton as u
+
+    for wdtype, idx, dim, report in itertools.product(("fp32", "fp16", "bf16"), ("i32", "i64"), (8, 64, 256, 1024),
+                                                      (False, True)):
+        block_r, block_d, num_warps = u._forward_block(dim)
+        yield u._unpooled_forward_kernel, {
+            "flat_ptr": ptr[wdtype], "values_ptr": ptr[idx], "seg_ptr": "*i64", "meta_ptr": "*i64",
+            "offsets_ptr": ptr[idx], "out_ptr": "*fp32", "claim_ptr": "*i32" if report else "*fp32",
+            "report_ptr": "*i64" if report else "*fp32", "num_outputs": "i32", "num_features": "i32",
+            "seg_stride": "i32", "dim": "i32", "num_values": "i32",
+        }, {"META_W": 8, "BLOCK_R": block_r, "BLOCK_D": block_d, "SEARCH_STEPS": 3, "REPORT": report}, \
+            {"num_warps": num_warps}
+    for idx, report in itertools.product(("i32", "i64"), (False, True)):
+        yield u._row_key_kernel, {
+            "values_ptr": ptr[idx], "seg_ptr": "*i64", "meta_ptr": "*i64", "offsets_ptr": ptr[idx],
+            "row_key_ptr": "*i64", "claim_ptr": "*i32" if report else "*i64", "report_ptr": "*i64",
+            "num_outputs": "i32", "num_features": "i32", "seg_stride": "i32", "num_values": "i32",
+        }, {"META_W": 8, "BLOCK_R": 1024, "SEARCH_STEPS": 5, "REPORT": report}, {"num_warps": 4}
+    for dtype in ("fp32", "fp16", "bf16"):
+        yield e._expand_forward_kernel, {
+            "pooled_ptr": ptr[dtype], "inverse_ptr": "*i64", "col_feature_ptr": "*i32", "out_ptr": ptr[dtype],
+            "batch": "i32", "cols": "i32", "inverse_stride": "i32",
+        }, {"BLOCK_B": e.BLOCK_B, "BLOCK_C": e.BLOCK_C}, {"num_warps": 4}
+    yield e._expand_backward_kernel, {
+        "grad_ptr": "*fp32", "inverse_ptr": "*i64", "col_feature_ptr": "*i32", "grad_pooled_ptr": "*fp32",
+        "batch": "i32", "cols": "i32", "inverse_stride": "i32",
+    }, {"BLOCK_B": e.BLOCK_B, "BLOCK_C": e.BLOCK_C}, {"num_warps": 4}
 
 
 def _quantized_variants(ptr):
