@@ -6,7 +6,6 @@ trial any more, so that the first real request or training step already runs the
 With ``RECOM_REC_CACHE`` set the decisions also go to that file (kernels/decision_cache.py), which
 later processes and every rank read instead of measuring again.
 """
-import copy
 from typing import Any, Callable, Dict, Iterable, Optional
 
 import torch
@@ -53,9 +52,9 @@ def tune(model: nn.Module, batches: Iterable[Any], *, train: bool = False,
         raise ValueError("tune(train=True) would write parameter-server tables' rows to their store; tune them "
                          "with train=False, or on a copy of the model without ps=...")
     if train:
+        # The state_dict holds the fused optimizers' state too (the tables' views of it, the step).
         saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict(keep_vars=True).items()
                  if isinstance(v, torch.Tensor)}
-        hidden = _hidden_state(model)
     started = trial_launches()
     passes = 0
     try:
@@ -79,21 +78,7 @@ def tune(model: nn.Module, batches: Iterable[Any], *, train: bool = False,
                 for key, value in model.state_dict(keep_vars=True).items():
                     if key in saved:
                         value.copy_(saved[key])
-                for tensor, copy_of in hidden:
-                    tensor.copy_(copy_of)
             for p in model.parameters():
                 p.grad = None
     return {"passes": passes, "trial_launches": trial_launches() - started}
 
-
-def _hidden_state(model: nn.Module):
-    """Fused-optimizer state kept out of the state_dict (flat buffers, step counters): (tensor, copy)."""
-    kept = []
-    for module in model.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name.startswith(("_optimizer_", "_fused_step")):
-                kept.append((buffer, copy.deepcopy(buffer.detach().cpu())))
-        step = getattr(module, "_fused_step", None)
-        if isinstance(step, torch.Tensor):
-            kept.append((step, step.detach().cpu().clone()))
-    return kept

@@ -82,7 +82,7 @@ class _Module:
 
 
 class _Fbgemm:
-    def __init__(self, w: VbeWorkload, device, train: bool) -> None:
+    def __init__(self, w: VbeWorkload, device) -> None:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
             BoundsCheckMode,
@@ -146,7 +146,7 @@ def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5)
                 if phase == "sgd" and peer_name == "torchrec":
                     continue
                 if peer_name == "fbgemm":
-                    peer = _Fbgemm(w, device, phase == "sgd")
+                    peer = _Fbgemm(w, device)
                 elif peer_name == "recom_rec":
                     module = recom_rec.EmbeddingBagCollection(w.tables(), device=device)
                     if phase == "sgd":

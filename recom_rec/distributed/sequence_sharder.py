@@ -17,6 +17,7 @@ from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, S
 
 from ..modules.embedding_collection import EmbeddingCollection
 from .lookup import FusedSequenceEmbeddingsLookup
+from .sharder import _unwrap
 
 
 class ShardedFusedEmbeddingCollection(ShardedEmbeddingCollection):
@@ -51,12 +52,8 @@ class ShardedFusedEmbeddingCollection(ShardedEmbeddingCollection):
     def check_inputs(self) -> None:
         """Waits for this rank's lookups (queued by this thread) and raises the input error their
         kernels reported, naming the feature and the table (as the unsharded module's)."""
-        from torch.nn.parallel import DistributedDataParallel
-
         for lookup in self._lookups:
-            while isinstance(lookup, DistributedDataParallel):
-                lookup = lookup.module
-            lookup.check_inputs()
+            _unwrap(lookup).check_inputs()
 
     @property
     def unsharded_module_type(self) -> Type[EmbeddingCollection]:

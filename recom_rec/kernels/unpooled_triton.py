@@ -18,10 +18,6 @@ from ..ops.layout import META_WIDTH
 from .grid_math import cdiv, next_power_of_2
 from .pooled_triton import _report
 
-# segments' rows (ops/unpooled_embedding.py)
-SEG_OUT, SEG_VALUE, SEG_BAG, SEG_STRIDE = 0, 1, 2, 3
-
-
 @triton.jit
 def _rows_feature(seg_ptr, r, num_features, SEARCH_STEPS: tl.constexpr):
     """The feature of each output row ``r``: the last f with out_start[f] <= r (features without

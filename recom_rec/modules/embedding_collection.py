@@ -181,16 +181,6 @@ class EmbeddingCollection(FlatTables, _TorchrecEmbeddingCollection):
                 [self._autograd_inputs(g) if grad else [self._flat(g)] for g in self._groups],
                 [getattr(self, g.meta_name) for g in self._groups], self._plan, self._fused_step_for_forward())
 
-    def _fused_step_for_forward(self) -> Optional[FusedStep]:
-        spec = self._fused_spec
-        if spec is None or not torch.is_grad_enabled():
-            return None
-        if self.training:  # one optimizer step per training forward (Adam's bias correction reads it)
-            with torch.no_grad():
-                self._fused_step.add_(1)
-        return FusedStep(spec.kind, [self._optimizer_states(g) for g in self._groups],
-                         any(kind == "row" for _, kind in spec.state_names()), self._fused_hyper, self._fused_step)
-
     def need_indices(self) -> bool:
         return self._need_indices
 

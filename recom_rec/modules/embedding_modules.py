@@ -460,17 +460,7 @@ class EmbeddingBagCollection(FlatTables, _TorchrecEmbeddingBagCollection):
                 raise ValueError(_NO_PS_GRAPHS.format(what="fx tracing"))
             features = self._ps.prepare(features)  # PS tables' ids -> cache slots
         grad = torch.is_grad_enabled()
-        spec = self._fused_spec
-        fused = None
-        if spec is not None and grad:
-            if self.training:
-                # One optimizer step per training forward (as fbgemm counts iterations); the
-                # backward's Adam bias correction reads it.
-                with torch.no_grad():
-                    self._fused_step.add_(1)
-            fused = FusedStep(spec.kind, [self._optimizer_states(g) for g in self._groups],
-                              any(kind == "row" for _, kind in spec.state_names()),
-                              self._fused_hyper, self._fused_step)
+        fused = self._fused_step_for_forward()
         return _fused_lookup(
             features,
             [self._flat(g) for g in self._groups],

@@ -21,6 +21,7 @@ from torch import nn
 from ..ops.backends import check_backend
 from ..ops.input_check import new_report_id
 from ..ops.layout import TableSlot
+from ..ops.plan import FusedStep
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import spec_from_optimizer
 
@@ -303,6 +304,19 @@ class FlatTables:
         params = {f"{self._TABLES_ATTR}.{name}.weight": bag.weight for name, bag in self._table_modules().items()}
         self._fused_optimizer = FusedEmbeddingOptimizer(spec, params, state, self._fused_hyper)
         return self._fused_optimizer
+
+    def _fused_step_for_forward(self) -> Optional[FusedStep]:
+        """The fused optimizer's step for this forward's backward (None without one, or without
+        grad). A training forward counts one optimizer step (as fbgemm counts iterations); the
+        backward's Adam bias correction reads it."""
+        spec = self._fused_spec
+        if spec is None or not torch.is_grad_enabled():
+            return None
+        if self.training:
+            with torch.no_grad():
+                self._fused_step.add_(1)
+        return FusedStep(spec.kind, [self._optimizer_states(g) for g in self._groups],
+                         any(kind == "row" for _, kind in spec.state_names()), self._fused_hyper, self._fused_step)
 
     def _bind_optimizer_state_views(self, group: "TableGroup") -> None:
         """Per-table views of the group's flat optimizer state, as persistent buffers of the

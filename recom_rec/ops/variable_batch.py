@@ -75,6 +75,31 @@ def output_rows(features: KeyedJaggedTensor, output_features: List[str]) -> Opti
 
 def expand_rows(pooled: torch.Tensor, inverse: torch.Tensor, output_dims: List[int]) -> torch.Tensor:
     """Each output element from its bag's row, ``pooled[inverse[feature(c), b], c]`` (ops/expand_bags.py)."""
-    col_feature = torch.repeat_interleave(torch.arange(len(output_dims), dtype=torch.int32),
-                                          torch.tensor(output_dims), output_size=sum(output_dims))
-    return torch.ops.recom_rec.expand_bags(pooled, inverse.to(pooled.device), col_feature.to(pooled.device))
+    if torch.jit.is_scripting():
+        col_feature = _column_features(output_dims, pooled.device)
+    elif torch.compiler.is_compiling():
+        col_feature = _column_features(output_dims, pooled.device)
+    else:
+        col_feature = _cached_column_features(output_dims, pooled.device)
+    return torch.ops.recom_rec.expand_bags(pooled, inverse.to(pooled.device), col_feature)
+
+
+def _column_features(output_dims: List[int], device: torch.device) -> torch.Tensor:
+    """Each output column's feature (int32 ``[sum(output_dims)]``)."""
+    return torch.repeat_interleave(torch.arange(len(output_dims), dtype=torch.int32), torch.tensor(output_dims),
+                                   output_size=sum(output_dims)).to(device)
+
+
+# Per module plan's dims list (its identity, held so that the id is not reused) and device: the
+# columns' features on the device, so that an eager VBE batch does not copy them there each call.
+_COLUMN_FEATURES: Dict[Tuple[int, torch.device], Tuple[List[int], torch.Tensor]] = {}
+
+
+def _cached_column_features(output_dims: List[int], device: torch.device) -> torch.Tensor:
+    key = (id(output_dims), device)
+    hit = _COLUMN_FEATURES.get(key)
+    if hit is None or hit[0] is not output_dims:
+        if len(_COLUMN_FEATURES) >= 1024:
+            _COLUMN_FEATURES.clear()
+        hit = _COLUMN_FEATURES[key] = (output_dims, _column_features(output_dims, device))
+    return hit[1]

@@ -22,6 +22,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollectionInterface, get
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
+from ..modules.embedding_modules import _key_plan
 from ..modules.table_size import check_sequence_tables
 from ..ops.layout import META_NUM_EMBEDDINGS, META_ROW_BASE, META_WIDTH, POOLING_SUM
 from ..ops.quantized_lookup import quantized_lookup
@@ -49,10 +50,10 @@ class _TypeGroup:
 
     def __init__(self, features: List[str], tables: List[str], embedding_names: List[str], key_meta: Tensor,
                  virtual_meta: Tensor) -> None:
-        self.features = features
-        self.tables = tables
+        self.features = tuple(features)  # (tuples: the cached key plans take them as they are)
+        self.tables = tuple(tables)
         self.embedding_names = embedding_names
-        self.names = encode_names([], features, tables)
+        self.names = encode_names([], list(features), list(tables))
         self.key_meta = key_meta
         self.virtual_meta = virtual_meta
 
@@ -185,8 +186,7 @@ def _quantized_collection_lookup(features: KeyedJaggedTensor, flat: Tensor, firs
                                  groups: List[_TypeGroup], dim: int, need_indices: bool, output_dtype: torch.dtype,
                                  backend: str, validate: bool, report_id: int) -> Dict[str, JaggedTensor]:
     """Every data type's lookup, split into the module's JaggedTensors (a free, fx-wrapped function)."""
-    keys = list(features.keys())
-    position = {k: i for i, k in enumerate(keys)}
+    keys = tuple(features.keys())
     values, offsets = features.values(), features.offsets()
     length_per_key: List[int] = features.length_per_key()
     stride_per_key: List[int] = features.stride_per_key()
@@ -198,10 +198,7 @@ def _quantized_collection_lookup(features: KeyedJaggedTensor, flat: Tensor, firs
     indices = values.split(length_per_key) if need_indices else None
     out: Dict[str, JaggedTensor] = {}
     for group in groups:
-        missing = [f"{f!r} (table {t!r})" for f, t in zip(group.features, group.tables) if f not in position]
-        if missing:
-            raise ValueError(f"KeyedJaggedTensor is missing feature(s) {', '.join(missing)}; it has keys {keys}")
-        key_index = [position[f] for f in group.features]
+        key_index = _key_plan(keys, group.features, group.tables)
         segments = segments_for(key_index, length_per_key, offset_per_key, stride_per_key, flat.device)
         counts = [length_per_key[k] for k in key_index]
         num = sum(counts)
