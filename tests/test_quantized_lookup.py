@@ -11,6 +11,7 @@ from recom_rec.quant.reference import reference_quantized_pooled
 from recom_rec.quant.rows import RowType
 
 from quant_cases import random_case
+from ebc_cases import DEVICE
 
 
 def _names(case):
@@ -197,3 +198,16 @@ def test_equals_fbgemm_cuda_intn_tbe_bit_for_bit(seed, weighted, pooling, output
                 compared[int(case.meta[f, 2]):int(case.meta[f, 2]) + int(case.meta[f, 0])] = False
     assert compared.any()
     assert torch.equal(_bits(out)[:, compared], _bits(expected)[:, compared])
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_op_passes_torch_library_opcheck(weighted):
+    """Schema, fake kernel and tracing (AOTDispatcher, static and dynamic shapes) against eager on
+    the module's device: on CUDA the traced path is the Triton kernel wrapped for Inductor, whose
+    arguments the tracer functionalizes (an output passed twice came back stale there, v45)."""
+    case = random_case(7, weighted)
+    if DEVICE.type == "cuda":
+        case = _on_gpu(case)
+    args = (case.flat, case.values, case.offsets, case.weights, case.meta, case.key_index, case.batch_size,
+            case.total_dim, case.max_dim, torch.float32, "auto", False, "")
+    torch.library.opcheck(torch.ops.recom_rec.quantized_pooled_lookup.default, args)

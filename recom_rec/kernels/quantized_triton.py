@@ -235,11 +235,19 @@ def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per
     block_b, block_d, num_warps = block_shape(max_dim, batch_size)
     words, halves, floats = flat.view(torch.int32), flat.view(torch.float16), flat.view(torch.float32)
     weights = per_sample_weights if per_sample_weights is not None else floats  # (not read)
+    if check is not None:
+        claim, report_words = check.claim, check.words
+    elif wrap is None:
+        claim = report_words = out  # (not written: REPORT is off)
+    else:
+        # Traced: every argument the kernel may write gets a tensor of its own. Functionalization
+        # copies each such argument and writes the copies back in turn, so `out` passed again here
+        # would end as its own unwritten copy (v45: the compiled module returned stale memory).
+        claim, report_words = out.new_empty(0, dtype=torch.int32), out.new_empty(0, dtype=torch.int64)
     kernel = _quantized_forward_kernel if wrap is None else wrap(_quantized_forward_kernel)
     kernel[(num_features, cdiv(batch_size, block_b))](
         flat, words, halves, floats, values, offsets, weights, feature_meta, key_index,
-        out, batch_size, total_dim, values.numel(), offsets.numel() - 1,
-        check.claim if check is not None else out, check.words if check is not None else out,
+        out, batch_size, total_dim, values.numel(), offsets.numel() - 1, claim, report_words,
         META_W=QMETA_WIDTH, CUDA_ARITHMETIC=_rounding(flat.is_cuda if cuda_arithmetic is None else cuda_arithmetic),
         HAS_WEIGHTS=per_sample_weights is not None, REPORT=check is not None, BLOCK_B=block_b, BLOCK_D=block_d,
         num_warps=num_warps,
