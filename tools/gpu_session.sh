@@ -7,7 +7,8 @@
 # folder, so the next machine loads it instead of building while the source is unchanged.
 #   STAGES="tests soak nccl dlrm bench sequence cold sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 #   (the tests stage runs the whole suite, tests/, with CUDA tensors in one process; TESTS="files or
-#   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it)
+#   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it;
+#   TEST_DETACH=1 lets it run past the call, and the next call's STAGES=tests-wait awaits it)
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
 set -o pipefail
 source .gpu/setup.sh
@@ -27,13 +28,35 @@ stage() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 # The stages' output without the stack's noise: warnings (fbgemm's compat table, FX tracing,
 # autograd), their colour codes, blank lines and progress bars.
 quiet() { grep -v "Warning\|warn\|WARNING\|^ *$\|\[33m\|\[0m\|compat\|cannot determine\|is_fx_tracing\|run_backward\|it/s\]"; }
+SUITE=/tmp/gpu-suite  # the detached suite's pid and log (the machine keeps /tmp while warm)
+suite_report() {
+  cp "$SUITE/tests.log" "$OUT/tests.log"; tail -3 "$OUT/tests.log"
+  grep -E " (FAILED|ERROR)( |$)" "$OUT/tests.log" | head -40; grep -cE " PASSED( |$)" "$OUT/tests.log"
+}
+suite_wait() {  # until the detached suite ends or $1 seconds pass
+  local end=$(( $(date +%s) + $1 ))
+  while kill -0 "$(cat $SUITE/pid)" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  if kill -0 "$(cat $SUITE/pid)" 2>/dev/null; then echo "suite still running: call again with STAGES=tests-wait"; fi
+}
 if [[ " $STAGES " == *" tests "* ]]; then
   stage tests
   # -v: a line a test as it ends, so that a run the time limit stops still names what failed
-  RECOM_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-540} python3 -m pytest -v -rfE --tb=short -p no:cacheprovider \
-    ${TESTS:-tests} \
-    ${TEST_K:+-k "$TEST_K"} > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"
-  grep -E " (FAILED|ERROR)( |$)" "$OUT/tests.log" | head -40; grep -cE " PASSED( |$)" "$OUT/tests.log"
+  args=(-m pytest -v -rfE --tb=short -p no:cacheprovider ${TESTS:-tests} ${TEST_K:+-k "$TEST_K"})
+  if [ -n "${TEST_DETACH:-}" ]; then
+    # The whole suite outlasts one device call: one process in a session of its own, which the
+    # machine keeps while it stays warm; the next call's stage tests-wait awaits it (<30 s apart).
+    mkdir -p "$SUITE"
+    RECOM_TEST_DEVICE=cuda setsid python3 "${args[@]}" > "$SUITE/tests.log" 2>&1 < /dev/null &
+    echo $! > "$SUITE/pid"
+    suite_wait ${TEST_TIMEOUT:-540}; suite_report
+  else
+    RECOM_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-540} python3 "${args[@]}" > "$SUITE.log" 2>&1
+    mkdir -p "$SUITE"; mv "$SUITE.log" "$SUITE/tests.log"; suite_report
+  fi
+fi
+if [[ " $STAGES " == *" tests-wait "* ]]; then
+  stage tests-wait
+  suite_wait ${TEST_TIMEOUT:-540}; suite_report
 fi
 if [[ " $STAGES " == *" soak "* ]]; then
   stage soak  # serving under bad batches from 4 threads, PS training through a killed cluster master
