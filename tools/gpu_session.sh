@@ -5,6 +5,8 @@
 # GPU), then the benchmarks. Each stage has its own time limit; logs under $OUT. A fresh build comes
 # back as $OUT/_lookup_cuda.so.xz: put it in .cuda_ext_xz/ (git-ignored, ~1 MB) and carry that
 # folder, so the next machine loads it instead of building while the source is unchanged.
+# Likewise SAVE_TRITON_CACHE=1 returns Triton's kernel cache as $OUT/triton_cache.tar.xz: carried
+# in .triton_cache_xz/ (git-ignored), it spares the next machine the suite's first compiles.
 #   STAGES="tests soak nccl dlrm bench sequence cold sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 #   (the tests stage runs the whole suite, tests/, with CUDA tensors in one process; TESTS="files or
 #   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it;
@@ -22,6 +24,9 @@ fi
 if ! python3 -m recom_rec.kernels.cuda_ext --installed; then
   python3 setup.py -q build_ext --inplace 2>&1 | grep "^recom_rec:\|error" | head -20
   python3 -m recom_rec.kernels.cuda_ext --installed && xz -T0 -c recom_rec/kernels/_lookup_cuda*.so > "$OUT/_lookup_cuda.so.xz"
+fi
+if [ -f .triton_cache_xz/triton_cache.tar.xz ]; then  # Triton's compiled kernels from an earlier machine
+  mkdir -p ~/.triton && tar xJf .triton_cache_xz/triton_cache.tar.xz -C ~ 2>/dev/null
 fi
 echo "build/load $(( $(date +%s) - t0 )) s"
 stage() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
@@ -144,5 +149,8 @@ if [[ " $STAGES " == *" profile "* ]]; then
   stage profile
   timeout ${PROFILE_TIMEOUT:-150} python3 tools/profile_step.py ${PROFILE_ARGS:---workloads many-1000 many-500 --backends auto} 2>&1 \
     | quiet > "$OUT/profile.log"; grep -A8 "^==" "$OUT/profile.log"
+fi
+if [ -n "${SAVE_TRITON_CACHE:-}" ]; then  # for .triton_cache_xz/: the next machine skips these compiles
+  (cd ~ && tar cf - .triton/cache | xz -T0 -3 > "$OUT/triton_cache.tar.xz")
 fi
 stage done
