@@ -41,13 +41,13 @@ def test_without_the_variable_nothing_is_written_or_read(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
 
 
-def test_another_batch_size_or_dtype_is_another_class_and_is_measured(tmp_path, monkeypatch):
+def test_another_batch_class_or_dtype_is_another_class_and_is_measured(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV, str(tmp_path))
     stream = FakeStream({F: 2.0, B: 1.0})
     launch(stream.tuner(cache_name="forward_order"), stream, 60)
     fresh_stream = FakeStream({F: 1.0, B: 2.0})
     fresh = fresh_stream.tuner(cache_name="forward_order")
-    for other in (shape()._replace(batch_size=4096), shape()._replace(weight_dtype=torch.float16)):
+    for other in (shape()._replace(batch_bucket=4096), shape()._replace(weight_dtype=torch.float16)):
         launch(fresh, fresh_stream, 60, other)
         assert fresh.decisions()[other] == "features"
     assert fresh.trial_launches > 0

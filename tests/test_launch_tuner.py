@@ -260,18 +260,31 @@ def test_shapes_are_tuned_separately():
     assert tuner.decisions() == {shape(lookups=1024): "features", shape(lookups=2048): "bags"}
 
 
-def test_launch_shape_rounds_the_lookup_count_up_to_a_power_of_two():
+def test_launch_shape_rounds_the_lookup_count_and_the_batch_up_to_powers_of_two():
     flat = torch.zeros(4)
 
-    def of(lookups, weights=None, flat=flat):
+    def of(lookups, weights=None, flat=flat, batch=8):
         meta = torch.zeros(3, 4, dtype=torch.int64)
-        return ForwardLaunchShape.of(flat, torch.zeros(lookups, dtype=torch.int64), weights, meta, 8, 48, 16)
+        return ForwardLaunchShape.of(flat, torch.zeros(lookups, dtype=torch.int64), weights, meta, batch, 48, 16)
 
     assert of(600) == of(1000) == of(1024)
     assert of(1000, flat=torch.zeros(4)) != of(1000)  # another model's weights tune apart
     assert of(1025) != of(1024)
     assert of(1000).lookups_bucket == 1024 and of(1000).num_features == 3
     assert of(1000, weights=torch.ones(1000)) != of(1000)
+    assert of(1000, batch=33) == of(1000, batch=50) == of(1000, batch=64) != of(1000, batch=65)
+    assert of(1000, batch=1).batch_bucket == 1 and of(1000, batch=100).batch_bucket == 128
+
+
+def test_requests_of_varied_batch_sizes_in_one_class_share_one_decision():
+    """A server's requests of 33 to 64 samples: one trial, then every size runs the decision."""
+    stream = FakeStream({F: 2.0, B: 1.0})
+    tuner = stream.tuner(min_trials=1)
+    flat, meta = torch.zeros(4), torch.zeros(3, 4, dtype=torch.int64)
+    for batch in [33, 40, 47, 64, 50, 35, 61, 44, 58, 36, 63, 41]:
+        launch(tuner, stream, 1, ForwardLaunchShape.of(flat, torch.zeros(1000, dtype=torch.int64), None, meta,
+                                                       batch, 48, 16))
+    assert list(tuner.decisions().values()) == ["bags"]
 
 
 def test_forget_drops_decisions_and_trials():

@@ -81,12 +81,14 @@ Result = TypeVar("Result")
 
 
 class ForwardLaunchShape(NamedTuple):
-    """What a forward launch's timing depends on, as the tuner's key. The lookup count is rounded
-    up to a power of two so that batches of varying lengths share a decision. The weight buffer's
-    address stands for the model: two models of one shape (uniform and Zipf ids) tune apart."""
+    """What a forward launch's timing depends on, as the tuner's key: a shape class. The batch size
+    and the lookup count are rounded up to powers of two so that requests of varying batch sizes
+    and batches of varying lengths share a decision (a server's batch sizes would otherwise each
+    tune anew, issue 51). The weight buffer's address stands for the model: two models of one
+    shape (uniform and Zipf ids) tune apart."""
     weights_at: int
     num_features: int
-    batch_size: int
+    batch_bucket: int
     total_dim: int
     max_dim: int
     lookups_bucket: int
@@ -96,9 +98,12 @@ class ForwardLaunchShape(NamedTuple):
 
     @classmethod
     def of(cls, flat, values, per_sample_weights, feature_meta, batch_size, total_dim, max_dim):
-        lookups = values.numel()
-        return cls(flat.data_ptr(), feature_meta.shape[0], batch_size, total_dim, max_dim, 1 << max(lookups - 1, 0).bit_length(),
-                   flat.dtype, values.dtype, per_sample_weights is not None)
+        return cls(flat.data_ptr(), feature_meta.shape[0], _power_of_two_at_least(batch_size), total_dim, max_dim,
+                   _power_of_two_at_least(values.numel()), flat.dtype, values.dtype, per_sample_weights is not None)
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _orders_for(shape) -> Tuple[bool, ...]:
