@@ -245,12 +245,16 @@ def main(argv=None):
     if "random" in args.workloads:
         drawn = _draw_random(args)
     if "cold" in args.phases:
-        from .cold import format_cold, run_cold
+        from .cold import format_cold, run_cold, summarize_cold
 
         device = torch.device(args.device)
-        cold_rows = run_cold([w for w in args.workloads if w in WORKLOADS], args.peers, ["forward", "sgd"], device,
-                             args.small or device.type == "cpu", args.cold_calls, args.backend)
+        cold_rows = run_cold([w for w in args.workloads if w in WORKLOADS or w in DRAWN], args.peers,
+                             ["forward", "sgd"], device, args.small or device.type == "cpu", args.cold_calls,
+                             args.backend, draw=(args.seed, args.random_count) if drawn else None)
         print(format_cold(cold_rows))
+        if drawn:
+            print(f"random layouts drawn with --seed {args.seed}")
+            print(summarize_cold(cold_rows, drawn, [p for p in args.peers if p != "recom_rec"]))
         stem = args.out + "-cold"
         os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
         with open(stem + ".json", "w") as f:

@@ -7,14 +7,15 @@ it builds the peer, makes the input, then times every call from the first, one a
 user makes them (CUDA events around each call on the GPU, queued back to back; the host's clock
 on the CPU), and reports the summed time of calls 1, 1-10, 1-100 and 1-N. With ``RECOM_REC_CACHE``
 set in the environment the children read (and write) its decision file, the "second process with
-the cache" of the issue.
+the cache" of the issue. Drawn layouts (``--workloads random``) are drawn again in each child from
+the run's seed and count, so every process gets the same layout.
 """
 import json
 import os
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -22,10 +23,14 @@ SPANS = (1, 10, 100, 1000)
 
 
 def _child(workload: str, peer_name: str, phase: str, device_name: str, calls: int, small: bool,
-           backend: str) -> Dict[str, float]:
+           backend: str, draw: Optional[Tuple[int, int]] = None) -> Dict[str, float]:
     from .peers import make_peer
-    from .workloads import get_workload
+    from .workloads import DRAWN, get_workload
 
+    if draw is not None:
+        from .random_layouts import random_workloads
+
+        DRAWN.update((w.name, w) for w in random_workloads(draw[0], draw[1], small))
     device = torch.device(device_name)
     w = get_workload(workload, small)
     kjt = w.make_input(device)
@@ -58,13 +63,14 @@ def _child(workload: str, peer_name: str, phase: str, device_name: str, calls: i
             t0 = time.perf_counter()
             call()
             times.append((time.perf_counter() - t0) * 1e3)
-    return {str(n): sum(times[:n]) for n in SPANS if n <= calls} | {"calls": calls}
+    return {str(n): sum(times[:n]) for n in SPANS if n < calls} | {str(calls): sum(times), "calls": calls}
 
 
 def run_cold(workloads: List[str], peers: List[str], phases: List[str], device: torch.device, small: bool,
-             calls: int = 1000, backend: str = "auto") -> List[Dict]:
+             calls: int = 1000, backend: str = "auto", draw: Optional[Tuple[int, int]] = None) -> List[Dict]:
     """A row per (workload, peer, phase): the summed ms of its first 1, 10, 100 and ``calls`` calls,
-    each measured in a fresh process."""
+    each measured in a fresh process. ``draw``: the (seed, count) of the drawn layouts among
+    ``workloads`` (random_layouts.random_workloads)."""
     rows = []
     env = {**os.environ}
     for workload in workloads:
@@ -73,7 +79,7 @@ def run_cold(workloads: List[str], peers: List[str], phases: List[str], device: 
                 if phase != "forward" and peer == "torchrec":  # (its dense-gradient step is not comparable)
                     continue
                 args = [sys.executable, "-m", "recom_rec.bench.cold", workload, peer, phase, str(device), str(calls),
-                        "1" if small else "0", backend]
+                        "1" if small else "0", backend, f"{draw[0]}:{draw[1]}" if draw else "-"]
                 done = subprocess.run(args, capture_output=True, text=True, env=env)
                 row = {"workload": workload, "peer": peer, "phase": f"cold {phase}"}
                 lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -106,6 +112,28 @@ def format_cold(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
+def summarize_cold(rows: List[Dict], names: List[str], peers: List[str]) -> str:
+    """Per peer and phase, over the layouts ``names``: ours' speed-up on the summed first 100 calls
+    (or all of them, when fewer ran): the share at or above 1.0x, the geomean and the worst."""
+    from .random_layouts import ratio_summary
+
+    lines = []
+    by = {(r["workload"], r["phase"], r["peer"]): r.get("cumulative_ms") for r in rows}
+    for peer in peers:
+        for phase in dict.fromkeys(r["phase"] for r in rows):
+            ratios = []
+            for name in names:
+                ours, theirs = by.get((name, phase, "recom_rec")), by.get((name, phase, peer))
+                if ours and theirs:
+                    span = "100" if "100" in ours and "100" in theirs else str(min(ours["calls"], theirs["calls"]))
+                    if span in ours and span in theirs:
+                        ratios.append((theirs[span] / ours[span], name))
+            if ratios:
+                lines.append(ratio_summary(f"drawn layouts, {phase} (first 100 calls) x {peer}", ratios))
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":  # a child of run_cold: one peer, one phase, in this fresh process
-    workload, peer, phase, device, calls, small, backend = sys.argv[1:8]
-    print(json.dumps(_child(workload, peer, phase, device, int(calls), small == "1", backend)))
+    workload, peer, phase, device, calls, small, backend, draw = sys.argv[1:9]
+    drawn = tuple(int(x) for x in draw.split(":")) if draw != "-" else None
+    print(json.dumps(_child(workload, peer, phase, device, int(calls), small == "1", backend, drawn)))

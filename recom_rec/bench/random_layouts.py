@@ -18,7 +18,7 @@ benchmark's peers' common ground yet (its fbgemm peer trains fp32 tables): not d
 The MLPerf DLRM-DCNv2 configuration (26 tables, its multi-hot sizes, dim 128) is drawn alongside.
 """
 import math
-from typing import List
+from typing import List, Tuple
 
 import numpy as np
 from torchrec import PoolingType
@@ -105,11 +105,15 @@ def _summary(results: List[dict], names: List[str], peer: str) -> str:
             by = {r["peer"]: r for r in results if r["workload"] == name and r["phase"] == phase and "ms" in r}
             if "recom_rec" in by and peer in by:
                 ratios.append((by[peer]["ms"] / by["recom_rec"]["ms"], name))
-        if not ratios:
-            continue
-        geomean = math.exp(sum(math.log(r) for r, _ in ratios) / len(ratios))
-        worst = min(ratios)
-        at_least = sum(r >= 1.0 for r, _ in ratios)
-        lines.append(f"random layouts, {phase} x {peer}: {at_least}/{len(ratios)} at or above 1.0x, "
-                     f"geomean {geomean:.2f}x, worst {worst[0]:.2f}x ({worst[1]})")
+        if ratios:
+            lines.append(ratio_summary(f"random layouts, {phase} x {peer}", ratios))
     return "\n".join(lines)
+
+
+def ratio_summary(label: str, ratios: List[Tuple[float, str]]) -> str:
+    """``label``: the share of (ratio, layout) pairs at or above 1.0x, their geomean and the worst."""
+    geomean = math.exp(sum(math.log(r) for r, _ in ratios) / len(ratios))
+    worst = min(ratios)
+    at_least = sum(r >= 1.0 for r, _ in ratios)
+    return (f"{label}: {at_least}/{len(ratios)} at or above 1.0x, geomean {geomean:.2f}x, "
+            f"worst {worst[0]:.2f}x ({worst[1]})")
