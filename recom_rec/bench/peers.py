@@ -1,6 +1,6 @@
 """The modules the benchmark runs, each behind the same small interface: build on a device,
 forward on a KJT, one training step on a KJT."""
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torchrec
@@ -22,6 +22,15 @@ class Peer:
     def train_step(self, kjt, grad: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def load(self, weights: List[torch.Tensor]) -> None:
+        """Copies ``weights`` (one tensor a table, in the workload's order) into this peer's tables."""
+        with torch.no_grad():
+            for mine, weight in zip(self.tables(), weights):
+                mine.copy_(weight)
+
+    def tables(self) -> List[torch.Tensor]:
+        raise NotImplementedError
+
 
 class _ModulePeer(Peer):
     """torchrec-style modules (ours, torchrec's): dense gradients, then the optimizer."""
@@ -40,6 +49,9 @@ class _ModulePeer(Peer):
 
     def train_step(self, kjt, grad):
         self.step_from(self.module(kjt).values(), grad)
+
+    def tables(self):
+        return [bag.weight for bag in self.module.embedding_bags.values()]
 
     def step_from(self, out, grad):
         """train_step after its forward: the backward of ``out``, the optimizer, the gradients dropped."""
@@ -155,6 +167,9 @@ class FbgemmTBE(Peer):
 
     def forward(self, kjt):
         return self.tbe(kjt.values(), kjt.offsets())
+
+    def tables(self):
+        return self.tbe.split_embedding_weights()
 
     def train_step(self, kjt, grad):
         self.tbe(kjt.values(), kjt.offsets()).backward(grad)

@@ -97,6 +97,32 @@ def _mixed(small: bool) -> Workload:
                     description=f"{n} tables, D 8-128, rows 1e3-1e{5 if small else 6}, 1-50 ids/bag, B={batch}")
 
 
+SERVING_MAX_WEIGHT_BYTES = 16 << 30  # three fp32 copies (the float peers) fit an H100 at once
+SERVING_IDS_PER_BAG = (1, 1, 1, 2, 5, 10, 20, 50)  # one-hot features (user, item) and histories
+
+
+def serving_layout(small: bool) -> Workload:
+    """The tables of ``--workloads serving`` (serving.py): a fixed draw (seed 51) of 40 tables, rows
+    log-uniform 1e5-1e7 (the largest halved until the fp32 weights fit SERVING_MAX_WEIGHT_BYTES),
+    dims from {16, 32, 64, 128}, ids per bag from SERVING_IDS_PER_BAG, uniform ids, sum pooling.
+    The batch varies per request (batch_size is set per request); ``small``: rows / 1000 (at
+    least 100), ids per bag / 10 (at least 1)."""
+    rng = np.random.default_rng(51)
+    n = 40
+    rows = np.exp(rng.uniform(np.log(1e5), np.log(1e7), n)).astype(int).tolist()
+    dims = rng.choice([16, 32, 64, 128], n).tolist()
+    hots = rng.choice(SERVING_IDS_PER_BAG, n).tolist()
+    while sum(r * d for r, d in zip(rows, dims)) * 4 > SERVING_MAX_WEIGHT_BYTES:
+        biggest = max(range(n), key=lambda t: rows[t] * dims[t])
+        rows[biggest] //= 2
+    if small:
+        rows = [max(100, r // 1000) for r in rows]
+        hots = [max(1, h // 10) for h in hots]
+    return Workload("serving", rows, dims, 1, hots,
+                    description=f"{n} tables, rows {min(rows):,}-{max(rows):,}, dims 16-128, {sum(hots)} ids a "
+                                f"sample, {sum(r * d for r, d in zip(rows, dims)) * 4 / 2**30:.2f} GiB fp32")
+
+
 WORKLOADS: Dict[str, Callable[[bool], Workload]] = {
     "dlrm-kaggle": _dlrm_kaggle,
     "many-500": lambda small: _many("many-500", 500, 100_000, 32, 2048, 10, small),
