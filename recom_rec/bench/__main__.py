@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from .peers import GROUP_PARAMETERS, PEERS, PINNED_BACKENDS, fbgemm_available, make_peer
 from .report import format_table, plot_results
+from .batch_sizes import DISTRIBUTIONS
 from .timing import copy_bandwidth_gbs, graph_replay, time_ms, time_second_half_ms
 from .workloads import DEFAULT_WORKLOADS, DRAWN, WORKLOADS, get_workload
 
@@ -34,13 +35,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m recom_rec.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", nargs="+", default=None,
-                   choices=list(WORKLOADS) + ["ps", "random", "sequence", "sharded-dlrm", "sweep", "vbe"],
+                   choices=list(WORKLOADS) + ["ps", "random", "sequence", "serving", "sharded-dlrm", "sweep", "vbe"],
                    help="not in the default set: 'sweep', ours against fbgemm over a grid of table layouts "
                    "(recom_rec/bench/sweep.py; --warmup/--iters/--out apply); 'ps', a 1e8-row table in the parameter-server tier (see "
                    "--ps-urls); 'sharded-dlrm', a DLRM training step under DistributedModelParallel, ours vs "
                    "torchrec's sharder (see --worlds); 'sequence', a sequence model's unpooled lookups (recom_rec.EmbeddingCollection) "
                    "against fbgemm's TBE in PoolingMode.NONE and torchrec's EmbeddingCollection; 'vbe', a batch size per feature "
-                   "against fbgemm's VBE TBE and torchrec's module; 'random', --random-count layouts drawn with --seed "
+                   "against fbgemm's VBE TBE and torchrec's module; 'serving', a stream of inference requests of batch sizes 1-1024 "
+                   "drawn with --seed, answered one at a time (latency p50/p99/p999, throughput, the first 100 requests), "
+                   "float and INT8 (recom_rec/bench/serving.py; see --requests, --distributions); 'random', --random-count layouts drawn with --seed "
                    "(recom_rec/bench/random_layouts.py) and MLPerf DLRM-DCNv2's. Default: " + " ".join(DEFAULT_WORKLOADS) +
                    "; with --phases inference alone: dlrm-kaggle many-500 many-4000")
     p.add_argument("--row-types", nargs="+", default=["int8", "int4", "fp16"],
@@ -64,8 +67,12 @@ def parse_args(argv=None):
                    "(fused for recom_rec and fbgemm); inference: quantized tables (see --row-types); cold: the "
                    "summed time of each peer's first 1, 10, 100 and --cold-calls calls (forward and fused SGD), "
                    "each peer in a fresh process")
-    p.add_argument("--seed", type=int, default=None, help="the 'random' workloads' draw (default: a fresh one, printed)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the 'random' workloads' and 'serving''s draws (default: a fresh one, printed)")
     p.add_argument("--random-count", type=int, default=8, help="layouts the 'random' workloads draw")
+    p.add_argument("--requests", type=int, default=3000, help="requests a batch-size distribution of 'serving' sends")
+    p.add_argument("--distributions", nargs="+", default=None, choices=list(DISTRIBUTIONS),
+                   help="the batch-size distributions of 'serving' (recom_rec/bench/batch_sizes.py; default: all)")
     p.add_argument("--cold-calls", type=int, default=1000, help="calls a peer makes in --phases cold")
     p.add_argument("--backend", default="auto", help="recom_rec backend: auto, triton, cuda or torch")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -242,6 +249,10 @@ def main(argv=None):
     if args.workloads is None:
         args.workloads = list(DEFAULT_WORKLOADS)
     drawn = []
+    if args.seed is None and ("random" in args.workloads or "serving" in args.workloads):
+        args.seed = int.from_bytes(os.urandom(4), "little")
+    if "serving" in args.workloads:
+        print(f"serving: batch sizes drawn with --seed {args.seed}", flush=True)  # before a run that may fail
     if "random" in args.workloads:
         drawn = _draw_random(args)
     if "cold" in args.phases:
@@ -301,6 +312,15 @@ def main(argv=None):
                            warmup=args.warmup)
         print(format_vbe(vbe_rows))
         results = results + vbe_rows
+    if "serving" in args.workloads:
+        from .serving import format_serving, run_serving
+
+        device = torch.device(args.device)
+        serving_rows = run_serving(device, args.small or device.type == "cpu", args.seed, args.requests,
+                                   args.distributions, args.peers, args.backend)
+        print(format_serving(serving_rows))
+        meta["seed"] = args.seed
+        results = results + serving_rows
     if "sharded-dlrm" in args.workloads:
         from .sharded_dlrm import default_worlds, format_sharded, run_sharded_dlrm
 
