@@ -100,6 +100,8 @@ def test_output_check_fails_loudly_on_a_differing_peer():
     off[1][0, 3] += 1e-3  # one sample's pooled value off by a tenth of a typical row's
     with pytest.raises(serving.OutputMismatch, match="probe float.*fbgemm"):
         serving.compare_outputs({"recom_rec": ours, "torchrec": close, "fbgemm": off}, 1e-5, "probe float")
+    with pytest.raises(serving.OutputMismatch, match="torchrec.*inf"):  # an output of another shape
+        serving.compare_outputs({"recom_rec": ours, "torchrec": [ours[0], torch.rand(1, 4)]}, 1e-5, "probe")
 
 
 def test_serving_cli_writes_latency_percentiles_for_every_peer(tmp_path):

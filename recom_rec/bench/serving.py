@@ -176,10 +176,13 @@ def warm_process(layout: Workload, device: torch.device, wanted: Sequence[str], 
     libraries' lazy loading and the compilations are then paid before any peer's timed stream."""
     with torch.no_grad():
         for build in BUILDERS.values():
-            for forward in build(layout, device, wanted, backend).values():
-                for b in PROCESS_WARMUP_BATCHES:
-                    forward(replace(layout, batch_size=b).make_input(device, seed=b))
+            forwards = build(layout, device, wanted, backend)
+            for b in PROCESS_WARMUP_BATCHES:
+                kjt = replace(layout, batch_size=b).make_input(device, seed=b)
+                for forward in forwards.values():
+                    forward(kjt)
             _sync(device)
+            del forwards, forward  # (the loop's name holds a peer too) freed before the next precision's are built
             _free(device)
     _forget_choices(device)
 
@@ -192,7 +195,8 @@ def compare_outputs(outputs: Dict[str, List[torch.Tensor]], tolerance: float, wh
     for name, theirs in outputs.items():
         if name == "recom_rec":
             continue
-        diffs[name] = max((float((a - b).abs().max()) if a.numel() else 0.0) for a, b in zip(ours, theirs))
+        diffs[name] = max(float("inf") if a.shape != b.shape else float((a - b).abs().max()) if a.numel() else 0.0
+                          for a, b in zip(ours, theirs))
         if not all(a.shape == b.shape and torch.allclose(a, b, rtol=tolerance, atol=tolerance)
                    for a, b in zip(ours, theirs)):
             bad.append(f"{name} (largest difference {diffs[name]:.3g})")
@@ -242,7 +246,7 @@ def run_serving(device: torch.device, small: bool, seed: int, requests: int,
                 if row["peer"] in diffs:
                     row["max_diff"] = diffs[row["peer"]]
             rows += found
-            del forwards, outputs
+            del forwards, forward, outputs
             _free(device)
         del stream
     return rows
