@@ -37,8 +37,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..modules.embedding_collection import EmbeddingCollection
 from ..modules.embedding_modules import EmbeddingBagCollection
+from ..ops.variable_batch import pad_to_uniform
 from ..optim.keyed import FusedEmbeddingOptimizer
 from .ps_placement import PS_KERNEL, ps_config, shard_table_name
+from .variable_batch import rank_major
 
 # fbgemm's EmbOptimType names -> our fused optimizers (recom_rec.optim.spec).
 _EMB_OPT_TO_OURS = {
@@ -150,6 +152,7 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
         # Positional, unique feature names: several column shards of one table on a rank read
         # the same feature twice, which torchrec's KJT carries as two keys of the same name.
         self._local_keys: List[str] = []
+        self._key_dims: List[int] = [t.local_cols for t in self._tables for _ in t.feature_names]
         table_features: List[List[str]] = []
         # What an input error says instead of the local names: the feature, and the table with
         # this rank's share of it.
@@ -257,7 +260,12 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
 
     # ------------------------------------------------------------------ torchrec lookup API
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        """``[batch, columns]``; for a KJT with a batch size per key per rank (VBE), the 1-D
+        rank-major layout of fbgemm's VBE TBE (distributed/variable_batch.py)."""
+        variable_batch = sparse_features.variable_stride_per_key()
         if len(self._local_modules) == 0:
+            if variable_batch:
+                return self._dummy_embs_tensor
             return self._dummy_embs_tensor.view(sparse_features.stride(), 0)
         keys = sparse_features.keys()
         if len(keys) != len(self._local_keys):
@@ -265,21 +273,23 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
         weights = sparse_features.weights_or_none() if self._is_weighted else None
         if weights is not None and self._weight_grad_scale != 1 and weights.requires_grad:
             weights = _ScaleGradient.apply(weights, self._weight_grad_scale)
-        kjt = KeyedJaggedTensor(
-            keys=self._local_keys,
-            values=sparse_features.values(),
-            weights=weights,
-            lengths=sparse_features.lengths_or_none(),
-            offsets=sparse_features.offsets_or_none(),
-            stride=sparse_features.stride(),
-        )
+        if variable_batch:
+            # each key's bags (rank after rank) padded with empty bags to the largest key's count
+            uniform = pad_to_uniform(sparse_features)
+            lengths, offsets, stride = uniform.lengths(), None, uniform.stride()
+        else:
+            lengths, offsets = sparse_features.lengths_or_none(), sparse_features.offsets_or_none()
+            stride = sparse_features.stride()
+        kjt = KeyedJaggedTensor(keys=self._local_keys, values=sparse_features.values(), weights=weights,
+                                lengths=lengths, offsets=offsets, stride=stride)
         try:
             outs = [m(kjt).values() for m in self._local_modules]
         except ValueError as e:  # an input error, reported by this rank's kernels for this call or the last
             raise ValueError(self._global_names(str(e))) from None
-        if len(outs) == 1:
-            return outs[0]
-        return torch.cat(outs, dim=1).index_select(1, self._output_columns)
+        pooled = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1).index_select(1, self._output_columns)
+        if variable_batch:
+            return rank_major(pooled, sparse_features.stride_per_key_per_rank(), self._key_dims)
+        return pooled
 
     def check_inputs(self) -> None:
         """Waits for this rank's lookups queued by this thread and raises the input error their

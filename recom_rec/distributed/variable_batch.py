@@ -1,0 +1,45 @@
+"""The layout a sharded lookup returns for a variable-batch (VBE) KJT.
+
+After torchrec's input distribution a rank's lookup receives a KJT whose keys have a bag count per
+sending rank (``stride_per_key_per_rank``: key k's bags are those of rank 0, then rank 1, ...).
+fbgemm's VBE TBE (``batch_size_per_feature_per_rank``), and so every VBE-aware output
+distribution of torchrec, returns them pooled as one 1-D tensor ordered by rank, then key, then
+that key's bags from that rank, each bag its ``dim`` values. The fused lookup pools a uniform batch
+instead (each key's bags padded with empty ones to the largest key's count, ops/variable_batch.py)
+into ``[bags, columns]``, key k's bags in rows ``0..sum_r s[k][r]`` of its columns; this module
+gathers that into the rank-major layout (each element once, so the gather's backward is exact).
+"""
+from typing import List
+
+import torch
+
+
+def rank_major_positions(stride_per_key_per_rank: List[List[int]], key_dims: List[int], columns: int,
+                         device: torch.device) -> torch.Tensor:
+    """int64 positions in the flattened ``[bags, columns]`` pooled output of each element of the
+    rank-major layout. ``key_dims[k]``: key k's number of columns, the keys' columns adjacent in key
+    order."""
+    keys = len(key_dims)
+    ranks = len(stride_per_key_per_rank[0]) if keys else 0
+    strides = torch.tensor(stride_per_key_per_rank, dtype=torch.int64).view(keys, ranks)
+    dims = torch.tensor(key_dims, dtype=torch.int64)
+    first_row = torch.cumsum(strides, 1) - strides  # [K, R]: the key's first bag from each rank
+    first_col = torch.cumsum(dims, 0) - dims
+    # Segments (a rank's bags of a key) in output order: rank-major, then key.
+    seg_bags = strides.t().reshape(-1)
+    seg_dim = dims.repeat(ranks)
+    seg_row = first_row.t().reshape(-1)
+    seg_col = first_col.repeat(ranks)
+    seg_len = seg_bags * seg_dim
+    total = int(seg_len.sum())
+    seg_len, seg_dim, seg_row, seg_col = (t.to(device) for t in (seg_len, seg_dim, seg_row, seg_col))
+    seg = torch.repeat_interleave(torch.arange(seg_len.numel(), device=device), seg_len, output_size=total)
+    within = torch.arange(total, device=device) - (torch.cumsum(seg_len, 0) - seg_len)[seg]
+    dim = seg_dim[seg]
+    return (seg_row[seg] + within // dim) * columns + seg_col[seg] + within % dim
+
+
+def rank_major(pooled: torch.Tensor, stride_per_key_per_rank: List[List[int]], key_dims: List[int]) -> torch.Tensor:
+    """The 1-D rank-major VBE output (see the module doc) from the padded pooled ``[bags, columns]``."""
+    positions = rank_major_positions(stride_per_key_per_rank, key_dims, pooled.shape[1], pooled.device)
+    return pooled.reshape(-1).index_select(0, positions)
