@@ -22,10 +22,13 @@ from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingShard
 from torchrec.modules.embedding_configs import PoolingType
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..modules.embedding_modules import EmbeddingBagCollection
+from .gloo_reduce_scatter import for_gloo
 from .lookup import FusedPooledEmbeddingsLookup
 from .ps_placement import PS_KERNEL, ps_enabled, ps_fused_params
+from .variable_batch import with_inverse_indices_in
 
 
 def _unwrap(lookup: nn.Module) -> nn.Module:
@@ -95,6 +98,25 @@ class ShardedFusedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 configs, device=self._device, pg=pg, sharding_type=sharding_type,
                 backend=self._recom_backend,
             ))
+
+    def _create_output_dist(self) -> None:
+        super()._create_output_dist()
+        for output_dist in self._output_dists:
+            for_gloo(output_dist)
+
+    def input_dist(self, ctx, features):
+        # torchrec's row-wise mean pooling of a VBE batch (its divisor, from the bag lengths) reads
+        # the inverse indices' rows in its features' sharded order whenever they hold as many
+        # features, whatever order they name them in (torchrec 1.6 - 1.8): give it them in that order.
+        if (self._has_mean_pooling_callback and isinstance(features, KeyedJaggedTensor)
+                and features.variable_stride_per_key() and features.inverse_indices_or_none() is not None):
+            features = with_inverse_indices_in(features, self._sharded_feature_order())
+        return super().input_dist(ctx, features)
+
+    def _sharded_feature_order(self) -> List[str]:
+        """The features in the order the shardings read them, each once."""
+        names = [f for sharding in self._embedding_shardings for f in sharding.feature_names()]
+        return list(dict.fromkeys(names))
 
     def check_inputs(self) -> None:
         """Waits for this rank's lookups (queued by this thread) and raises the input error their

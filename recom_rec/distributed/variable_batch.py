@@ -12,6 +12,7 @@ gathers that into the rank-major layout (each element once, so the gather's back
 from typing import List
 
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
 def rank_major_positions(stride_per_key_per_rank: List[List[int]], key_dims: List[int], columns: int,
@@ -43,3 +44,18 @@ def rank_major(pooled: torch.Tensor, stride_per_key_per_rank: List[List[int]], k
     """The 1-D rank-major VBE output (see the module doc) from the padded pooled ``[bags, columns]``."""
     positions = rank_major_positions(stride_per_key_per_rank, key_dims, pooled.shape[1], pooled.device)
     return pooled.reshape(-1).index_select(0, positions)
+
+
+def with_inverse_indices_in(features: KeyedJaggedTensor, names: List[str]) -> KeyedJaggedTensor:
+    """``features`` with its inverse indices' rows in the order of ``names`` (each among them)."""
+    given, indices = features.inverse_indices()
+    row = {name: i for i, name in enumerate(given)}
+    missing = [name for name in names if name not in row]
+    if missing:
+        raise ValueError(f"the KeyedJaggedTensor's inverse_indices have no row for features {missing}")
+    order = torch.tensor([row[name] for name in names], device=indices.device)
+    return KeyedJaggedTensor(
+        keys=features.keys(), values=features.values(), weights=features.weights_or_none(),
+        lengths=features.lengths_or_none(), offsets=features.offsets_or_none(),
+        stride_per_key_per_rank=features.stride_per_key_per_rank(),
+        inverse_indices=(list(names), indices.index_select(0, order)))
