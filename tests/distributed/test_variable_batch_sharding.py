@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 
 from ebc_cases import DEVICE
 from tests.distributed._vbe_workers import run_vbe_cases
-from tests.distributed._workers import free_port, two_rank_world
+from tests.distributed._workers import free_port
 
 EVERY_SHARDING_TYPE = [
     ("table_wise", "sgd"),
@@ -29,9 +29,8 @@ def _spawn(world, cases, backend):
     mp.spawn(run_vbe_cases, args=(world, free_port(), cases, backend), nprocs=world, join=True)
 
 
-def test_every_sharding_type_matches_the_unsharded_module():
-    world, backend = two_rank_world(DEVICE)
-    _spawn(world, EVERY_SHARDING_TYPE, backend)
+def test_world_2_every_sharding_type():
+    _spawn(2, EVERY_SHARDING_TYPE, "gloo")
 
 
 if DEVICE.type == "cuda":
