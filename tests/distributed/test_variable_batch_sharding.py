@@ -19,7 +19,7 @@ EVERY_SHARDING_TYPE = [
     ("mixed", "sgd"),
     ("two_kernels", "sgd"),
     ("row_wise", "rowwise_adagrad"),
-    ("column_wise", "rowwise_adagrad"),
+    ("table_wise", "rowwise_adagrad"),
     ("weighted_table_wise", "sgd"),
     ("weighted_row_wise", "sgd"),
 ]
