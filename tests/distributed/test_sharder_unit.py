@@ -51,3 +51,21 @@ def test_weighted_mean_tables_are_not_sharded_row_wise():
                                           device_type="cpu")
     with pytest.raises(ValueError, match="weighted MEAN"):
         sharder.shard(ebc, plan, env=None, device=torch.device("cpu"))
+
+
+def test_rank_major_vbe_layout():
+    """The lookup's VBE output: rank, then key, then the key's bags from that rank, each its dim
+    values (fbgemm's VBE TBE layout), from the padded [bags, columns] pooled output where key k's
+    bags are rank 0's, then rank 1's, in its columns."""
+    from recom_rec.distributed.variable_batch import rank_major
+
+    strides = [[2, 0, 1], [1, 3, 2]]  # key, rank: bags (a key with no bags from rank 1)
+    dims = [2, 3]
+    pooled = torch.arange(6 * 5, dtype=torch.float32).view(6, 5)
+    want = []
+    for r in range(3):
+        for k, dim in enumerate(dims):
+            first = sum(strides[k][:r])
+            col = sum(dims[:k])
+            want.append(pooled[first:first + strides[k][r], col:col + dim].reshape(-1))
+    assert torch.equal(rank_major(pooled, strides, dims), torch.cat(want))
