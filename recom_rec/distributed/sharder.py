@@ -28,7 +28,7 @@ from ..modules.embedding_modules import EmbeddingBagCollection
 from .gloo_reduce_scatter import for_gloo
 from .lookup import FusedPooledEmbeddingsLookup
 from .ps_placement import PS_KERNEL, ps_enabled, ps_fused_params
-from .variable_batch import with_inverse_indices_in
+from .variable_batch import with_fused_expansion, with_inverse_indices_in
 
 
 def _unwrap(lookup: nn.Module) -> nn.Module:
@@ -112,6 +112,12 @@ class ShardedFusedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 and features.variable_stride_per_key() and features.inverse_indices_or_none() is not None):
             features = with_inverse_indices_in(features, self._sharded_feature_order())
         return super().input_dist(ctx, features)
+
+    def output_dist(self, ctx, output):
+        return with_fused_expansion(super().output_dist(ctx, output))
+
+    def compute_and_output_dist(self, ctx, input):
+        return with_fused_expansion(super().compute_and_output_dist(ctx, input))
 
     def _sharded_feature_order(self) -> List[str]:
         """The features in the order the shardings read them, each once."""

@@ -1,18 +1,25 @@
-"""The layout a sharded lookup returns for a variable-batch (VBE) KJT.
+"""Variable batch per feature (VBE) KJTs through the sharded EmbeddingBagCollection.
 
-After torchrec's input distribution a rank's lookup receives a KJT whose keys have a bag count per
-sending rank (``stride_per_key_per_rank``: key k's bags are those of rank 0, then rank 1, ...).
-fbgemm's VBE TBE (``batch_size_per_feature_per_rank``), and so every VBE-aware output
-distribution of torchrec, returns them pooled as one 1-D tensor ordered by rank, then key, then
-that key's bags from that rank, each bag its ``dim`` values. The fused lookup pools a uniform batch
-instead (each key's bags padded with empty ones to the largest key's count, ops/variable_batch.py)
-into ``[bags, columns]``, key k's bags in rows ``0..sum_r s[k][r]`` of its columns; this module
-gathers that into the rank-major layout (each element once, so the gather's backward is exact).
+The lookup's output. After torchrec's input distribution a rank's lookup receives a KJT whose
+keys have a bag count per sending rank (``stride_per_key_per_rank``: key k's bags are those of
+rank 0, then rank 1, ...). fbgemm's VBE TBE (``batch_size_per_feature_per_rank``), and so every
+VBE-aware output distribution of torchrec, returns them pooled as one 1-D tensor ordered by rank,
+then key, then that key's bags from that rank, each bag its ``dim`` values. The fused lookup pools
+a uniform batch instead (each key's bags padded with empty ones to the largest key's count,
+ops/variable_batch.py) into ``[bags, columns]``, key k's bags in rows ``0..sum_r s[k][r]`` of its
+columns; ``rank_major`` gathers the rank-major layout from it (each element once, so the
+gather's backward is exact).
+
+The module's output. torchrec's sharded module expands each rank's bags to its rows by the
+inverse indices with fbgemm's ``batch_index_select_dim0``; ours does it with a gather
+(``expand_by_inverse``), and hands torchrec's row-wise mean pooling the inverse indices in the
+order it reads them (``with_inverse_indices_in``).
 """
 from typing import List
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.distributed.embeddingbag import VariableBatchEmbeddingBagCollectionAwaitable, construct_output_kt
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 
 def rank_major_positions(stride_per_key_per_rank: List[List[int]], key_dims: List[int], columns: int,
@@ -59,3 +66,44 @@ def with_inverse_indices_in(features: KeyedJaggedTensor, names: List[str]) -> Ke
         lengths=features.lengths_or_none(), offsets=features.offsets_or_none(),
         stride_per_key_per_rank=features.stride_per_key_per_rank(),
         inverse_indices=(list(names), indices.index_select(0, order)))
+
+
+def expand_by_inverse(pooled: torch.Tensor, indices: torch.Tensor, bags_per_feature: List[int],
+                      dims: List[int]) -> torch.Tensor:
+    """``[B, sum(dims)]``: each feature's columns of each output row from its bag, ``indices
+    [F, B]``, in ``pooled`` (1-D: feature f's bags ``[bags_per_feature[f], dims[f]]``, one feature
+    after another): what torchrec's sharded module does with fbgemm's ``batch_index_select_dim0``."""
+    device = pooled.device
+    dim = torch.tensor(dims, dtype=torch.int64)
+    block = torch.tensor(bags_per_feature, dtype=torch.int64) * dim
+    col_feature = torch.repeat_interleave(torch.arange(len(dims)), dim, output_size=sum(dims))
+    col_within = torch.arange(sum(dims)) - (torch.cumsum(dim, 0) - dim)[col_feature]
+    first = ((torch.cumsum(block, 0) - block)[col_feature] + col_within).to(device)
+    col_feature, col_dim = col_feature.to(device), dim[col_feature].to(device)
+    positions = first + indices.to(torch.int64).index_select(0, col_feature).t() * col_dim
+    return pooled.index_select(0, positions.reshape(-1)).view(indices.shape[1], -1)
+
+
+class FusedVariableBatchAwaitable(VariableBatchEmbeddingBagCollectionAwaitable):
+    """torchrec's VBE output awaitable, the rows expanded by ``expand_by_inverse`` instead of
+    fbgemm's ``batch_index_select_dim0`` (which a GPU build of fbgemm may lack)."""
+
+    def _wait_impl(self) -> KeyedTensor:
+        embeddings = [w.wait() for w in self._awaitables]
+        names, indices = self._inverse_indices
+        if self._inverse_indices_permute_indices is not None:
+            indices = indices.index_select(0, self._inverse_indices_permute_indices)
+        expanded = expand_by_inverse(embeddings[0] if len(embeddings) == 1 else torch.cat(embeddings), indices,
+                                     self._batch_size_per_feature_pre_a2a, self._uncombined_embedding_dims)
+        for awaitable in getattr(self, "_resize_awaitables", None) or []:
+            awaitable.wait()
+        return construct_output_kt(embeddings=[self._permute_op(expanded)], embedding_names=self._embedding_names,
+                                   embedding_dims=self._embedding_dims)
+
+
+def with_fused_expansion(awaitable):
+    """The sharded module's output awaitable, a VBE one expanding by ``expand_by_inverse`` (only
+    the class changes: torchrec builds it inside its output dist)."""
+    if type(awaitable) is VariableBatchEmbeddingBagCollectionAwaitable:
+        awaitable.__class__ = FusedVariableBatchAwaitable
+    return awaitable

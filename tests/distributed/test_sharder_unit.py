@@ -69,3 +69,23 @@ def test_rank_major_vbe_layout():
             col = sum(dims[:k])
             want.append(pooled[first:first + strides[k][r], col:col + dim].reshape(-1))
     assert torch.equal(rank_major(pooled, strides, dims), torch.cat(want))
+
+
+def test_vbe_expansion_matches_fbgemms():
+    """The sharded module's VBE expansion equals torchrec's (fbgemm's batch_index_select_dim0),
+    values and gradients."""
+    from recom_rec.distributed.variable_batch import expand_by_inverse
+
+    bags, dims, batch = [3, 1, 4], [2, 5, 3], 6
+    gen = torch.Generator().manual_seed(0)
+    pooled = torch.randn(sum(b * d for b, d in zip(bags, dims)), generator=gen, requires_grad=True)
+    indices = torch.stack([torch.randint(b, (batch,), generator=gen) for b in bags])
+    ours = expand_by_inverse(pooled, indices, bags, dims)
+    theirs = torch.ops.fbgemm.batch_index_select_dim0(
+        inputs=pooled, indices=indices.view(-1), input_num_indices=[batch] * len(dims), input_rows=bags,
+        input_columns=dims, permute_output_dim_0_1=True).view(batch, -1)
+    assert torch.equal(ours, theirs)
+    grad = torch.randn(ours.shape, generator=gen)
+    (a,) = torch.autograd.grad(ours, pooled, grad)
+    (b,) = torch.autograd.grad(theirs, pooled, grad)
+    torch.testing.assert_close(a, b)
