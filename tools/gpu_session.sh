@@ -46,7 +46,8 @@ suite_wait() {  # until the detached suite ends or $1 seconds pass
 if [[ " $STAGES " == *" tests "* ]]; then
   stage tests
   # -v: a line a test as it ends, so that a run the time limit stops still names what failed
-  args=(-m pytest -v -rfE --tb=short -p no:cacheprovider ${TESTS:-tests} ${TEST_K:+-k "$TEST_K"})
+  # --durations: the slowest tests, for planning the next call's split
+  args=(-m pytest -v -rfE --tb=short --durations=40 -p no:cacheprovider ${TESTS:-tests} ${TEST_K:+-k "$TEST_K"})
   if [ -n "${TEST_DETACH:-}" ]; then
     # The whole suite outlasts one device call: one process in a session of its own, which the
     # machine keeps while it stays warm; the next call's stage tests-wait awaits it (<30 s apart).
@@ -55,7 +56,8 @@ if [[ " $STAGES " == *" tests "* ]]; then
     echo $! > "$SUITE/pid"
     suite_wait ${TEST_TIMEOUT:-540}; suite_report
   else
-    RECOM_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-540} python3 "${args[@]}" > "$SUITE.log" 2>&1
+    # SIGINT at the limit: pytest then stops as after Ctrl-C and still prints its summary and durations
+    RECOM_TEST_DEVICE=cuda timeout -s INT -k 20 ${TEST_TIMEOUT:-540} python3 "${args[@]}" > "$SUITE.log" 2>&1
     mkdir -p "$SUITE"; mv "$SUITE.log" "$SUITE/tests.log"; suite_report
   fi
 fi
