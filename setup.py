@@ -107,6 +107,8 @@ setup(
     description="Fused, table-batched embedding layers for torchrec models (Triton/CUDA), "
     "with a parameter-server tier and a DistributedModelParallel plugin.",
     packages=find_packages(include=["recom_rec", "recom_rec.*"]),
+    # the tuners' priors per GPU architecture (kernels/decision_prior.py), where one has been fitted
+    package_data={"recom_rec.kernels": ["priors/*.json"]},
     ext_modules=[ps_extension()] + ([cuda] if cuda is not None else []),
     cmdclass={"build_ext": build_ext_class(cuda is not None), "build_py": BuildPy},
     python_requires=">=3.10",

@@ -7,7 +7,7 @@
 # folder, so the next machine loads it instead of building while the source is unchanged.
 # Likewise SAVE_TRITON_CACHE=1 returns Triton's kernel cache as $OUT/triton_cache.tar.xz: carried
 # in .triton_cache_xz/ (git-ignored), it spares the next machine the suite's first compiles.
-#   STAGES="tests soak nccl dlrm bench sequence serving cold sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests soak nccl dlrm bench sequence serving cold prior sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 #   (the tests stage runs the whole suite, tests/, with CUDA tensors in one process; TESTS="files or
 #   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it;
 #   TEST_DETACH=1 lets it run past the call, and the next call's STAGES=tests-wait awaits it)
@@ -128,6 +128,17 @@ if [[ " $STAGES " == *" cold "* ]]; then
       | quiet | tee "$OUT/cold$run.log" | tail -12
   done
   unset RECOM_REC_CACHE
+fi
+if [[ " $STAGES " == *" prior "* ]]; then
+  stage prior  # the tuners' decisions over the sweep and drawn layouts, recorded, then fitted into this GPU's prior (issue 51)
+  export RECOM_REC_CACHE=/tmp/prior-cache RECOM_REC_PRIOR=off  # every candidate measured, as a prior is fitted from
+  timeout ${PRIOR_SWEEP_TIMEOUT:-300} python3 -m recom_rec.bench --workloads sweep --out /tmp/prior-sweep --iters 5 2>&1 \
+    | quiet > "$OUT/prior-sweep.log"; tail -2 "$OUT/prior-sweep.log"
+  timeout ${PRIOR_RANDOM_TIMEOUT:-300} python3 -m recom_rec.bench --workloads random --random-count ${PRIOR_LAYOUTS:-16} \
+    --phases forward sgd --iters 5 --out /tmp/prior-random 2>&1 | quiet > "$OUT/prior-random.log"; tail -4 "$OUT/prior-random.log"
+  arch=$(python3 -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'sm_{m}{n}')")
+  python3 -m recom_rec.kernels.decision_prior fit /tmp/prior-cache/decisions.json --arch "$arch" --out "$OUT/$arch.json"
+  unset RECOM_REC_CACHE RECOM_REC_PRIOR
 fi
 if [[ " $STAGES " == *" quant "* ]]; then
   stage quant-tests  # quantized inference (issue 21): kernel and module against torchrec/fbgemm, serving

@@ -34,7 +34,10 @@ decided choice, or the default.
 Tests and tools force one choice with :meth:`LaunchOrderTuner.force` (the product always measures).
 With ``RECOM_REC_CACHE`` set, decisions are also kept on disk (its ``decisions.json``) and a shape
 the file knows is decided at its first call (decision_cache.py). A candidate clearly slower than
-the default after DROP_AFTER samples each stops being tried.
+the default after DROP_AFTER samples each stops being tried. Where the package ships a prior for
+the GPU's architecture (decision_prior.py: decisions recorded on other machines), a shape it
+predicts for starts on the predicted choice, which is then the default, and only it and the
+runner-up are measured.
 """
 import math
 import statistics
@@ -85,7 +88,8 @@ class ForwardLaunchShape(NamedTuple):
     and the lookup count are rounded up to powers of two so that requests of varying batch sizes
     and batches of varying lengths share a decision (a server's batch sizes would otherwise each
     tune anew, issue 51). The weight buffer's address stands for the model: two models of one
-    shape (uniform and Zipf ids) tune apart."""
+    shape (uniform and Zipf ids) tune apart. Its size, in bytes rounded up to a power of two, says
+    how much of the tables the L2 holds (the predicted choice of an unmeasured shape depends on it)."""
     weights_at: int
     num_features: int
     batch_bucket: int
@@ -95,11 +99,13 @@ class ForwardLaunchShape(NamedTuple):
     weight_dtype: torch.dtype
     index_dtype: torch.dtype
     weighted: bool
+    weight_bytes_bucket: int = 0
 
     @classmethod
     def of(cls, flat, values, per_sample_weights, feature_meta, batch_size, total_dim, max_dim):
         return cls(flat.data_ptr(), feature_meta.shape[0], _power_of_two_at_least(batch_size), total_dim, max_dim,
-                   _power_of_two_at_least(values.numel()), flat.dtype, values.dtype, per_sample_weights is not None)
+                   _power_of_two_at_least(values.numel()), flat.dtype, values.dtype, per_sample_weights is not None,
+                   _power_of_two_at_least(flat.numel() * flat.element_size()))
 
 
 def _power_of_two_at_least(n: int) -> int:
@@ -126,6 +132,12 @@ def hold_device(device: torch.device, ms: float) -> None:
 def stream_is_capturing(device: torch.device) -> bool:
     with torch.cuda.device(device):
         return torch.cuda.is_current_stream_capturing()
+
+
+def _active_prior(device: torch.device):
+    from .decision_prior import active_prior
+
+    return active_prior(device)
 
 
 def parse_forced_order(value: Optional[str], names: Dict[bool, str] = ORDER_NAMES) -> Optional[bool]:
@@ -194,6 +206,7 @@ class _ShapeTrials:
     """An undecided shape's launches: those planned and not made yet, finished samples (ms) and
     those still in flight."""
     candidates: tuple
+    default: object  # what the shape runs untimed meanwhile, and what a candidate must clearly beat
     planned: List[Tuple[object, bool]] = field(default_factory=list)  # (choice, timed), in launch order
     rounds: int = 0  # timed rounds planned so far
     samples: Dict[object, List[float]] = field(default_factory=dict)  # device ms
@@ -237,7 +250,8 @@ class LaunchOrderTuner:
                  capturing: Callable = stream_is_capturing, names: Dict[bool, str] = ORDER_NAMES,
                  candidates: Optional[Callable] = None, default=DEFAULT_ORDER,
                  host_path: Optional[Callable[[object], object]] = None, hold: Callable = hold_device,
-                 clock: Callable[[], float] = time.perf_counter, cache_name: Optional[str] = None):
+                 clock: Callable[[], float] = time.perf_counter, cache_name: Optional[str] = None,
+                 prior: Optional[Callable[[torch.device], object]] = None):
         if not 1 <= min_trials <= max_trials:
             raise ValueError(f"need 1 <= min_trials <= max_trials (got {min_trials}, {max_trials})")
         self.min_trials, self.max_trials, self.margin, self.z = min_trials, max_trials, margin, z
@@ -266,6 +280,12 @@ class LaunchOrderTuner:
         # (decision_cache.py, RECOM_REC_CACHE); a shape the cache lacked is looked up once.
         self.cache_name = cache_name
         self._cache_missed: set = set()
+        # ``prior(device)``: the decision_prior.DecisionPrior of the device's architecture, or None
+        # (default: decision_prior.active_prior, the one shipped with the package). A shape it predicts for starts on the
+        # predicted choice and measures it against the runner-up alone; per shape, (default, trial
+        # candidates), worked out on its first undecided call.
+        self._prior = prior if prior is not None else _active_prior
+        self._starts: Dict[object, Tuple[object, tuple]] = {}
 
     def force(self, name: Optional[str]) -> None:
         """Tests and tools: run every shape with the choice called ``name`` (one of ``names``'
@@ -289,11 +309,12 @@ class LaunchOrderTuner:
             cached = self._from_cache(shape, candidates, device)
             if cached is not None:
                 return run(cached)
+        default, trial_candidates = self._start(shape, candidates, device)
         if self._capturing(device):
-            return run(self.default)
+            return run(default)
         with self._lock:
             self.trial_launches += 1
-            order, timed = self._next_launch(shape, candidates)
+            order, timed = self._next_launch(shape, trial_candidates, default)
             trials = self._trials.get(shape)
         if trials is None:  # decided by this call
             self._to_cache(shape, order, device)
@@ -318,7 +339,7 @@ class LaunchOrderTuner:
         """Stops trying a candidate once it is clearly slower than the default: after DROP_AFTER
         samples each, its fastest sample above the default's slowest by DROP_MARGIN (the user's
         calls run the candidates on trial; a clear loser need not run MIN_TRIALS times)."""
-        default = self.default if self.default in trials.candidates else trials.candidates[0]
+        default = trials.default
         ours = trials.samples.get(default, [])
         if len(ours) < DROP_AFTER:
             return
@@ -360,18 +381,44 @@ class LaunchOrderTuner:
         if cache is not None:
             cache.record(self.cache_name, device, shape, self.names[choice])
 
-    def _next_launch(self, shape, candidates) -> Tuple[bool, bool]:
+    def _start(self, shape, candidates: tuple, device: torch.device) -> Tuple[object, tuple]:
+        """(default, the candidates to measure) of an undecided shape: the tuner's default and every
+        candidate; or, where the prior predicts, the predicted choice and its runner-up (the next
+        in the prior's ranking, else the tuner's default, else the first other candidate)."""
+        start = self._starts.get(shape)
+        if start is not None:
+            return start
+        default = self.default if self.default in candidates else candidates[0]
+        start = (default, candidates)
+        ranked = self._predicted(shape, candidates, device)
+        if ranked:
+            first = ranked[0]
+            others = list(ranked[1:]) + [default] + list(candidates)
+            start = (first, (first, next(c for c in others if c != first)))
+        with self._lock:
+            self._starts[shape] = start
+        return start
+
+    def _predicted(self, shape, candidates: tuple, device: torch.device) -> list:
+        """The prior's ranking of ``candidates`` for ``shape`` (most likely first), or []."""
+        prior = self._prior(device) if self.cache_name is not None else None
+        if prior is None:
+            return []
+        by_name = {n: choice for choice, n in self.names.items()}
+        ranked = [by_name[n] for n in prior.ranked(self.cache_name, shape) if n in by_name]
+        return [c for c in ranked if c in candidates]
+
+    def _next_launch(self, shape, candidates: tuple, default) -> Tuple[object, bool]:
         """(choice, whether to time it) for an undecided shape; decides it once its samples are
         in and the verdict is clear (or MAX_TRIALS samples did not make it clear)."""
         trials = self._trials.get(shape)
         if trials is None:
-            trials = self._trials[shape] = _ShapeTrials(candidates, [(c, False) for c in candidates])
+            trials = self._trials[shape] = _ShapeTrials(candidates, default, [(c, False) for c in candidates])
             trials.plan_rounds(self.min_trials)
         trials.collect_finished()
         self._drop_clear_losers(trials)
         if trials.all_in():
-            default = self.default if self.default in candidates else candidates[0]
-            choice, clear = decide(candidates, trials.samples, default, self.margin, self.z, trials.host,
+            choice, clear = decide(trials.candidates, trials.samples, default, self.margin, self.z, trials.host,
                                    self.host_path)
             if clear or trials.rounds >= self.max_trials:
                 self._decided[shape] = choice
@@ -380,7 +427,7 @@ class LaunchOrderTuner:
             trials.plan_rounds(min(2, self.max_trials - trials.rounds))  # one more A B B A pair
         if trials.planned:
             return trials.planned.pop(0)
-        return self.default if self.default in candidates else candidates[0], False  # wait for samples, untimed
+        return default, False  # wait for samples, untimed
 
     def forget(self) -> None:
         """Drop every decision and trial. A model built where a freed one's weights were gets the
@@ -390,6 +437,7 @@ class LaunchOrderTuner:
             self._decided.clear()
             self._trials.clear()
             self._cache_missed.clear()
+            self._starts.clear()
 
     def decisions(self) -> Dict[ForwardLaunchShape, str]:
         """The decided shapes and their choice's name ("features" or "bags" for the forward)."""
