@@ -39,6 +39,7 @@ from ..modules.embedding_collection import EmbeddingCollection
 from ..modules.embedding_modules import EmbeddingBagCollection
 from ..ops.variable_batch import pad_to_uniform
 from ..optim.keyed import FusedEmbeddingOptimizer
+from .optimizer_state import sharded_optimizer_state
 from .ps_placement import PS_KERNEL, ps_config, shard_table_name
 from .variable_batch import rank_major
 
@@ -204,19 +205,20 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
             if opt is not None:
                 inner = module.enable_fused_optimizer(opt[0], **opt[1])
                 # Keyed as torchrec's fused TBEs key theirs ("<table>.weight"; the sharded
-                # module prefixes "embedding_bags."). Parameter-server shards take part for
-                # their hyper-parameters (lr schedules) but bring no state: theirs travels with
-                # each row through the store, and the cache's per-slot state is not a table
+                # module prefixes "embedding_bags."), the weight and the state as ShardedTensors
+                # over this rank's shards (optimizer_state.py). Parameter-server shards take part
+                # for their hyper-parameters (lr schedules) but bring no state: theirs travels
+                # with each row through the store, and the cache's per-slot state is not a table
                 # tensor a checkpoint could hold.
-                params, state = {}, {}
-                for i in members:
-                    p = module._table_modules()[self._table_slot[i][1]].weight
-                    key = f"{self._tables[i].name}.weight"
-                    if key in params:  # a second column shard of the same table on this rank
-                        key = f"{key}.shard{i}"
-                    params[key] = p
-                    if not in_ps:
-                        state[p] = inner.state[p]
+                weights = [module._table_modules()[self._table_slot[i][1]].weight for i in members]
+                if in_ps:
+                    params, state = {}, {}
+                    for i, p in zip(members, weights):
+                        key = f"{self._tables[i].name}.weight"
+                        params[key if key not in params else f"{key}.shard{i}"] = p
+                else:
+                    params, state = sharded_optimizer_state([self._tables[i] for i in members], weights,
+                                                            [inner.state[p] for p in weights], self._pg)
                 self._fused_optimizers.append(_FusedOptimizerHolder(
                     FusedEmbeddingOptimizer(inner.spec, params, state, module._fused_hyper)))
             if fuses:
