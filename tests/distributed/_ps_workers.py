@@ -1,6 +1,8 @@
 """Worker processes for the parameter-server placement test: the planner puts a table that does
 not fit in HBM into the PS tier; the sharded model trains like the unsharded one."""
-from typing import Dict, List
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,11 +53,13 @@ class Model(nn.Module):
         return self.ebc(kjt)
 
 
-def sharder(rank: int, placement: str) -> EmbeddingBagCollectionSharder:
+def sharder(rank: int, placement: str, url: Optional[str] = None) -> EmbeddingBagCollectionSharder:
+    """``url``: one store every rank shares (its shards' names keep their rows apart); else one
+    in-process store a rank."""
     return EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR},
                                          # 10 cache slots per 100,000-row shard: rows are evicted
                                          # to the store and pulled back between steps
-                                         ps_url=f"{REMOTE}://ps-{placement}-{rank}", ps_cache_load_factor=1e-4)
+                                         ps_url=url or f"{REMOTE}://ps-{placement}-{rank}", ps_cache_load_factor=1e-4)
 
 
 def batch(step: int, world: int) -> List[Dict[str, List[int]]]:
@@ -82,10 +86,10 @@ def loss_of(kt) -> torch.Tensor:
     return total
 
 
-def _shard(model, rank: int, world: int, placement: str):
+def _shard(model, rank: int, world: int, placement: str, url: Optional[str] = None):
     if placement == "planner":
-        plan = build_plan(model, [sharder(rank, placement)], world_size=world, batch_size=BATCH, compute_device="cpu",
-                          ddr_cap=CAP, print_plan=rank == 0)
+        plan = build_plan(model, [sharder(rank, placement, url)], world_size=world, batch_size=BATCH,
+                          compute_device="cpu", ddr_cap=CAP, print_plan=rank == 0)
     else:  # by hand: the big table's columns in three PS shards, two of them on rank 0
         plan = ShardingPlan({"ebc": construct_module_sharding_plan(
             model.ebc, {"t0": table_wise(rank=0, compute_kernel="fused"),
@@ -95,7 +99,8 @@ def _shard(model, rank: int, world: int, placement: str):
     kernels = {t: p.compute_kernel for t, p in plan.plan["ebc"].items()}
     assert kernels == {"t0": "fused", "big": PS_KERNEL, "t2": "fused"}, kernels
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    return DistributedModelParallel(model, env=env, plan=plan, sharders=[sharder(rank, placement)], device=torch.device("cpu"))
+    return DistributedModelParallel(model, env=env, plan=plan, sharders=[sharder(rank, placement, url)],
+                                    device=torch.device("cpu"))
 
 
 def _rank_lookups(dmp):
@@ -104,18 +109,38 @@ def _rank_lookups(dmp):
     return [_unwrap(lookup) for lookup in dmp.module.ebc._lookups]
 
 
-def check(rank: int, world: int, placement: str) -> None:
+def _outage(rank: int, signals: str) -> None:
+    """Every rank here; rank 0 tells the test's process to kill a store master and waits until it
+    has, so that the next step meets the dead master (the test restarts it a moment later)."""
+    dist.barrier()
+    if rank == 0:
+        Path(signals, "reached").touch()
+        while not Path(signals, "killed").exists():
+            time.sleep(0.05)
+    dist.barrier()
+
+
+def _store_retries(dmp) -> float:
+    """The store clients' retried attempts on this rank (a master down: retried until it is back)."""
+    return sum(t.store.native_stats()["retries"] for tier in recom_rec.ps.tiers_of(dmp) for t in tier.tables.values())
+
+
+def check(rank: int, world: int, placement: str, url: Optional[str] = None, signals: Optional[str] = None) -> None:
+    """``url`` and ``signals``: the shards' rows in one shared store, one of whose masters is
+    killed before step 1 and restarted during it (test_ps_placement's cluster test)."""
     torch.manual_seed(0)
     model = Model()
     ref = Model()
     ref.load_state_dict(model.state_dict())
     ref.ebc.enable_fused_optimizer("sgd", lr=LR)
-    dmp = _shard(model, rank, world, placement)
+    dmp = _shard(model, rank, world, placement, url)
     assert "ebc.embedding_bags.big.weight" not in dmp.state_dict()  # the store holds it
     assert "ebc.embedding_bags.big.weight" in set(dmp.fused_optimizer.params)
     # Its checkpoint works; the PS shards' optimizer state is in the store with their rows.
     assert "ebc.embedding_bags.big.weight" not in dmp.fused_optimizer.state_dict()["state"]
     for step in range(STEPS):
+        if signals is not None and step == 1:
+            _outage(rank, signals)
         if step == STEPS - 1:  # an lr schedule reaches the PS shards through torchrec's optimizer
             for optimizer in (dmp.fused_optimizer, ref.ebc.fused_optimizer):
                 for group in optimizer.param_groups:
@@ -131,6 +156,10 @@ def check(rank: int, world: int, placement: str) -> None:
     # The shards' caches were too small for the run: rows left for the store and came back.
     stats = [t.cache.stats for tier in recom_rec.ps.tiers_of(dmp) for t in tier.tables.values()]
     assert sum(s["pushed"] for s in stats) > 0, stats
+    if signals is not None:  # the dead master was met, and waited out, by some rank
+        retries = torch.tensor([_store_retries(dmp)])
+        dist.all_reduce(retries)
+        assert retries.item() > 0, "no store operation met the killed master: the fault was not exercised"
     # After a flush the store holds the trained rows of this rank's shards of the big table.
     recom_rec.ps.flush(dmp)
     shards = [s for lookup in _rank_lookups(dmp) for s in lookup.ps_shards()]
@@ -142,7 +171,7 @@ def check(rank: int, world: int, placement: str) -> None:
             torch.testing.assert_close(got, full[r0:r0 + rows, c0:c0 + cols], rtol=1e-5, atol=1e-6)
     # An unsharded checkpoint loads into a fresh sharded model (its big table into the store).
     torch.manual_seed(1)
-    fresh = _shard(Model(), rank, world, placement)
+    fresh = _shard(Model(), rank, world, placement, url)
     fresh.load_state_dict({f"ebc.{k}": v for k, v in ref.ebc.state_dict().items() if k.startswith("embedding_bags")})
     samples = batch(STEPS, world)
     with torch.no_grad():
@@ -152,11 +181,12 @@ def check(rank: int, world: int, placement: str) -> None:
         torch.testing.assert_close(out[key], want[key][rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-6)
 
 
-def run(rank: int, world: int, port: int, placements: List[str]) -> None:
+def run(rank: int, world: int, port: int, placements: List[str], url: Optional[str] = None,
+        signals: Optional[str] = None) -> None:
     register_remote_store()
 
     def work() -> None:
         for placement in placements:
-            check(rank, world, placement)
+            check(rank, world, placement, url, signals)
 
     in_process_group(rank, world, port, "gloo", work)

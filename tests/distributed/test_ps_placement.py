@@ -1,6 +1,7 @@
 """The planner's parameter-server tier: a table that does not fit in HBM is planned on the PS
 kernel (when the sharder has a store), trains under DistributedModelParallel exactly like the
-unsharded module, stays out of the state_dict (its store holds it) and loads from a checkpoint."""
+unsharded module, stays out of the state_dict (its store holds it) and loads from a checkpoint;
+with every rank's shards in one real Redis cluster, through a master killed and restarted."""
 import pytest
 import torch.multiprocessing as mp
 from torch import nn
@@ -56,3 +57,41 @@ def test_world_2_ps_shards_train_like_the_unsharded_module():
     # The planner's row-wise PS shards, then column-wise PS shards placed by hand (two column
     # slices of the table on one rank, each its own cache and store name).
     mp.spawn(run, args=(2, free_port(), ["planner", "column_wise"]), nprocs=2, join=True)
+
+
+def test_world_2_ps_shards_share_one_redis_cluster_through_a_master_restart(tmp_path):
+    """The planner's PS shards of both ranks in one real 3-master redis+cluster:// store (append-only
+    files on); before step 1 a master is killed (SIGKILL), and restarted 1.5 s into that step: the
+    ranks' store operations wait it out (retried), the run trains exactly as the unsharded module
+    and the store holds every trained row after a flush."""
+    import threading
+    import time
+
+    from tests.redis_server import RedisClusterProcesses
+
+    cluster = RedisClusterProcesses(tmp_path / "cluster", n=3, appendonly=True).start()
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    errors = []
+
+    def outage():  # the test's side of _ps_workers._outage
+        try:
+            while not (signals / "reached").exists():
+                time.sleep(0.05)
+            cluster.servers[1].stop()
+            (signals / "killed").touch()
+            time.sleep(1.5)
+            cluster.servers[1].start()  # its append-only file replays the acknowledged rows
+            cluster.wait_until_ok()
+        except Exception as e:  # (reported by the assertion below)
+            errors.append(e)
+
+    killer = threading.Thread(target=outage, daemon=True)
+    killer.start()
+    try:
+        url = cluster.url(prefix="dmp", retry_timeout=30)
+        mp.spawn(run, args=(2, free_port(), ["planner"], url, str(signals)), nprocs=2, join=True)
+        killer.join(timeout=60)
+        assert not errors and not killer.is_alive(), errors
+    finally:
+        cluster.stop()
