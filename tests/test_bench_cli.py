@@ -83,7 +83,8 @@ def test_bench_pinned_backend_and_sharded_dlrm_on_gloo(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     text = result.stdout
     assert "recom_rec:torch ms" in text and "torch x fbgemm" in text, text
-    assert "sharded-dlrm" in text and "x torchrec" in text and "scaling" in text, text
+    assert "sharded-dlrm" in text and "x torchrec" in text and "scaling" in text and "weak eff." in text, text
+    assert "the plan (table: rank)" in result.stderr and "DCNv2" in text, result.stderr[-2000:]
     data = json.loads(out.with_suffix(".json").read_text())
     dlrm = {(r["world"], r["peer"]) for r in data["results"] if r["workload"] == "sharded-dlrm" and r["ms"] > 0}
     assert dlrm == {(1, "recom_rec"), (1, "torchrec"), (2, "recom_rec"), (2, "torchrec")}, dlrm
