@@ -19,7 +19,8 @@ gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "== $gpus GPUs ($(( $(date +%s) - t0 )) s)"
 
 echo "== parity, checkpoints, wrappers over NCCL ($(( $(date +%s) - t0 )) s)"
-RECOM_TEST_DEVICE=cuda timeout -s INT -k 20 ${PARITY_TIMEOUT:-300} python3 -m pytest -v -rfE --tb=short \
+# (RECOM_DIST_STEPS: the parity cases train 20 steps, not the fast suite's 3)
+RECOM_TEST_DEVICE=cuda RECOM_DIST_STEPS=20 timeout -s INT -k 20 ${PARITY_TIMEOUT:-300} python3 -m pytest -v -rfE --tb=short \
   --durations=15 -p no:cacheprovider tests/distributed > "$OUT/parity.log" 2>&1
 tail -3 "$OUT/parity.log"; grep -E " (FAILED|ERROR)( |$)" "$OUT/parity.log" | head -20
 grep -E "^resharded|^checkpoint " "$OUT/parity.log" | head -12
