@@ -3,7 +3,8 @@
 # carry [".gpu", ".cuda_ext_xz"]), so that a lent machine is not spent on set-up:
 #   source .gpu/setup.sh && bash tools/multi_gpu_session.sh
 # 1. the NCCL suites over every GPU (tests/distributed with RECOM_TEST_DEVICE=cuda): every sharding
-#    type's forward and fused training against the unsharded module, checkpoints (a world of 2
+#    type's forward and fused training against the unsharded module (MLPerf DLRM-DCNv2's tables
+#    planned by the planner among them), checkpoints (a world of 2
 #    saved, loaded at 1 and at every GPU, fused optimizer state included), managed-collision and
 #    feature-processed wrappers, VBE KJTs, EmbeddingCollection sharding, parameter-server shards;
 # 2. the planner's plans on this host's topology (MLPerf DLRM-DCNv2's tables; a 1,000-table model);
