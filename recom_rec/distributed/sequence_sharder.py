@@ -3,7 +3,9 @@
 ``ShardedFusedEmbeddingCollection`` is torchrec's ``ShardedEmbeddingCollection`` (sequence input
 and output distributions, plans, state_dict and checkpoint layout, fused optimizer plumbing) with
 one substitution: each sharding type's lookup is a ``FusedSequenceEmbeddingsLookup`` that gathers
-the rank's local shards in our fused kernel, the optimizer fused into its backward.
+the rank's local shards in our fused kernel, the optimizer fused into its backward. A KJT with a
+batch size per feature (VBE) is padded to one batch size on the way in (empty bags: the same ids,
+so the same rows) and each feature's output cut back to its own bags on the way out.
 """
 from typing import Any, Dict, List, Optional, Type
 
@@ -14,8 +16,10 @@ from torchrec.distributed.embedding import (
 )
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from ..modules.embedding_collection import EmbeddingCollection
+from ..ops.variable_batch import pad_to_uniform
 from .lookup import FusedSequenceEmbeddingsLookup
 from .sharder import _unwrap
 
@@ -55,9 +59,38 @@ class ShardedFusedEmbeddingCollection(ShardedEmbeddingCollection):
         for lookup in self._lookups:
             _unwrap(lookup).check_inputs()
 
+    def input_dist(self, ctx, features):
+        # A batch size per feature (VBE): each key's bags padded with empty ones to the largest
+        # count, which adds no id (torchrec's sequence dists read one batch size; torchrec's own
+        # module fails on such a batch); the outputs are cut back to each key's bags (_own_bags).
+        if isinstance(features, KeyedJaggedTensor) and features.variable_stride_per_key():
+            ctx.recom_bags_per_key = dict(zip(features.keys(), features.stride_per_key()))
+            features = pad_to_uniform(features)
+        return super().input_dist(ctx, features)
+
+    def compute_and_output_dist(self, ctx, input):
+        return _own_bags(super().compute_and_output_dist(ctx, input), ctx)
+
+    def output_dist(self, ctx, output):
+        return _own_bags(super().output_dist(ctx, output), ctx)
+
     @property
     def unsharded_module_type(self) -> Type[EmbeddingCollection]:
         return EmbeddingCollection
+
+
+def _own_bags(awaitable, ctx):
+    """The output awaitable, each feature's JaggedTensor cut back to the bags its VBE batch had
+    (the padded bags are empty and last)."""
+    bags: Optional[Dict[str, int]] = getattr(ctx, "recom_bags_per_key", None)
+    if bags:
+        def cut(out: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
+            return {key: JaggedTensor(values=jt.values(), lengths=jt.lengths()[:bags[key]],
+                                      weights=jt.weights_or_none()) if key in bags else jt
+                    for key, jt in out.items()}
+
+        awaitable.callbacks.append(cut)
+    return awaitable
 
 
 class EmbeddingCollectionSharder(_TorchrecECSharder):

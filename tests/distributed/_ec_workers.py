@@ -99,6 +99,8 @@ def run_cases(rank: int, world: int, port: int, cases: List[Tuple[str, str]], ba
         for case, via in cases:
             if via.startswith("checkpoint:"):
                 check_checkpoint(rank, world, case, via.split(":", 1)[1], device)
+            elif via == "variable_batch":
+                check_variable_batch(rank, world, case, device)
             else:
                 check_parity(rank, world, case, via, device)
 
@@ -210,3 +212,51 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str, device) -
     if rank == 0:
         print(f"EmbeddingCollection {case} ({optimizer_via}), world {world}: parity", flush=True)
 
+
+
+def vbe_batch(step: int, rank: int, device) -> KeyedJaggedTensor:
+    """Rank ``rank``'s batch of a step with a batch size per feature (1-5 bags a key, differing by
+    key and rank; 0-3 ids a bag)."""
+    rng = random.Random(5000 + 17 * step + rank)
+    limits = {f: t.num_embeddings for t in tables() for f in t.feature_names}
+    bags = {f: [[rng.randrange(limits[f]) for _ in range(rng.randint(0, 3))] for _ in range(rng.randint(1, 5))]
+            for f in FEATURES}
+    return KeyedJaggedTensor(
+        keys=FEATURES, values=torch.tensor([i for f in FEATURES for bag in bags[f] for i in bag], dtype=torch.int64),
+        lengths=torch.tensor([len(bag) for f in FEATURES for bag in bags[f]], dtype=torch.int64),
+        stride_per_key_per_rank=[[len(bags[f])] for f in FEATURES]).to(device)
+
+
+def check_variable_batch(rank: int, world: int, case: str, device) -> None:
+    """VBE batches through the sharded module: each feature's JaggedTensor (its own bags, its ids'
+    rows) equal to the unsharded module's on the rank's batch, and the weights after fused SGD steps
+    equal to the unsharded module's trained on the mean of the ranks' losses."""
+    torch.manual_seed(0)
+    model = Model(device)
+    torch.manual_seed(0)
+    ref = Model(device)
+    ref.ec.enable_fused_optimizer("sgd", lr=LR)
+    dmp = _shard(model, case, world, device)
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))  # dense-kernel and data-parallel tables
+    dense_opt = KeyedOptimizerWrapper(dense, lambda ps: torch.optim.SGD(ps, lr=LR)) if dense else None
+    for step in range(STEPS):
+        mine = vbe_batch(step, rank, device)
+        out = dmp(mine)
+        out = out.wait() if hasattr(out, "wait") else out
+        refs = [ref(vbe_batch(step, r, device)) for r in range(world)]
+        for key, want in refs[rank].items():
+            assert torch.equal(out[key].lengths(), want.lengths()), (case, step, key, out[key].lengths(), want.lengths())
+            torch.testing.assert_close(out[key].values(), want.values(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{case} VBE step {step} feature {key}: {m}")
+        _loss(out).backward()
+        (sum(_loss(r) for r in refs) / world).backward()
+        if dense_opt is not None:
+            dense_opt.step()
+            dense_opt.zero_grad()
+    state = dmp.state_dict()
+    for config in tables():
+        full = gather_full(state[f"ec.embeddings.{config.name}.weight"], (config.num_embeddings, DIM))
+        torch.testing.assert_close(full.to(device), ref.ec.embeddings[config.name].weight.detach(), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"{case} VBE: {config.name} after {STEPS} steps: {m}")
+    if rank == 0:
+        print(f"EmbeddingCollection {case} with a batch size per feature, world {world}: parity", flush=True)

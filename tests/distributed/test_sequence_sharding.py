@@ -40,3 +40,11 @@ def test_checkpoint_round_trip(tmp_path):
     world, backend = two_rank_world(DEVICE)
     cases = [(plan, f"checkpoint:{tmp_path / plan}") for plan in ("table_wise", "column_wise", "row_wise", "mixed")]
     mp.spawn(run_cases, args=(world, free_port(), cases, backend), nprocs=world, join=True)
+
+
+def test_a_batch_size_per_feature_through_every_sharding_type():
+    """VBE KJTs (bags per key differing by key and rank) through the sharded EmbeddingCollection:
+    each feature's rows as the unsharded module's, and the same weights after fused steps."""
+    world, backend = two_rank_world(DEVICE)
+    cases = [(plan, "variable_batch") for plan in ("table_wise", "column_wise", "row_wise", "data_parallel", "mixed")]
+    mp.spawn(run_cases, args=(world, free_port(), cases, backend), nprocs=world, join=True)
