@@ -204,13 +204,18 @@ def check_parity(rank: int, world: int, case: str, optimizer_via: str, device) -
         if dense_opt is not None:
             dense_opt.step()
             dense_opt.zero_grad()
+    _check_weights(dmp, ref, device, case)
+    if rank == 0:
+        print(f"EmbeddingCollection {case} ({optimizer_via}), world {world}: parity", flush=True)
+
+
+def _check_weights(dmp, ref: Model, device, case: str) -> None:
+    """Every table of the sharded model, gathered, equals the unsharded model's."""
     state = dmp.state_dict()
     for config in tables():
         full = gather_full(state[f"ec.embeddings.{config.name}.weight"], (config.num_embeddings, DIM))
         torch.testing.assert_close(full.to(device), ref.ec.embeddings[config.name].weight.detach(), rtol=1e-5,
                                    atol=1e-6, msg=lambda m: f"{case}: {config.name} after {STEPS} steps: {m}")
-    if rank == 0:
-        print(f"EmbeddingCollection {case} ({optimizer_via}), world {world}: parity", flush=True)
 
 
 
@@ -253,10 +258,6 @@ def check_variable_batch(rank: int, world: int, case: str, device) -> None:
         if dense_opt is not None:
             dense_opt.step()
             dense_opt.zero_grad()
-    state = dmp.state_dict()
-    for config in tables():
-        full = gather_full(state[f"ec.embeddings.{config.name}.weight"], (config.num_embeddings, DIM))
-        torch.testing.assert_close(full.to(device), ref.ec.embeddings[config.name].weight.detach(), rtol=1e-5,
-                                   atol=1e-6, msg=lambda m: f"{case} VBE: {config.name} after {STEPS} steps: {m}")
+    _check_weights(dmp, ref, device, f"{case} VBE")
     if rank == 0:
         print(f"EmbeddingCollection {case} with a batch size per feature, world {world}: parity", flush=True)
