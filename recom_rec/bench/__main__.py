@@ -108,8 +108,9 @@ _REPORTED_SHAPES: dict = {}
 
 
 def _forget_launch_orders() -> None:
-    for tuner in _tuners().values():
-        tuner.forget()
+    from ..kernels.selection import forget_all
+
+    forget_all()
     _REPORTED_SHAPES.clear()
 
 
@@ -207,12 +208,10 @@ def _run_inference(args):
 
 
 def _draw_random(args) -> list:
-    """Draws the 'random' workloads (registered for this run under their names) in their place in
-    ``args.workloads``; returns their names."""
+    """Draws the 'random' workloads (``args.seed``; registered for this run under their names) in
+    their place in ``args.workloads``; returns their names."""
     from .random_layouts import random_workloads
 
-    if args.seed is None:
-        args.seed = int.from_bytes(os.urandom(4), "little")
     small = args.small or args.device == "cpu"
     names = []
     for w in random_workloads(args.seed, args.random_count, small):

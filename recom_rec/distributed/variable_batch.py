@@ -40,7 +40,8 @@ def rank_major_positions(stride_per_key_per_rank: List[List[int]], key_dims: Lis
     seg_col = first_col.repeat(ranks)
     seg_len = seg_bags * seg_dim
     total = int(seg_len.sum())
-    seg_len, seg_dim, seg_row, seg_col = (t.to(device) for t in (seg_len, seg_dim, seg_row, seg_col))
+    # one copy to the device (each would wait for the stream)
+    seg_len, seg_dim, seg_row, seg_col = torch.stack([seg_len, seg_dim, seg_row, seg_col]).to(device).unbind()
     seg = torch.repeat_interleave(torch.arange(seg_len.numel(), device=device), seg_len, output_size=total)
     within = torch.arange(total, device=device) - (torch.cumsum(seg_len, 0) - seg_len)[seg]
     dim = seg_dim[seg]
@@ -78,8 +79,8 @@ def expand_by_inverse(pooled: torch.Tensor, indices: torch.Tensor, bags_per_feat
     block = torch.tensor(bags_per_feature, dtype=torch.int64) * dim
     col_feature = torch.repeat_interleave(torch.arange(len(dims)), dim, output_size=sum(dims))
     col_within = torch.arange(sum(dims)) - (torch.cumsum(dim, 0) - dim)[col_feature]
-    first = ((torch.cumsum(block, 0) - block)[col_feature] + col_within).to(device)
-    col_feature, col_dim = col_feature.to(device), dim[col_feature].to(device)
+    first = (torch.cumsum(block, 0) - block)[col_feature] + col_within
+    first, col_feature, col_dim = torch.stack([first, col_feature, dim[col_feature]]).to(device).unbind()
     positions = first + indices.to(torch.int64).index_select(0, col_feature).t() * col_dim
     return pooled.index_select(0, positions.reshape(-1)).view(indices.shape[1], -1)
 
