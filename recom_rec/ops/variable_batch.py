@@ -42,11 +42,18 @@ def pad_to_uniform(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
     width = max(strides) if strides else 0
     lengths = features.lengths()
     device = lengths.device
-    stride = torch.tensor(strides, dtype=torch.int64, device=device)
-    bags = sum(strides)
-    key_of_bag = torch.repeat_interleave(torch.arange(len(strides), device=device), stride, output_size=bags)
-    first_bag = torch.cumsum(stride, 0) - stride
-    position = key_of_bag * width + torch.arange(bags, device=device) - first_bag[key_of_bag]
+    # Bag j (of all keys' bags) of key k moves to k * width + (j - key k's first bag): j plus its
+    # key's shift. The shifts are worked out here from the host's strides, so the device gets one
+    # small int64 tensor, [strides; shifts] (_device_ints: no sync), and two ops make the positions.
+    shifts: List[int] = []
+    first = 0
+    for k in range(len(strides)):
+        shifts.append(k * width - first)
+        first += strides[k]
+    per_key = _device_ints(strides + shifts, device).view(2, len(strides))
+    bags = first
+    position = torch.repeat_interleave(per_key[1], per_key[0], output_size=bags)
+    position = position + torch.arange(bags, device=device)
     padded = lengths.new_zeros(len(strides) * width).index_put_([position], lengths)
     return KeyedJaggedTensor(keys=keys, values=features.values(), weights=features.weights_or_none(),
                              lengths=padded, stride=width)
@@ -64,13 +71,17 @@ def output_rows(features: KeyedJaggedTensor, output_features: List[str]) -> Opti
     for i in range(len(names)):
         where[names[i]] = i
     order_list: List[int] = []
+    in_order = len(output_features) == indices.shape[0]
     for f in output_features:
         name = f.split("@")[0]
         if name not in where:
             raise ValueError("the KeyedJaggedTensor's inverse_indices have no row for feature " + name)
+        if where[name] != len(order_list):
+            in_order = False
         order_list.append(where[name])
-    order = torch.tensor(order_list, device=indices.device)
-    return indices.index_select(0, order).to(torch.int64)
+    if in_order:  # the inverse indices' rows already in the output's feature order: no gather
+        return indices.to(torch.int64)
+    return indices.index_select(0, _device_ints(order_list, indices.device)).to(torch.int64)
 
 
 def expand_rows(pooled: torch.Tensor, inverse: torch.Tensor, output_dims: List[int]) -> torch.Tensor:
@@ -103,3 +114,43 @@ def _cached_column_features(output_dims: List[int], device: torch.device) -> tor
             _COLUMN_FEATURES.clear()
         hit = _COLUMN_FEATURES[key] = (output_dims, _column_features(output_dims, device))
     return hit[1]
+
+
+def _device_ints(values: List[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``. Eager on a GPU, without a sync: cached
+    (_cached_device_ints), else copied from pinned memory without blocking. TorchScript and
+    torch.compile make it in their graphs as before."""
+    if torch.jit.is_scripting():
+        out = torch.tensor(values, dtype=torch.int64, device=device)
+    elif torch.compiler.is_compiling():
+        out = torch.tensor(values, dtype=torch.int64, device=device)
+    else:
+        out = _cached_device_ints(values, device)
+    return out
+
+
+# Small index tensors of the VBE path (a batch's strides and shifts, the inverse indices' feature
+# order) on the device, per (values, device, stream). ``torch.tensor(values, device=cuda)`` copies
+# from pageable memory and then waits for the stream (torch's blocking copy ends in a
+# cudaStreamSynchronize): every VBE forward waited for all earlier GPU work. A value list seen
+# before costs a dict look-up; a new one (strides change from batch to batch in training) one
+# non-blocking copy from pinned memory (torch's caching host allocator keeps the host block until
+# the copy has run). The stream is part of the key: an entry's copy is queued on its stream, so
+# only that stream's later work is sure to see it, and only that stream uses the memory when the
+# entry is dropped.
+_DEVICE_INTS: Dict[Tuple[Tuple[int, ...], torch.device, int], torch.Tensor] = {}
+MAX_CACHED_INTS = 1024
+
+
+def _cached_device_ints(values: List[int], device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (tuple(values), device, torch._C._cuda_getCurrentRawStream(index))
+    hit = _DEVICE_INTS.get(key)
+    if hit is None:
+        if len(_DEVICE_INTS) >= MAX_CACHED_INTS:
+            _DEVICE_INTS.clear()
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+        hit = _DEVICE_INTS[key] = host.to(device, non_blocking=True)
+    return hit
