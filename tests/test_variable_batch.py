@@ -192,3 +192,58 @@ def test_scripted_module_pools_variable_batches_as_eager():
     expected = ours(kjt).values()
     for scripted in (torch.jit.script(ours), torch.jit.script(symbolic_trace(ours))):
         assert torch.equal(scripted(kjt).values(), expected)
+
+
+def _even_vbe_kjt(strides, batch: int, seed: int) -> KeyedJaggedTensor:
+    """Keys f1, f0 (the tables' order reversed, so the inverse indices' rows are reordered), key f
+    with ``strides[f]`` bags of two ids each, ``batch`` output rows."""
+    g = torch.Generator().manual_seed(seed)
+    keys = ["f1", "f0"]
+    bags = [strides[k] for k in keys]
+    values = torch.randint(0, 30, (2 * sum(bags),), generator=g)
+    inverse = torch.stack([torch.randint(0, s, (batch,), generator=g) for s in bags])
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=torch.full((sum(bags),), 2),
+                             stride_per_key_per_rank=[[s] for s in bags], inverse_indices=(keys, inverse)).to(DEVICE)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a GPU property: whether a forward or backward makes the host "
+                                                  "wait for the device (torch.cuda.set_sync_debug_mode)")
+@pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if b != "torch"] + ["auto"])
+def test_vbe_forward_and_fused_training_step_do_not_synchronize(backend):
+    """A VBE batch's forward and fused SGD step queue their work without waiting for the GPU
+    (the padding's and the expansion's index tensors are cached, or copied from pinned memory
+    without blocking), with a batch size per key seen before and with a new one."""
+    from recom_rec.kernels.selection import trial_launches
+
+    # Each key read by one table, every key read (counting the lookups would sync: pooled_triton.lookup_bases).
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=16, num_embeddings=30, feature_names=["f0"]),
+              EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=30, feature_names=["f1"],
+                                 pooling=PoolingType.MEAN)]
+    ebc = recom_rec.EmbeddingBagCollection(tables, device=DEVICE, backend=backend)
+    ebc.enable_fused_optimizer("sgd", lr=0.1)
+    seen = _even_vbe_kjt({"f0": 3, "f1": 6}, batch=6, seed=0)
+    # Strides not seen before, in the kernels' tuned shapes all the same: the launch tuner rounds
+    # the padded batch (6) and the ids (18 and 22) up to powers of two (launch_tuner.ForwardLaunchShape).
+    new = _even_vbe_kjt({"f0": 6, "f1": 5}, batch=6, seed=1)
+    # The measured kernel choices made ahead (their trials time launches with CUDA events), the
+    # kernels built and the module's caches filled; tune puts the weights back afterwards. A pass
+    # is one step here: up to ~220 of them for seven forward candidates that measure alike.
+    recom_rec.tune(ebc, [seen], train=True, max_passes=1000)
+    trials = trial_launches()
+    ebc(seen).values().sum().backward()
+    torch.cuda.synchronize()
+    assert trial_launches() == trials, "the launch tuner had not decided every shape"
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+    try:
+        ebc(seen).values().sum().backward()
+        ebc(new).values().sum().backward()
+        with torch.no_grad():
+            out = ebc(new).values()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert trial_launches() == trials, "a shape was still on trial: the test ran the tuner, not just the lookup"
+    torch.cuda.synchronize()
+    ebc.check_inputs()
+    with torch.no_grad():  # the new strides were copied right: the same rows as the batch spelled out
+        torch.testing.assert_close(out, ebc(_spelled_out(new)).values())
