@@ -150,17 +150,19 @@ def format_peers(title: str, rows: List[Dict], peers=("recom_rec", "fbgemm", "to
     """One line per workload and phase: each peer's median ms, ours' speed-up over each other peer
     (in-run ratios), our forward's GB/s where counted, and whether each peer's output equalled ours."""
     others = peers[1:]
+    width = {p: max(10, len(p) + 1) for p in peers}  # each column as wide as its peer's name
     lines = [title + ": median ms; ours' speed-up over each peer in this run",
-             f"{'workload':<16}{'phase':<9}{'ids':>10}  " + "".join(f"{p:>10}" for p in peers)
-             + "".join(f"{'x ' + p:>11}" for p in others) + f"{'GB/s':>8}  identical"]
+             f"{'workload':<16}{'phase':<9}{'ids':>10}  " + "".join(f"{p:>{width[p]}}" for p in peers)
+             + "".join(f"{'x ' + p:>{width[p] + 2}}" for p in others) + f"{'GB/s':>8}  identical"]
     by = {(r["workload"], r["phase"], r["peer"]): r for r in rows}
     for workload, phase in dict.fromkeys((r["workload"], r["phase"]) for r in rows):
         ours = by.get((workload, phase, peers[0]))
         if ours is None:
             continue
         found = [by.get((workload, phase, p)) for p in peers]
-        cells = "".join(f"{r['ms']:>10.3f}" if r else f"{'-':>10}" for r in found)
-        ratios = "".join(f"{r['ms'] / ours['ms']:>10.2f}x" if r else f"{'-':>11}" for r in found[1:])
+        cells = "".join(f"{r['ms']:>{width[p]}.3f}" if r else f"{'-':>{width[p]}}" for p, r in zip(peers, found))
+        ratios = "".join(f"{r['ms'] / ours['ms']:>{width[p] + 1}.2f}x" if r else f"{'-':>{width[p] + 2}}"
+                         for p, r in zip(others, found[1:]))
         same = ",".join(f"{p}={r['identical']}" for p, r in zip(others, found[1:]) if r and "identical" in r)
         gbs = f"{ours['gbs']:>8.0f}" if "gbs" in ours else f"{'':>8}"
         lines.append(f"{workload:<16}{phase:<9}{ours['ids']:>10}  {cells}{ratios}{gbs}  {same}")

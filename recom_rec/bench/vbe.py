@@ -6,8 +6,10 @@ inverse indices say which) and 18 item features at the full batch; 12 of the fea
 (20 ids a bag), the rest one id. Peers, on the same KJT and weights: ours (the module pools each
 feature's own bags and expands them to the batch's rows by the inverse indices); fbgemm's VBE TBE
 (``batch_size_per_feature_per_rank``: its output is each feature's own bags, not expanded - less
-work than a module's output) with its bounds check, SGD fused; torchrec's EmbeddingBagCollection
-(a kernel per table, then its expansion; forward only).
+work than a module's output) with its bounds check, SGD fused; the same TBE followed by the
+expansion sharded torchrec runs on its output (``ShardedEmbeddingBagCollection``'s VBE output:
+fbgemm's ``batch_index_select_dim0``), which returns what a module returns; torchrec's
+EmbeddingBagCollection (a kernel per table, then its expansion; forward only).
 """
 import random
 from dataclasses import dataclass
@@ -126,6 +128,22 @@ class _Fbgemm:
         return torch.cat(pieces, dim=1)
 
 
+class _FbgemmExpanded(_Fbgemm):
+    """fbgemm's VBE TBE, then its bags expanded to the batch's rows as sharded torchrec expands them
+    (torchrec/distributed/embeddingbag.py, the VBE output's wait: ``batch_index_select_dim0``)."""
+
+    def forward(self, kjt) -> torch.Tensor:
+        inverse = kjt.inverse_indices()[1]
+        batch, features = inverse.shape[1], inverse.shape[0]
+        return torch.ops.fbgemm.batch_index_select_dim0(
+            inputs=super().forward(kjt), indices=inverse.reshape(-1), input_num_indices=[batch] * features,
+            input_rows=self.w.strides(), input_columns=[self.w.dim] * features,
+            permute_output_dim_0_1=True).view(batch, -1)
+
+    def expanded(self, out: torch.Tensor, kjt) -> torch.Tensor:
+        return out
+
+
 def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5) -> List[Dict]:
     import torchrec
 
@@ -139,7 +157,7 @@ def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5)
         name = f"vbe-b{w.batch_size}"
         torch.manual_seed(0)
         weights = [torch.empty(w.rows, w.dim, device=device).uniform_(-0.01, 0.01) for _ in w.tables()]
-        peers = ["recom_rec", "torchrec"] + (["fbgemm"] if device.type == "cuda" and fbgemm_available(device) else [])
+        peers = ["recom_rec", "torchrec"] + (["fbgemm", "fbgemm+expand"] if device.type == "cuda" and fbgemm_available(device) else [])
         reference = None
         for phase in ("forward", "sgd"):
             for peer_name in peers:
@@ -147,6 +165,8 @@ def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5)
                     continue
                 if peer_name == "fbgemm":
                     peer = _Fbgemm(w, device)
+                elif peer_name == "fbgemm+expand":
+                    peer = _FbgemmExpanded(w, device)
                 elif peer_name == "recom_rec":
                     module = recom_rec.EmbeddingBagCollection(w.tables(), device=device)
                     if phase == "sgd":
@@ -156,7 +176,7 @@ def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5)
                     peer = _Module(torchrec.EmbeddingBagCollection(w.tables(), device=device))
                 peer.load(weights)
                 row = {"workload": name, "peer": peer_name, "phase": phase, "ids": kjt.values().numel()}
-                comparable = (lambda out, peer=peer: peer.expanded(out, kjt)) if peer_name == "fbgemm" else (lambda out: out)
+                comparable = (lambda out, peer=peer: peer.expanded(out, kjt)) if peer_name.startswith("fbgemm") else (lambda out: out)
                 timed, reference = time_phase(peer, kjt, phase, device, warmup, iters, comparable, reference)
                 row.update(timed)
                 rows.append(row)
@@ -168,4 +188,5 @@ def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5)
 
 
 def format_vbe(rows: List[Dict]) -> str:
-    return format_peers("vbe (a batch size per feature)", rows)
+    return format_peers("vbe (a batch size per feature; fbgemm+expand: its output expanded as sharded torchrec does)",
+                        rows, peers=("recom_rec", "fbgemm", "fbgemm+expand", "torchrec"))
