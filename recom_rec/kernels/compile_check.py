@@ -86,10 +86,11 @@ def _unpooled_variants(ptr):
             "pooled_ptr": ptr[dtype], "inverse_ptr": "*i64", "col_feature_ptr": "*i32", "out_ptr": ptr[dtype],
             "batch": "i32", "cols": "i32", "inverse_stride": "i32",
         }, {"BLOCK_B": e.BLOCK_B, "BLOCK_C": e.BLOCK_C}, {"num_warps": 4}
-    yield e._expand_backward_kernel, {
-        "grad_ptr": "*fp32", "inverse_ptr": "*i64", "col_feature_ptr": "*i32", "grad_pooled_ptr": "*fp32",
-        "batch": "i32", "cols": "i32", "inverse_stride": "i32",
-    }, {"BLOCK_B": e.BLOCK_B, "BLOCK_C": e.BLOCK_C}, {"num_warps": 4}
+    for block_c in (16, 32, 64, 128):  # e.backward_blocks' column blocks
+        yield e._expand_backward_kernel, {
+            "grad_ptr": "*fp32", "order_ptr": "*i64", "seg_ptr": "*i32", "col_feature_ptr": "*i32",
+            "grad_pooled_ptr": "*fp32", "batch": "i32", "cols": "i32", "num_bags": "i32",
+        }, {"BLOCK_S": e.BACKWARD_TILE // block_c, "BLOCK_C": block_c, "UNROLL": e.UNROLL}, {"num_warps": 4}
 
 
 def _quantized_variants(ptr):
@@ -121,6 +122,13 @@ def _integers_one(signature):
     return {name: 1 for name, kind in signature.items() if kind in ("i32", "i64")}
 
 
+def _integers_sixteen(kernel, signature):
+    """A launch passing integers that are multiples of 16 (a batch of 8192, 3,328 columns) marks
+    them so (Triton's ``tt.divisibility``), which can change the layouts and vector widths chosen."""
+    return {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+            for name, kind in signature.items() if kind in ("i32", "i64")}
+
+
 def _compile_share(arch: int, worker: int, workers: int):
     """Compiles every ``workers``-th variant, starting at ``worker``; returns (count, failure lines)."""
     import triton
@@ -134,9 +142,11 @@ def _compile_share(arch: int, worker: int, workers: int):
             continue
         aligned = _aligned_pointers(kernel, signature)
         # The specialisations a launch makes: pointers of unknown alignment, (the usual case, which
-        # takes other paths through the layout passes) every pointer 16-byte aligned, and integer
-        # arguments equal to 1.
+        # takes other paths through the layout passes) every pointer 16-byte aligned, integer
+        # arguments multiples of 16, and integer arguments equal to 1.
         for name, consts, attrs in (("", constexprs, {}), ("aligned", constexprs, aligned),
+                                    ("aligned, integers multiples of 16", constexprs,
+                                     {**aligned, **_integers_sixteen(kernel, signature)}),
                                     ("aligned, integers 1", {**constexprs, **_integers_one(signature)}, aligned)):
             count += 1
             sig = {**signature, **{n: "constexpr" for n in consts}}
@@ -156,7 +166,7 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
         return 2
-    # ~1,700 compiles of a few hundred ms each, independent: one process a core.
+    # ~2,600 compiles of a few hundred ms each, independent: one process a core.
     jobs = max(1, args.jobs)
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         shares = pool.starmap(_compile_share, [(args.arch, w, jobs) for w in range(jobs)])
