@@ -86,11 +86,10 @@ def _unpooled_variants(ptr):
             "pooled_ptr": ptr[dtype], "inverse_ptr": "*i64", "col_feature_ptr": "*i32", "out_ptr": ptr[dtype],
             "batch": "i32", "cols": "i32", "inverse_stride": "i32",
         }, {"BLOCK_B": e.BLOCK_B, "BLOCK_C": e.BLOCK_C}, {"num_warps": 4}
-    for block_c in (16, 32, 64, 128):  # e.backward_blocks' column blocks
-        yield e._expand_backward_kernel, {
-            "grad_ptr": "*fp32", "order_ptr": "*i64", "seg_ptr": "*i32", "col_feature_ptr": "*i32",
-            "grad_pooled_ptr": "*fp32", "batch": "i32", "cols": "i32", "num_bags": "i32",
-        }, {"BLOCK_S": e.BACKWARD_TILE // block_c, "BLOCK_C": block_c, "UNROLL": e.UNROLL}, {"num_warps": 4}
+    yield e._expand_backward_kernel, {
+        "grad_ptr": "*fp32", "inverse_ptr": "*i64", "col_feature_ptr": "*i32", "grad_pooled_ptr": "*fp32",
+        "batch": "i32", "cols": "i32", "inverse_stride": "i32",
+    }, {"BLOCK_B": e.BLOCK_B, "BLOCK_C": e.BLOCK_C}, {"num_warps": 4}
 
 
 def _quantized_variants(ptr):

@@ -1,11 +1,8 @@
 """The variable-batch expansion as torch custom ops: ``recom_rec::expand_bags`` gives each output row
 its bag's pooled row by the KJT's inverse indices, feature by feature
 (``out[b, c] = pooled[inverse[feature(c), b], c]``); its backward adds each row's gradient to its
-bag (``expand_bags_backward``). On CUDA the Triton kernels (kernels/expand_triton.py): the
-backward of an fp32 gradient is a deterministic segmented sum (each bag's rows added in ascending
-b, no atomics). Elsewhere, and for the backward's other dtypes, torch's gather and scatter-add,
-which are also the kernels' reference (on CUDA torch's scatter-add uses atomics: not bitwise
-reproducible).
+bag (``expand_bags_backward``). On CUDA the Triton kernels (kernels/expand_triton.py), elsewhere
+torch's gather and scatter-add, which are also their reference.
 """
 from functools import lru_cache
 
@@ -41,8 +38,7 @@ def _(pooled, inverse, col_feature):
 @torch.library.custom_op("recom_rec::expand_bags_backward", mutates_args=())
 def expand_bags_backward(grad: Tensor, inverse: Tensor, col_feature: Tensor, num_bags: int) -> Tensor:
     """``[num_bags, C]``: each output row's gradient added to its bag's row."""
-    if grad.is_cuda and grad.dtype == torch.float32 and _triton().backward_fits(inverse.shape[0], grad.shape[0],
-                                                                                 num_bags):
+    if grad.is_cuda and grad.dtype == torch.float32:  # (the kernel adds in fp32 atomics)
         return _triton().backward(grad.contiguous(), inverse, col_feature, num_bags)
     out = torch.zeros(num_bags, grad.shape[1], dtype=grad.dtype, device=grad.device)
     return out.scatter_add_(0, _rows(inverse, col_feature), grad)
