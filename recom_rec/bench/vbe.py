@@ -130,15 +130,30 @@ class _Fbgemm:
 
 class _FbgemmExpanded(_Fbgemm):
     """fbgemm's VBE TBE, then its bags expanded to the batch's rows as sharded torchrec expands them
-    (torchrec/distributed/embeddingbag.py, the VBE output's wait: ``batch_index_select_dim0``)."""
+    (torchrec/distributed/embeddingbag.py, the VBE output's wait: ``batch_index_select_dim0``). A
+    build of fbgemm without that kernel for this GPU (the GPU stack's sm_90 build) expands with
+    torch's ``index_select`` a feature and one ``cat``, as the row's ``expansion`` says."""
 
-    def forward(self, kjt) -> torch.Tensor:
-        inverse = kjt.inverse_indices()[1]
+    def __init__(self, w: VbeWorkload, device) -> None:
+        super().__init__(w, device)
+        self.expansion = "batch_index_select_dim0"
+        try:
+            self._fbgemm_expand(torch.zeros(2 * w.dim * len(w.strides()), device=device),
+                                torch.zeros(len(w.strides()), 1, dtype=torch.int64, device=device), [2] * len(w.strides()))
+        except RuntimeError:
+            self.expansion = "index_select+cat"
+
+    def _fbgemm_expand(self, flat, inverse, strides) -> torch.Tensor:
         batch, features = inverse.shape[1], inverse.shape[0]
         return torch.ops.fbgemm.batch_index_select_dim0(
-            inputs=super().forward(kjt), indices=inverse.reshape(-1), input_num_indices=[batch] * features,
-            input_rows=self.w.strides(), input_columns=[self.w.dim] * features,
-            permute_output_dim_0_1=True).view(batch, -1)
+            inputs=flat, indices=inverse.reshape(-1), input_num_indices=[batch] * features, input_rows=strides,
+            input_columns=[self.w.dim] * features, permute_output_dim_0_1=True).view(batch, -1)
+
+    def forward(self, kjt) -> torch.Tensor:
+        flat = super().forward(kjt)
+        if self.expansion == "batch_index_select_dim0":
+            return self._fbgemm_expand(flat, kjt.inverse_indices()[1], self.w.strides())
+        return super().expanded(flat, kjt)
 
     def expanded(self, out: torch.Tensor, kjt) -> torch.Tensor:
         return out
@@ -179,6 +194,8 @@ def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5)
                 comparable = (lambda out, peer=peer: peer.expanded(out, kjt)) if peer_name.startswith("fbgemm") else (lambda out: out)
                 timed, reference = time_phase(peer, kjt, phase, device, warmup, iters, comparable, reference)
                 row.update(timed)
+                if peer_name == "fbgemm+expand":
+                    row["expansion"] = peer.expansion
                 rows.append(row)
                 del peer
                 if device.type == "cuda":
@@ -188,5 +205,7 @@ def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5)
 
 
 def format_vbe(rows: List[Dict]) -> str:
-    return format_peers("vbe (a batch size per feature; fbgemm+expand: its output expanded as sharded torchrec does)",
-                        rows, peers=("recom_rec", "fbgemm", "fbgemm+expand", "torchrec"))
+    table = format_peers("vbe (a batch size per feature; fbgemm+expand: its output expanded as sharded torchrec does)",
+                         rows, peers=("recom_rec", "fbgemm", "fbgemm+expand", "torchrec"))
+    expansions = sorted({r["expansion"] for r in rows if "expansion" in r})
+    return table + ("\nfbgemm+expand expanded with " + ", ".join(expansions) if expansions else "")
