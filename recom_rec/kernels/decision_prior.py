@@ -159,6 +159,7 @@ def main(argv=None) -> None:
     fit_args.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     prior = fit(args.files, args.arch)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(prior.to_json(args.arch))
     counts = ", ".join(f"{t}: {len(p)}" for t, p in prior.points.items()) or "none"
     print(f"wrote {args.out}: decisions of {args.arch} per tuner: {counts}")
