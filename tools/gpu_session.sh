@@ -10,7 +10,8 @@
 #   STAGES="tests soak nccl dlrm bench sequence serving cold prior sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 #   (the tests stage runs the whole suite, tests/, with CUDA tensors in one process; TESTS="files or
 #   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it;
-#   TEST_DETACH=1 lets it run past the call, and the next call's STAGES=tests-wait awaits it)
+#   TEST_DETACH=1 lets it run past the call, and the next call's STAGES=tests-wait awaits it;
+#   NATIVE_BACKTRACE=1 and HEAP_CHECK=1 for a process that crashes: native frames, glibc's checked malloc)
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
 set -o pipefail
 source .gpu/setup.sh
@@ -45,6 +46,17 @@ suite_wait() {  # until the detached suite ends or $1 seconds pass
 }
 if [[ " $STAGES " == *" tests "* ]]; then
   stage tests
+  # NATIVE_BACKTRACE=1: a crash prints its native frames too (tools/segv_backtrace.c); HEAP_CHECK=1:
+  # glibc's checked malloc, which aborts where a corrupted heap block is next touched
+  preload=()
+  if [ -n "${NATIVE_BACKTRACE:-}" ] && gcc -shared -fPIC -O1 -o /tmp/segv_backtrace.so tools/segv_backtrace.c; then
+    preload+=(/tmp/segv_backtrace.so)
+  fi
+  debug_malloc=$(ls /lib/x86_64-linux-gnu/libc_malloc_debug.so.0 /usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0 2>/dev/null | head -1)
+  if [ -n "${HEAP_CHECK:-}" ] && [ -n "$debug_malloc" ]; then
+    preload+=("$debug_malloc"); export GLIBC_TUNABLES=glibc.malloc.check=3
+  fi
+  if [ ${#preload[@]} -gt 0 ]; then export LD_PRELOAD="${preload[*]}${LD_PRELOAD:+ $LD_PRELOAD}"; echo "LD_PRELOAD=$LD_PRELOAD"; fi
   # -v: a line a test as it ends, so that a run the time limit stops still names what failed
   # --durations: the slowest tests, for planning the next call's split
   args=(-m pytest -v -rfE --tb=short --durations=40 -p no:cacheprovider ${TESTS:-tests} ${TEST_K:+-k "$TEST_K"})
