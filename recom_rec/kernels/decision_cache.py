@@ -14,12 +14,19 @@ versions and the package build (a hash of the tuned kernels' sources: a changed 
 afresh), then by tuner, then by the shape's *class*: the tuner key without the weights' address
 (two models of one layout share a decision) as canonical JSON. ``recom_rec.tune(model, batches)``
 fills it ahead of time.
+
+The same format carries decisions in memory (``IMPORTED``): ``recom_rec.use_kernel_decisions``
+puts decisions taken out of another process (``recom_rec.kernel_decisions``, shipped with an
+exported model by ``recom_rec.save_exported``) into this one's tuners, which look them up ahead
+of the file. They are checked on the way in: a malformed set of decisions is an error there,
+where a malformed cache file only counts as empty.
 """
 import fcntl
 import hashlib
 import json
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -75,6 +82,20 @@ def context_key(device: torch.device) -> str:
     return f"{props.name}|sm_{props.major}{props.minor}|cuda {torch.version.cuda}|driver {driver}|{_build_hash()}"
 
 
+_CONTEXTS: Dict[torch.device, str] = {}
+
+
+def context_of(device: torch.device) -> str:
+    """``context_key(device)``, worked out once per device."""
+    key = _CONTEXTS.get(device)
+    if key is None:
+        key = _CONTEXTS[device] = context_key(device)
+    return key
+
+
+Entries = Dict[str, Dict[str, Dict[str, str]]]  # context -> tuner -> shape class -> choice name
+
+
 class DecisionCache:
     """The file's decisions in memory, re-read when the file changes; writes merge under a lock."""
 
@@ -82,14 +103,10 @@ class DecisionCache:
         self.path = Path(path)
         self._entries: Dict[str, Dict[str, Dict[str, str]]] = {}
         self._stamp = None
-        self._contexts: Dict[torch.device, str] = {}
         self._lock = threading.Lock()
 
     def _context(self, device: torch.device) -> str:
-        key = self._contexts.get(device)
-        if key is None:
-            key = self._contexts[device] = context_key(device)
-        return key
+        return context_of(device)
 
     def _refresh(self) -> None:
         try:
@@ -135,6 +152,91 @@ def _read(path: Path) -> Dict[str, Dict[str, Dict[str, str]]]:
         return {}
     return data["entries"]
 
+
+def checked_decisions(data, source: str = "kernel decisions") -> Entries:
+    """The entries of ``data``, a set of decisions in the decision file's format
+    (``{"version": 1, "entries": {context: {tuner: {shape class: choice}}}}``); a ValueError that
+    says what is wrong, and where, when it is not one. ``source`` names it in the message."""
+    def fail(what: str):
+        raise ValueError(f"{source}: not recom_rec kernel decisions: {what}")
+
+    if not isinstance(data, dict):
+        fail(f"expected a JSON object with 'version' and 'entries', got {type(data).__name__}")
+    if "version" not in data or "entries" not in data:
+        fail(f"expected the keys 'version' and 'entries', got {sorted(map(str, data))}")
+    if data["version"] != VERSION:
+        raise ValueError(f"{source}: kernel decisions of version {data['version']!r}; this recom_rec reads "
+                         f"version {VERSION}")
+    entries = data["entries"]
+    if not isinstance(entries, dict):
+        fail(f"'entries' is a {type(entries).__name__}, expected an object of contexts")
+    for context, tuners in entries.items():
+        if not isinstance(context, str) or not isinstance(tuners, dict):
+            fail(f"entries[{context!r}] is a {type(tuners).__name__}, expected an object of tuners")
+        for tuner, classes in tuners.items():
+            if not isinstance(classes, dict):
+                fail(f"entries[{context!r}][{tuner!r}] is a {type(classes).__name__}, expected an object of "
+                     f"shape classes")
+            for key, choice in classes.items():
+                try:
+                    json.loads(key)
+                except ValueError:
+                    fail(f"entries[{context!r}][{tuner!r}] has the key {key!r}, which is no shape class (JSON)")
+                if not isinstance(choice, str):
+                    fail(f"entries[{context!r}][{tuner!r}][{key!r}] is {choice!r}, expected a choice's name")
+    return entries
+
+
+class ImportedDecisions:
+    """Decisions put into this process (``recom_rec.use_kernel_decisions``), looked up by the tuners
+    ahead of the decision file. Merged: a later set's decision replaces an earlier one's of the same
+    context, tuner and shape class."""
+
+    def __init__(self) -> None:
+        self._entries: Entries = {}
+        self._lock = threading.Lock()
+        self._warned: set = set()
+
+    def add(self, entries: Entries) -> int:
+        """Merges ``entries`` (checked_decisions' output); returns how many decisions they hold."""
+        count = 0
+        with self._lock:
+            for context, tuners in entries.items():
+                for tuner, classes in tuners.items():
+                    self._entries.setdefault(context, {}).setdefault(tuner, {}).update(classes)
+                    count += len(classes)
+            self._warned.clear()
+        return count
+
+    def lookup(self, tuner: str, device: torch.device, shape) -> Optional[str]:
+        """The imported choice for ``shape`` under ``tuner`` in this context, or None. Warns once per
+        context when decisions were imported for other contexts only (another GPU, driver or build)."""
+        if not self._entries:
+            return None
+        context = context_of(device)
+        with self._lock:
+            ours = self._entries.get(context)
+            if ours is None:
+                if context not in self._warned:
+                    self._warned.add(context)
+                    others = "; ".join(sorted(self._entries))
+                    warnings.warn(f"recom_rec: the kernel decisions imported are for other contexts ({others}), "
+                                  f"not this device's ({context}): its kernels measure their choices here",
+                                  stacklevel=4)
+                return None
+            return ours.get(tuner, {}).get(shape_class(shape))
+
+    def entries(self) -> Entries:
+        with self._lock:
+            return {c: {t: dict(k) for t, k in tuners.items()} for c, tuners in self._entries.items()}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._warned.clear()
+
+
+IMPORTED = ImportedDecisions()
 
 _CACHES: Dict[str, DecisionCache] = {}
 

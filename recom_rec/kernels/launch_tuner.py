@@ -37,12 +37,15 @@ the file knows is decided at its first call (decision_cache.py). A candidate cle
 the default after DROP_AFTER samples each stops being tried. Where the package ships a prior for
 the GPU's architecture (decision_prior.py: decisions recorded on other machines), a shape it
 predicts for starts on the predicted choice, which is then the default, and only it and the
-runner-up are measured.
+runner-up are measured. Decisions taken out of another process (``recom_rec.kernel_decisions``)
+and put into this one (``recom_rec.use_kernel_decisions``, ``recom_rec.load_exported``) are looked
+up ahead of the file, the same way: a shape they know is decided at its first call.
 """
 import math
 import statistics
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, TypeVar
 
@@ -238,6 +241,16 @@ class _ShapeTrials:
             len(self.samples.get(c, ())) >= self.rounds for c in self.candidates)
 
 
+# Every tuner with a cache name: recom_rec.kernel_decisions() reads their decisions, and imported
+# decisions reach them all (a tuner of tests or tools too, while it lives).
+_NAMED_TUNERS: "weakref.WeakSet[LaunchOrderTuner]" = weakref.WeakSet()
+
+
+def named_tuners() -> List["LaunchOrderTuner"]:
+    """The live tuners whose decisions are kept and shared (those with a ``cache_name``)."""
+    return list(_NAMED_TUNERS)
+
+
 class LaunchOrderTuner:
     """Per ``ForwardLaunchShape``, the launch order (the extension's ``bag_major`` flag) that
     measured clearly faster than the default, else the default; or, with other ``names``, any
@@ -280,6 +293,12 @@ class LaunchOrderTuner:
         # (decision_cache.py, RECOM_REC_CACHE); a shape the cache lacked is looked up once.
         self.cache_name = cache_name
         self._cache_missed: set = set()
+        # The device of each shape decided by measurement or by a kept decision (what
+        # recom_rec.kernel_decisions() exports, under that device's context); not shapes with one
+        # candidate, which need no decision.
+        self._decided_on: Dict[object, torch.device] = {}
+        if cache_name is not None:
+            _NAMED_TUNERS.add(self)
         # ``prior(device)``: the decision_prior.DecisionPrior of the device's architecture, or None
         # (default: decision_prior.active_prior, the one shipped with the package). A shape it predicts for starts on the
         # predicted choice and measures it against the runner-up alone; per shape, (default, trial
@@ -317,6 +336,8 @@ class LaunchOrderTuner:
             order, timed = self._next_launch(shape, trial_candidates, default)
             trials = self._trials.get(shape)
         if trials is None:  # decided by this call
+            with self._lock:
+                self._decided_on[shape] = device
             self._to_cache(shape, order, device)
             return run(order)
         if timed:  # the device busy until the call has queued the trial's kernels
@@ -358,19 +379,29 @@ class LaunchOrderTuner:
             trials.planned = [(c, timed) for c, timed in trials.planned if c not in losers]
 
     def _from_cache(self, shape, candidates, device: torch.device):
-        """The cached choice for ``shape`` (then decided here too), or None."""
-        from .decision_cache import active_cache
+        """The kept choice for ``shape`` (then decided here too): an imported decision's, else the
+        decision file's; or None."""
+        from .decision_cache import IMPORTED, active_cache
 
-        cache = active_cache()
-        name = cache.lookup(self.cache_name, device, shape) if cache is not None else None
         by_name = {n: choice for choice, n in self.names.items()}
+        name = IMPORTED.lookup(self.cache_name, device, shape)
+        if name not in by_name or by_name[name] not in candidates:
+            cache = active_cache()
+            name = cache.lookup(self.cache_name, device, shape) if cache is not None else None
         if name not in by_name or by_name[name] not in candidates:
             self._cache_missed.add(shape)
             return None
         with self._lock:
             self._decided[shape] = by_name[name]
+            self._decided_on[shape] = device
             self._trials.pop(shape, None)
         return by_name[name]
+
+    def look_again(self) -> None:
+        """Decisions were imported: shapes that found none kept look again on their next call (an
+        undecided shape's trials end there if one is found); decided shapes keep their choice."""
+        with self._lock:
+            self._cache_missed.clear()
 
     def _to_cache(self, shape, choice, device: torch.device) -> None:
         if self.cache_name is None:
@@ -435,6 +466,7 @@ class LaunchOrderTuner:
         models of one shape with other data (the benchmark's workloads) forgets between them."""
         with self._lock:
             self._decided.clear()
+            self._decided_on.clear()
             self._trials.clear()
             self._cache_missed.clear()
             self._starts.clear()
@@ -443,6 +475,20 @@ class LaunchOrderTuner:
         """The decided shapes and their choice's name ("features" or "bags" for the forward)."""
         with self._lock:
             return {shape: self.names[order] for shape, order in self._decided.items()}
+
+    def kept_decisions(self) -> Dict[str, Dict[str, str]]:
+        """The decisions worth keeping (measured, or taken from a kept decision) in the decision
+        file's terms: {context: {shape class: choice name}}. Two models of one layout whose shapes
+        decided apart share a class: the later decision is kept."""
+        from .decision_cache import context_of, shape_class
+
+        with self._lock:
+            decided = [(shape, device, self._decided[shape]) for shape, device in self._decided_on.items()
+                       if shape in self._decided]
+        kept: Dict[str, Dict[str, str]] = {}
+        for shape, device, choice in decided:
+            kept.setdefault(context_of(device), {})[shape_class(shape)] = self.names[choice]
+        return kept
 
     def decisions_since(self, seen: set) -> Dict[ForwardLaunchShape, str]:
         """The decisions whose shapes are not in ``seen`` (reports of what a run decided);

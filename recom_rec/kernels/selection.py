@@ -85,7 +85,11 @@ def trial_launches() -> int:
 
 
 def forget_all() -> None:
-    """Drop every measured choice (forward kernels, the CUDA forward's order, the backward's path):
-    a model built where a freed one's weights were would inherit its choices."""
+    """Drop every measured choice (forward kernels, the CUDA forward's order, the backward's path)
+    and the decisions imported (recom_rec.use_kernel_decisions): a model built where a freed one's
+    weights were would inherit its choices. The decision file (RECOM_REC_CACHE) stays."""
+    from .decision_cache import IMPORTED
+
     for tuner in _tuners():
         tuner.forget()
+    IMPORTED.clear()
