@@ -255,6 +255,7 @@ def test_an_aot_inductor_package_carries_the_decisions_to_a_fresh_process(tmp_pa
     # the system's g++, as tests/test_quant_serving.py builds packages (docs/quantized.md, Known gaps)
     with torch._inductor.config.patch({"cpp.cxx": (shutil.which("g++") or "g++",)}):
         package = recom_rec.aoti_compile_and_package(ep, package_path=str(tmp_path / "served.pt2"))
+    tuner.forget()
     inputs = [tuple(t.cpu() for t in _inputs(seed)) for seed in (1, 2)]
     torch.save(inputs, tmp_path / "inputs.pt")
     script = tmp_path / "load.py"
