@@ -144,7 +144,7 @@ class _Table:
         self.cache = SlotCache(config.name, int(ps.cache_rows), ps.eviction)
         # What a staging job reads (native.py): where the cache's rows are, and the store's ops.
         self.layout = native.RowLayout()
-        self.layout_key = None  # (weight address, fused optimizer) the layout was made for
+        self.layout_key = None  # (weight and state addresses and dtypes, fused optimizer) it was made for
         self.store_ops = (native.StoreOps * 1)()  # per store lane (connections of their own)
         self.py_ops: Optional[native.PythonStoreOps] = None  # callbacks, made for the current row width
         self.native_store = None  # the store's C table the store ops point at (lane 0)
@@ -252,18 +252,36 @@ class PSTier:
 
     def _refresh_native(self, t: _Table) -> None:
         """Points the table's row layout at its rows and state (when they moved, or a fused
-        optimizer was enabled: its state widens the rows), and its store ops at the store."""
+        optimizer was enabled: its state widens the rows), and its store ops at the store.
+
+        The row ops (csrc/ps) read and write the state as float32 rows at the addresses the layout
+        holds, so the layout is made again whenever the weight or any state buffer moved or changed
+        dtype (enabling the same optimizer again makes new state buffers; ``module.half()``
+        converts them), and state that is not float32 is refused rather than overrun. A new layout
+        each time: the jobs in flight keep the one they were given (``_Pending.refs``)."""
         bag = self.module.embedding_bags[t.name]
         w = bag.weight
-        key = (w.data_ptr(), self.module._fused_spec)
-        L = t.layout
+        buffers = [bag._buffers[f"optimizer_{name}"] for name, _ in self._states()]
+        key = (w.data_ptr(), w.dtype, w.stride(0), self.module._fused_spec,
+               tuple((s.data_ptr(), s.dtype, s.numel()) for s in buffers))
         if key != t.layout_key:
+            states = list(self._initial_states(t))
+            if w.dtype not in native.DTYPES or w.dim() != 2 or w.stride(1) != 1:
+                raise TypeError(f"PS table {t.name!r}: its cache rows must be row-contiguous float32, float16 or "
+                                f"bfloat16, got {w.dtype} with strides {tuple(w.stride())}")
+            for (name, _, _, n, _), s in zip(states, buffers):
+                if s.dtype != torch.float32 or not s.is_contiguous() or s.numel() != n * w.shape[0]:
+                    raise TypeError(
+                        f"PS table {t.name!r}: the fused optimizer's state {name!r} must stay a contiguous float32 "
+                        f"buffer of {n} value(s) a row (the parameter-server tier moves it as float32 rows), got "
+                        f"{s.dtype} of shape {tuple(s.shape)}; convert the module before enabling the fused optimizer "
+                        "(its state is made float32 then)")
+            L = native.RowLayout()
             L.weight, L.weight_dtype, L.weight_stride = w.data_ptr(), native.DTYPES[w.dtype], w.stride(0)
             L.dim = t.config.embedding_dim
-            states = list(self._initial_states(t))
             L.n_states = len(states)
-            for q, (name, _, _, n, value) in enumerate(states):
-                L.state[q] = bag._buffers[f"optimizer_{name}"].data_ptr()
+            for q, ((_, _, _, n, value), s) in enumerate(zip(states, buffers)):
+                L.state[q] = s.data_ptr()
                 L.state_width[q], L.state_init[q] = n, value
             L.width = self.width(t)
             bounds = _uniform_bounds(t.config.init_fn)
@@ -271,7 +289,8 @@ class PSTier:
             if bounds is not None:
                 L.init_base = _signed(_row_seed(t.config.name, int(t.ps.seed), 0))
                 L.init_a, L.init_b = bounds
-            t.layout_key = key
+            t.layout, t.layout_key = L, key
+        L = t.layout
         width = L.width
         table = t.store.native_table(t.name, width) if t.native_io else None  # memory://'s clear() replaces it
         # a store with lanes (Redis: connections per lane) serves each I/O thread on its own lane

@@ -422,3 +422,56 @@ def test_variable_batch_per_feature_trains_as_in_memory(prefetch):
     assert m._ps.tables["big"].cache.stats["evictions"] > 0
     ps.flush(m)
     assert_same_tables(m, ref)
+
+
+def _pull_back(m, ids):
+    """Stages a batch of ``ids`` (f_big only) without training; the slot of each id."""
+    kjt = KeyedJaggedTensor(keys=["f_big", "f_small"], values=ids,
+                            lengths=torch.tensor([1] * ids.numel() + [0] * ids.numel()))
+    with torch.no_grad():
+        m(kjt)
+    slot_of = {int(i): s for s, i in enumerate(m._ps.tables["big"].cache.id_of.tolist())}
+    return torch.tensor([slot_of[int(i)] for i in ids])
+
+
+def test_rows_pulled_after_the_fused_optimizer_is_enabled_again_carry_their_state_into_its_new_buffers():
+    """Enabling the same fused optimizer again makes new state buffers (an equal spec). The
+    staging's row layout follows them: a pulled row's stored optimizer state lands in the buffer
+    the kernels read, not in the old buffer the layout pointed at (freed or about to be: the row
+    ops would write it from their own threads)."""
+    m = ps_model("memory://", cache_rows=40, optimizer="adagrad")
+    for kjt in batches(6, seed=1):
+        step(m, kjt)
+    tier, bag = m._ps, m.embedding_bags["big"]
+    store, cache = tier.tables["big"].store, tier.tables["big"].cache
+    stored = store.scan_ids("big")
+    evicted = stored[~torch.isin(stored, torch.from_numpy(cache.id_of.copy()))][:8]
+    assert evicted.numel() == 8
+    rows, found = store.get("big", evicted, tier.width(tier.tables["big"]), torch.float32)
+    assert found.all() and (rows[:, DIM:] != 0.1).any()  # trained state, not the initial value
+    old = bag._buffers["optimizer_sum"].data_ptr()
+    m.enable_fused_optimizer("adagrad", **opt_kwargs("adagrad"))
+    assert bag._buffers["optimizer_sum"].data_ptr() != old
+    slots = _pull_back(m, evicted)
+    assert torch.equal(bag._buffers["optimizer_sum"][slots], rows[:, DIM:])
+    assert torch.equal(bag.weight.detach()[slots], rows[:, :DIM])
+
+
+def test_optimizer_state_converted_from_float32_is_refused_not_overrun():
+    """The row ops move optimizer state as float32 rows: after ``module.half()`` (which converts
+    the fused optimizer's state buffers too) the tier refuses to stage instead of reading and
+    writing float32 rows past the end of the float16 buffers (a heap overflow on the CPU)."""
+    m = ps_model("memory://", cache_rows=40, optimizer="adagrad")
+    data = batches(4, seed=1)
+    for kjt in data[:2]:
+        step(m, kjt)
+    m.half()
+    assert m.embedding_bags["big"]._buffers["optimizer_sum"].dtype == torch.float16
+    with pytest.raises(TypeError, match="must stay a contiguous float32"):
+        step(m, data[2])
+    # converted before the optimizer is enabled, the state is float32 and the weights train in half
+    m = ps_model("memory://", cache_rows=40, optimizer=None).half()
+    m.enable_fused_optimizer("adagrad", **opt_kwargs("adagrad"))
+    for kjt in data:
+        step(m, kjt)
+    assert m._ps.tables["big"].cache.stats["evictions"] > 0
