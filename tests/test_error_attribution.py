@@ -111,6 +111,27 @@ def test_a_freed_module_leaves_its_report_to_no_one(backend):
             _handle(b, _kjt())
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a kernel still queued when its module is freed needs a GPU "
+                                                  "(the CPU's kernels have run when the call returns)")
+@pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if b != "torch"])
+def test_a_module_freed_before_its_kernels_ran_leaves_its_report_to_no_one(backend):
+    """Module A's bad batch is still queued (behind a sleeping kernel) when A is freed and B makes
+    its first call: A's kernel must not report into B (whose report slot, allocated then, is the
+    same size as A's freed one), and B's good batches raise nothing."""
+    a = _module("float", backend)
+    b = _module("float", backend)
+    with torch.no_grad():
+        _handle(a, _kjt())  # a's slot made and its kernels built
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1 << 28)  # ~0.1-0.2 s of device time: a's next kernel waits behind it
+        a(_kjt(50))
+        del a
+        gc.collect()
+        b(_kjt())  # b's first call makes its slot while a's bad batch is still queued
+        torch.cuda.synchronize()  # a's kernel has reported by now, wherever it reports
+        _handle(b, _kjt())
+
+
 @pytest.mark.parametrize("kind, backend", _cases())
 def test_each_thread_raises_its_own_bad_batches_only(kind, backend):
     """One module serving three request threads (on CUDA, each with its own stream): every bad

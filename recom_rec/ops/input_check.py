@@ -19,12 +19,20 @@ earlier calls of it reported; ``check_reported(report_id)`` waits for the stream
 on (the whole device once a CUDA graph captured a launch: replays run on any stream) and raises
 the calling thread's reports of that module only. A bad batch of model A is never raised by model B, nor by
 another thread's calls of A.
+
+A slot dropped (its module freed, or the oldest idle slots past MAX_REPORTS) may still have kernels
+queued that write it: its pinned words would go back to torch's host allocator and be handed to
+the next slot (the same size), whose module would then raise a report it never made. So a dropped
+slot is retired, not freed: kept until events recorded on its streams at the drop have passed
+(looked at when a new slot is made), and kept for good once a CUDA graph captured a launch of it
+(a replay writes it whenever it runs).
 """
+import collections
 import itertools
 import secrets
 import threading
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -102,9 +110,56 @@ def new_report_id(owner: object) -> int:
 
 
 def forget_reports(report_id: int) -> None:
-    with _LOCK:
+    """Module ``report_id`` was freed: its slots are retired at the next slot made. Only noted
+    here: weakref.finalize runs this inside whatever allocation set off the collection, possibly
+    in a thread holding _LOCK."""
+    _FORGOTTEN.append(report_id)
+
+
+_FORGOTTEN: "collections.deque[int]" = collections.deque()  # freed modules' report ids (deque: atomic appends)
+
+
+def _retire_forgotten() -> None:
+    """Retires the slots of the modules freed since the last call (call with _LOCK held)."""
+    while _FORGOTTEN:
+        report_id = _FORGOTTEN.popleft()
         for key in [k for k in _SLOTS if k[1] == report_id]:
-            del _SLOTS[key]
+            for report in _SLOTS.pop(key).values():
+                _retire(report)
+
+
+# Dropped slots whose kernels may still write them (see the module's docstring): (slot, events
+# recorded on its streams at the drop), and slots kept while the process runs: those a CUDA graph
+# captured, and any whose events could not be recorded.
+_RETIRED: List[Tuple[KernelReport, List["torch.cuda.Event"]]] = []
+_KEPT: List[KernelReport] = []
+
+
+def _retire(report: KernelReport) -> None:
+    """Keeps a dropped slot until its queued kernels have passed (call with _LOCK held)."""
+    if report.device.type != "cuda":
+        return  # the CPU's kernels have run by the time the call returns
+    if report.captured or torch.cuda.is_current_stream_capturing():
+        # a replay may write it at any time; and no event is recorded while this thread captures
+        _KEPT.append(report)
+        return
+    try:
+        events = []
+        for stream in report.streams.values():
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+    except RuntimeError:  # e.g. a module freed while the process exits: nothing left to reuse the block
+        _KEPT.append(report)
+        return
+    _RETIRED.append((report, events))
+
+
+def _free_passed_retired() -> None:
+    """Frees the retired slots whose kernels have all passed (call with _LOCK held, not while this
+    thread captures a CUDA graph: an event query is not allowed then)."""
+    if _RETIRED:
+        _RETIRED[:] = [(r, events) for r, events in _RETIRED if not all(e.query() for e in events)]
 
 
 def _thread_token() -> int:
@@ -138,6 +193,10 @@ def kernel_report(flat: torch.Tensor, names: str, report_id: int) -> Optional[Ke
     if report is None:
         if capturing:
             return None
+        with _LOCK:
+            # before the new slot's pinned words are allocated: the blocks of passed slots first
+            _retire_forgotten()
+            _free_passed_retired()
         report = KernelReport(device, names)
         with _LOCK:
             if sum(map(len, _SLOTS.values())) >= MAX_REPORTS:
@@ -152,7 +211,7 @@ def _drop_idle_half() -> None:
     idle = [(owner, key) for owner, slots in _SLOTS.items() for key, r in slots.items() if not r.pending()]
     for owner, key in idle[:len(idle) // 2 + 1]:
         slots = _SLOTS[owner]
-        del slots[key]
+        _retire(slots.pop(key))
         if not slots:
             del _SLOTS[owner]
 
@@ -185,8 +244,9 @@ def _(report_id):
 
 
 def pending_report_count() -> int:
-    """How many slots hold a report not raised yet, in every thread (for tests and soaks)."""
+    """How many live modules' slots hold a report not raised yet, in every thread (for tests and soaks)."""
     with _LOCK:
+        _retire_forgotten()
         return sum(r.pending() for slots in _SLOTS.values() for r in slots.values())
 
 
