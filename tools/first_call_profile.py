@@ -1,0 +1,73 @@
+"""Where a peer's first call goes, in a fresh process (issue 51; docs/perf-notes.md v46).
+
+`--phases cold` measured DLRM-DCNv2's first forward at 219 ms with the shipped sm_90 prior and
+65 ms with RECOM_REC_PRIOR=off, against fbgemm's 38 ms. This builds the peer as the cold bench
+does (bench/cold.py), then runs its first CALLS calls under torch.profiler (host and CUDA
+activity) and prints each call's wall time and the ops and kernels that took the most host time
+in call 1 (Triton compiles show as `triton` / `compile` frames, module loads as long first
+launches).
+
+    python3 tools/first_call_profile.py dlrm-dcnv2 --phase forward            # with the shipped prior
+    RECOM_REC_PRIOR=off python3 tools/first_call_profile.py dlrm-dcnv2        # every candidate measured
+    python3 tools/first_call_profile.py random-0 --draw SEED:COUNT --peer fbgemm
+"""
+import argparse
+import time
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("workload", help="a named workload, dlrm-dcnv2, or random-K with --draw")
+    p.add_argument("--peer", default="recom_rec")
+    p.add_argument("--phase", default="forward", choices=["forward", "sgd"])
+    p.add_argument("--draw", default=None, help="SEED:COUNT of the drawn layouts (random-K workloads)")
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+
+    from recom_rec.bench.peers import make_peer
+    from recom_rec.bench.workloads import DRAWN, get_workload
+
+    from recom_rec.bench.random_layouts import random_workloads
+
+    device = torch.device(args.device)
+    small = device.type == "cpu"
+    seed, count = (int(x) for x in args.draw.split(":")) if args.draw else (0, 0)
+    DRAWN.update((w.name, w) for w in random_workloads(seed, count, small))  # (DLRM-DCNv2 always)
+    w = get_workload(args.workload, small)
+    kjt = w.make_input(device)
+    optimizer = "none" if args.phase == "forward" else "sgd"
+    peer = make_peer(args.peer, w, device, optimizer if not args.peer.startswith("fbgemm") else "sgd", "auto")
+    grad = torch.ones(w.batch_size, sum(w.dims), device=device)
+
+    def call():
+        if args.phase == "forward":
+            with torch.no_grad():
+                peer.forward(kjt)
+        else:
+            peer.train_step(kjt, grad)
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)
+    walls = []
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        for i in range(args.calls):
+            with torch.profiler.record_function(f"call {i + 1}"):
+                t0 = time.perf_counter()
+                call()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                walls.append((time.perf_counter() - t0) * 1e3)
+    print(f"{args.workload} {args.peer} {args.phase}: wall ms a call (synchronized): "
+          + ", ".join(f"{ms:.1f}" for ms in walls))
+    print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=args.top,
+                                                      max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
