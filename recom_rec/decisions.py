@@ -134,6 +134,15 @@ def _copy_archive(source: str, target, extra: Dict[str, str]) -> None:
             writer.write_string(record, text)
 
 
+def _add_extra_in_place(path: str, text: str) -> None:
+    """The .pt2 archive at ``path`` written again with the decisions' extra file (beside it, then
+    moved over it: one filesystem, and a package holds the weights)."""
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(path))) as work:
+        written = os.path.join(work, os.path.basename(path))
+        _copy_archive(path, written, {EXTRA_FILE: text})
+        os.replace(written, path)
+
+
 def aoti_compile_and_package(exported_program: "torch.export.ExportedProgram", *, package_path=None,
                              inductor_configs: Optional[Dict[str, Any]] = None,
                              decisions: Optional[Dict[str, Any]] = None):
@@ -148,31 +157,21 @@ def aoti_compile_and_package(exported_program: "torch.export.ExportedProgram", *
     import torch._inductor
 
     text = _decisions_text(decisions)
-    if package_path is None:
-        path = torch._inductor.aoti_compile_and_package(exported_program, inductor_configs=inductor_configs)
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(path))) as work:
-            written = os.path.join(work, os.path.basename(path))
-            _copy_archive(path, written, {EXTRA_FILE: text})
-            os.replace(written, path)
-        return path
-    buffer = not isinstance(package_path, (str, os.PathLike))
-    final = None if buffer else os.path.abspath(os.fspath(package_path))
-    if final is not None and not final.endswith(".pt2"):
-        raise ValueError(f"package_path must end in .pt2 (got {package_path!r})")
-    # Compiled beside the final file (one filesystem; a package holds the weights), under its name.
-    with tempfile.TemporaryDirectory(dir=None if buffer else os.path.dirname(final)) as work:
-        compiled = os.path.join(work, "compiled", "package.pt2" if buffer else os.path.basename(final))
-        os.makedirs(os.path.dirname(compiled))
-        torch._inductor.aoti_compile_and_package(exported_program, package_path=compiled,
-                                                 inductor_configs=inductor_configs)
-        if buffer:
+    if package_path is not None and not isinstance(package_path, (str, os.PathLike)):  # a buffer
+        with tempfile.TemporaryDirectory() as work:
+            compiled = os.path.join(work, "package.pt2")
+            torch._inductor.aoti_compile_and_package(exported_program, package_path=compiled,
+                                                     inductor_configs=inductor_configs)
             _copy_archive(compiled, package_path, {EXTRA_FILE: text})
-            package_path.seek(0)
-            return package_path
-        written = os.path.join(work, os.path.basename(final))
-        _copy_archive(compiled, written, {EXTRA_FILE: text})
-        os.replace(written, final)
-    return package_path
+        package_path.seek(0)
+        return package_path
+    if package_path is not None and not os.fspath(package_path).endswith(".pt2"):
+        raise ValueError(f"package_path must end in .pt2 (got {package_path!r})")
+    path = torch._inductor.aoti_compile_and_package(
+        exported_program, package_path=None if package_path is None else os.fspath(package_path),
+        inductor_configs=inductor_configs)
+    _add_extra_in_place(path, text)
+    return path if package_path is None else package_path
 
 
 def aoti_load_package(path, run_single_threaded: bool = False, device_index: int = -1):

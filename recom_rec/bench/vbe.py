@@ -136,6 +136,7 @@ class _FbgemmExpanded(_Fbgemm):
 
     def __init__(self, w: VbeWorkload, device) -> None:
         super().__init__(w, device)
+        self.strides, self.columns = w.strides(), [w.dim] * len(w.strides())  # (not rebuilt in the timed calls)
         self.expansion = "batch_index_select_dim0"
         try:
             self._fbgemm_expand(torch.zeros(2 * w.dim * len(w.strides()), device=device),
@@ -147,12 +148,12 @@ class _FbgemmExpanded(_Fbgemm):
         batch, features = inverse.shape[1], inverse.shape[0]
         return torch.ops.fbgemm.batch_index_select_dim0(
             inputs=flat, indices=inverse.reshape(-1), input_num_indices=[batch] * features, input_rows=strides,
-            input_columns=[self.w.dim] * features, permute_output_dim_0_1=True).view(batch, -1)
+            input_columns=self.columns, permute_output_dim_0_1=True).view(batch, -1)
 
     def forward(self, kjt) -> torch.Tensor:
         flat = super().forward(kjt)
         if self.expansion == "batch_index_select_dim0":
-            return self._fbgemm_expand(flat, kjt.inverse_indices()[1], self.w.strides())
+            return self._fbgemm_expand(flat, kjt.inverse_indices()[1], self.strides)
         return super().expanded(flat, kjt)
 
     def expanded(self, out: torch.Tensor, kjt) -> torch.Tensor:

@@ -105,9 +105,6 @@ class DecisionCache:
         self._stamp = None
         self._lock = threading.Lock()
 
-    def _context(self, device: torch.device) -> str:
-        return context_of(device)
-
     def _refresh(self) -> None:
         try:
             stat = self.path.stat()
@@ -122,11 +119,11 @@ class DecisionCache:
         """The choice recorded for ``shape`` under ``tuner`` in this context, or None."""
         with self._lock:
             self._refresh()
-            return self._entries.get(self._context(device), {}).get(tuner, {}).get(shape_class(shape))
+            return self._entries.get(context_of(device), {}).get(tuner, {}).get(shape_class(shape))
 
     def record(self, tuner: str, device: torch.device, shape, choice: str) -> None:
         """Adds a decision to the file (other processes' entries kept)."""
-        context, key = self._context(device), shape_class(shape)
+        context, key = context_of(device), shape_class(shape)
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path.with_suffix(self.path.suffix + ".lock"), "w") as lock:
