@@ -2,6 +2,8 @@
 and dtype moves, copies, and what the constructor rejects."""
 import copy
 import io
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +12,8 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.modules.embedding_configs import DataType
 
 import recom_rec
-from ebc_cases import make_kjt
+from ebc_cases import DEVICE, make_kjt
+from subprocess_env import child_env
 
 
 def _tables():
@@ -202,3 +205,36 @@ def test_ids_from_a_finished_functorch_transform_pool_like_plain_ids():
     plain.sum().backward()
     assert torch.equal(wrapped, plain)
     assert torch.equal(grad, module.embedding_bags["t"].weight.grad)
+
+
+_FIRST_CALL = """
+import sys, torch, recom_rec, recom_rec.quant
+from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor
+from torchrec.modules.embedding_configs import DataType
+dev = torch.device("cuda")
+kind = sys.argv[1]
+if kind == "ec":
+    m = recom_rec.EmbeddingCollection([EmbeddingConfig(name="t", embedding_dim=8, num_embeddings=20,
+                                                       feature_names=["f"])], device=dev)
+else:
+    dtype = DataType.INT8 if kind == "quant" else DataType.FP32
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=20, feature_names=["f"], data_type=dtype)]
+    m = (recom_rec.quant.EmbeddingBagCollection(tables, False, dev) if kind == "quant"
+         else recom_rec.EmbeddingBagCollection(tables, device=dev))
+kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2, 3], device=dev), torch.tensor([2, 1], device=dev))
+before = set(sys.modules)
+with torch.no_grad():
+    m(kjt)
+print(sorted(n for n in set(sys.modules) - before if n.startswith("recom_rec.kernels")))
+"""
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU kernels' modules load on a GPU (RECOM_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("kind", ["ebc", "ec", "quant"])
+def test_the_first_call_imports_no_kernel_module(kind):
+    # Construction imports the kernels the module runs: their Triton @jit decorators tokenize their
+    # sources (~70 ms of the H200 host's time, perf-notes v47), which the first call would pay.
+    out = subprocess.run([sys.executable, "-c", _FIRST_CALL, kind], env=child_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

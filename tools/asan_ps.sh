@@ -8,6 +8,7 @@
 #   bash tools/asan_ps.sh                        # tests/ps
 #   bash tools/asan_ps.sh tests/ps tests/distributed/test_ps_placement.py
 #   PYTHONMALLOC=malloc RECOM_REC_PS_THREADS=4 bash tools/asan_ps.sh tests/ps
+#   PY=python3 TRITON_INTERPRET=0 RECOM_TEST_DEVICE=cuda bash tools/asan_ps.sh   # the GPU's ops (ps_cuda.c)
 #
 # PYTHONMALLOC=malloc makes Python's own small allocations (ctypes structs such as a staging Job)
 # plain mallocs that ASan watches; torch and numpy buffers are watched either way. libstdc++ is
@@ -41,8 +42,9 @@ rm -f "$target"
 gcc ${flags//,/ } -fsanitize=address -fno-omit-frame-pointer -g -DRECOM_REC_SOURCES_SHA256="$sha" -shared \
   -o "$target" ${sources//,/ } -ldl || exit 1
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)"
-export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1:symbolize=1:log_path=$ASAN_LOGS/asan}"
-export TRITON_INTERPRET=1
+# protect_shadow_gap=0: the CUDA driver maps memory where ASan would otherwise reserve its shadow gap
+export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1:symbolize=1:protect_shadow_gap=0:log_path=$ASAN_LOGS/asan}"
+export TRITON_INTERPRET="${TRITON_INTERPRET-1}"  # on a GPU (RECOM_TEST_DEVICE=cuda) pass TRITON_INTERPRET=0
 "$PY" -c "from recom_rec.ps import host_lib; print('recom_rec: under ASan:', host_lib.where())" || exit 1
 "$PY" -m pytest -q -p no:cacheprovider "${@:-tests/ps}"
 rc=$?

@@ -7,7 +7,7 @@
 # folder, so the next machine loads it instead of building while the source is unchanged.
 # Likewise SAVE_TRITON_CACHE=1 returns Triton's kernel cache as $OUT/triton_cache.tar.xz: carried
 # in .triton_cache_xz/ (git-ignored), it spares the next machine the suite's first compiles.
-#   STAGES="tests soak nccl dlrm bench sequence serving cold prior sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests asan soak nccl dlrm bench sequence serving cold prior sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 #   (the tests stage runs the whole suite, tests/, with CUDA tensors in one process; TESTS="files or
 #   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it;
 #   TEST_DETACH=1 lets it run past the call, and the next call's STAGES=tests-wait awaits it;
@@ -179,6 +179,12 @@ if [[ " $STAGES " == *" profile "* ]]; then
   stage profile
   timeout ${PROFILE_TIMEOUT:-150} python3 tools/profile_step.py ${PROFILE_ARGS:---workloads many-1000 many-500 --backends auto} 2>&1 \
     | quiet > "$OUT/profile.log"; grep -A8 "^==" "$OUT/profile.log"
+fi
+if [[ " $STAGES " == *" asan "* ]]; then
+  stage asan  # the PS host library under ASan with CUDA tensors: ps_cuda.c's paths, which the CPU's run misses
+  PY=python3 TRITON_INTERPRET=0 RECOM_TEST_DEVICE=cuda PYTHONMALLOC=malloc ASAN_LOGS="$OUT/asan" \
+    timeout -s INT -k 20 ${ASAN_TIMEOUT:-240} bash tools/asan_ps.sh ${ASAN_TESTS:-tests/ps} 2>&1 | quiet > "$OUT/asan.log"
+  tail -15 "$OUT/asan.log"
 fi
 if [ -n "${SAVE_TRITON_CACHE:-}" ]; then  # for .triton_cache_xz/: the next machine skips these compiles
   (cd ~ && tar cf - .triton/cache | xz -T0 -3 > "$OUT/triton_cache.tar.xz")

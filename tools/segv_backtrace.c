@@ -18,6 +18,10 @@ static void print_and_die(int sig) {
 }
 
 __attribute__((constructor)) static void install(void) {
+  // backtrace() loads libgcc_s's unwinder on its first call, which mallocs: done here, not in a
+  // handler whose process may have a corrupted heap (the handler then died silently)
+  void *prime[1];
+  (void)backtrace(prime, 1);
   static char stack[1 << 16];  // the handler's own stack: a stack overflow still gets its backtrace
   stack_t alt = {.ss_sp = stack, .ss_size = sizeof stack, .ss_flags = 0};
   struct sigaction action;

@@ -143,6 +143,15 @@ def _active_prior(device: torch.device):
     return active_prior(device)
 
 
+def load_decisions(device: torch.device) -> None:
+    """Reads the decision file and ``device``'s shipped prior now (a module's construction) rather
+    than in the first launch."""
+    from .decision_cache import active_cache
+
+    active_cache()
+    _active_prior(device)
+
+
 def parse_forced_order(value: Optional[str], names: Dict[bool, str] = ORDER_NAMES) -> Optional[bool]:
     """The choice named ``value`` (one of ``names``' values), or None to measure (None or "auto")."""
     if value is None or value in ("", "auto"):

@@ -21,7 +21,7 @@ from ..ops.backends import check_backend
 from ..ops.input_check import new_report_id
 from ..ops.layout import FeatureSlot, POOLING_SUM, feature_meta_tensor, pack_tables
 from ..ops.plan import FusedStep, UnpooledGroupPlan, UnpooledPlan
-from ..ops.unpooled_embedding import UnpooledBatch, segments_for, unpooled_lookup
+from ..ops.unpooled_embedding import UnpooledBatch, load_kernels, segments_for, unpooled_lookup
 from ..ops.validation import encode_names
 from ..optim.spec import FusedOptimizerSpec
 from .embedding_modules import _fx_tracing, _table_dtype, maybe_td_to_kjt
@@ -105,8 +105,9 @@ class EmbeddingCollection(FlatTables, _TorchrecEmbeddingCollection):
             self._build_storage(device)
         order = [(g.index, j) for t in range(len(tables)) for g in self._groups for j, f in enumerate(g.features)
                  if g.tables[f.table] == t]
+        load_kernels(check_backend(backend))  # here, not in the first call (issue 51)
         self._plan = UnpooledPlan([g.plan() for g in self._groups], order, max(self._embedding_dim, 0), need_indices,
-                                  check_backend(backend), validate_inputs, new_report_id(self))
+                                  backend, validate_inputs, new_report_id(self))
         self._fused_spec: Optional[FusedOptimizerSpec] = None
         self._fused_optimizer = None
         self._seen_in_backward = None

@@ -36,6 +36,7 @@ from ..ops.layout import (
 )
 from ..ops.input_check import new_report_id
 from ..ops.plan import FusedStep, GroupPlan, LookupPlan, group_states
+from ..ops.pooled_embedding import load_kernels
 from ..ops.validation import encode_names
 from ..ops.variable_batch import expand_rows, uniform_batch
 from ..optim.keyed import FusedEmbeddingOptimizer
@@ -359,7 +360,8 @@ class EmbeddingBagCollection(FlatTables, _TorchrecEmbeddingBagCollection):
         with torch.device("cpu"):
             self._groups = self._plan_groups(layout_tables)
             self._build_storage(device)
-        self._plan = LookupPlan([g.plan() for g in self._groups], is_weighted, check_backend(backend),
+        load_kernels(check_backend(backend))  # here, not in the first call (issue 51)
+        self._plan = LookupPlan([g.plan() for g in self._groups], is_weighted, backend,
                                 validate_inputs, new_report_id(self),
                                 [f for names in self._feature_names for f in names], list(self._lengths_per_embedding))
         self._fused_spec: Optional[FusedOptimizerSpec] = None

@@ -57,6 +57,22 @@ def _selection():
     return selection
 
 
+def load_kernels(backend: str) -> None:
+    """Imports the GPU kernels ``backend`` would run (and loads the CUDA extension for ``auto`` and
+    ``cuda``) where a GPU can run them. Their Triton ``@jit`` decorators read and tokenize their
+    sources: ~70 ms of call 1 on the H200's host (perf-notes v47), which a module's construction
+    pays instead (issue 51: the first call)."""
+    if backend == "torch" or not torch.cuda.is_available():
+        return
+    from ..kernels.launch_tuner import load_decisions
+
+    if backend in ("auto", "triton"):
+        _selection() if backend == "auto" else _triton()
+    if backend in ("auto", "cuda"):
+        _cuda_builds()
+    load_decisions(torch.device("cuda", torch.cuda.current_device()))
+
+
 @lru_cache(maxsize=None)
 def _cuda_builds() -> bool:
     """Whether "auto" may use the CUDA kernels: their extension builds (or is cached) here."""

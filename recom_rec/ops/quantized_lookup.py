@@ -38,6 +38,12 @@ def _triton():
     return quantized_triton
 
 
+def load_kernels(backend: str) -> None:
+    """pooled_embedding.load_kernels for the quantized lookup's kernel."""
+    if backend != "torch" and torch.cuda.is_available():
+        _triton()
+
+
 @torch.library.custom_op("recom_rec::quantized_lookup_checked_offsets", mutates_args=())
 def checked_offsets(values: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor], feature_meta: Tensor,
                     key_index: Tensor, batch_size: int, names: str) -> Tensor:

@@ -33,6 +33,14 @@ def _triton():
     return unpooled_triton
 
 
+def load_kernels(backend: str) -> None:
+    """pooled_embedding.load_kernels for the unpooled lookup's kernels (and the pooled backward's,
+    which the EmbeddingCollection's backward shares)."""
+    pooled_embedding.load_kernels(backend)
+    if backend != "torch" and torch.cuda.is_available():
+        _triton()
+
+
 def _on_kernels(backend: str, device: torch.device) -> bool:
     """Whether the Triton kernels run (the CUDA C++ backend has no unpooled kernel: "cuda" runs
     them too); else the torch path."""

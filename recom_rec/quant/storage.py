@@ -11,7 +11,7 @@ from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
 from ..ops.backends import check_backend
 from ..ops.input_check import new_report_id
-from ..ops.quantized_lookup import OUTPUT_DTYPES
+from ..ops.quantized_lookup import OUTPUT_DTYPES, load_kernels
 from .layout import QuantTableSlot
 from .rows import SCALE_BIAS_BYTES, RowType, data_bytes
 
@@ -57,6 +57,7 @@ class QuantizedStorage:
         self.register_tbes = register_tbes
         self._split_scale_bias = split_scale_bias
         self.backend = check_backend(backend)
+        load_kernels(backend)  # here, not in the first call
         self.validate_inputs = validate_inputs
         self._report_id = new_report_id(self)
 
