@@ -519,6 +519,20 @@ static void *worker_main(void *arg) {
             pthread_cond_broadcast(&st->changed);
             continue;
         }
+        if (st->stop && st->head) {
+            /* ps_stager_free: the jobs not planned yet are given back (nothing moved); their
+             * batches will not be trained, and one may wait for slots that nothing releases now */
+            for (Job *j = st->head; j;) {
+                Job *next = j->next; /* read first: a waiter may free the job once state is 2 */
+                j->status = STAGE_ABORTED;
+                j->done = 0;
+                j->state = 2;
+                j = next;
+            }
+            st->head = st->tail = NULL;
+            pthread_cond_broadcast(&st->changed);
+            continue;
+        }
         if (st->head && st->count < st->depth && !st->lockers && !st->blocked) {
             Job *job = st->head;
             st->head = job->next;
@@ -566,7 +580,9 @@ static void *worker_main(void *arg) {
                      * release in between is not missed); a flush may run meanwhile */
                     pthread_cond_broadcast(&st->changed);
                     pthread_mutex_unlock(&st->queue);
-                    ps_cache_wait_release(blocked, seen, -1);
+                    while (ps_cache_wait_release(blocked, seen, 100) == seen &&
+                           !__atomic_load_n(&st->stop, __ATOMIC_ACQUIRE)) {
+                    } /* a release, or ps_stager_free */
                     pthread_mutex_lock(&st->queue);
                     st->times[T_WAIT] += ps_now() - t;
                 }
@@ -736,11 +752,11 @@ i64 ps_stager_times(Stager *st, double *out) {
     return N_TIMES;
 }
 
-/* Stops the threads after the jobs queued so far. */
+/* Stops the threads: the jobs in flight finish, those queued and not planned are given back. */
 void ps_stager_free(Stager *st) {
     if (!st) return;
     pthread_mutex_lock(&st->queue);
-    st->stop = 1;
+    __atomic_store_n(&st->stop, 1, __ATOMIC_RELEASE); /* read unlocked by a worker waiting for slots */
     pthread_cond_broadcast(&st->changed);
     pthread_mutex_unlock(&st->queue);
     if (st->started) pthread_join(st->thread, NULL);

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import threading
+import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -161,35 +162,62 @@ class PythonStoreOps:
         ops.init = ctypes.cast(self.init_fn, _P).value
 
 
+def _free_stager(lib, st: int, device_ops: DeviceOps, held: dict) -> None:
+    """A stager's end (its weakref.finalize): the jobs in flight finish and those queued are given
+    back (ps_stager_free) while ``device_ops`` and ``held`` keep alive what they touch."""
+    lib.ps_stager_free(st)
+    held.clear()
+
+
 class Stager:
     """Runs staging jobs (one batch's PS tables) now, or submitted: planned and finished in order
     on a worker thread of its own, their store I/O on I/O threads, up to :meth:`set_depth` jobs in
-    flight. :meth:`lock` waits for the jobs in flight and excludes new ones (flush, load)."""
+    flight. :meth:`lock` waits for the jobs in flight and excludes new ones (flush, load).
+
+    A submitted job's memory and the caches, stores and row ops it touches stay alive until it is
+    waited for or the stager ends, whatever order a garbage collection finalizes its owners in:
+    the stager ends in a weakref.finalize (run before any ``__del__`` of a collected cycle) that
+    holds them."""
 
     def __init__(self, ops: DeviceOps) -> None:
-        self.device_ops = ops  # kept alive while the stager refers to its ops
+        self.device_ops = ops
         self._lib = host_lib.lib()
         self._st = self._lib.ps_stager_new(ctypes.byref(ops.ops))
         if not self._st:
             raise MemoryError("cannot allocate the parameter-server tier's stager")
+        self._held: dict = {}  # a submitted job's address -> what its pointers point into
+        self._end = weakref.finalize(self, _free_stager, self._lib, self._st, ops, self._held)
         self._lock_depth = threading.local()
 
-    def run(self, job: Job) -> int:
-        return self._lib.ps_stager_run(self._st, ctypes.byref(job))
+    def _handle(self) -> int:
+        if not self._end.alive:
+            raise RuntimeError("the parameter-server tier's stager has ended")
+        return self._st
 
-    def submit(self, job: Job) -> None:
-        if self._lib.ps_stager_submit(self._st, ctypes.byref(job)) != 0:
+    def run(self, job: Job) -> int:
+        return self._lib.ps_stager_run(self._handle(), ctypes.byref(job))
+
+    def submit(self, job: Job, keep: object = None) -> None:
+        """Queue ``job``; ``keep``: the objects its pointers point into (kept until it is waited for)."""
+        st = self._handle()
+        self._held[ctypes.addressof(job)] = (job, keep)
+        if self._lib.ps_stager_submit(st, ctypes.byref(job)) != 0:
+            self._held.pop(ctypes.addressof(job), None)
             raise RuntimeError("cannot start the parameter-server tier's staging thread")
 
     def wait(self, job: Job) -> int:
-        return self._lib.ps_stager_wait(self._st, ctypes.byref(job))
+        """The job's status once it is done (at once if the stager has ended: it gave the job back
+        or finished it then)."""
+        status = self._lib.ps_stager_wait(self._st, ctypes.byref(job)) if self._end.alive else job.status
+        self._held.pop(ctypes.addressof(job), None)
+        return status
 
     MAX_DEPTH = 4  # ps_stage.c's MAX_FLIGHTS
 
     def set_depth(self, depth: int) -> None:
         """Submitted jobs in flight at most: their plans are made in order, their store I/O runs
         at once on ``depth`` threads (store lane k on thread k), they finish in order."""
-        self._lib.ps_stager_set_depth(self._st, int(depth))
+        self._lib.ps_stager_set_depth(self._handle(), int(depth))
 
     PHASES = ("fetch ids", "cache stage", "wait for slots", "read pushed rows", "store put", "store get",
               "write pulled rows", "init new rows", "cache commit", "remapped ids", "job", "store put+get",
@@ -200,21 +228,16 @@ class Stager:
         are counts: rows a job took from an earlier job's push in flight instead of pulling them
         from the store, and jobs given back (a failed job and the jobs in flight after it)."""
         out = (ctypes.c_double * len(self.PHASES))()
-        self._lib.ps_stager_times(self._st, out)
+        self._lib.ps_stager_times(self._handle(), out)
         return dict(zip(self.PHASES, out))
 
     def lock(self) -> None:
         depth = getattr(self._lock_depth, "n", 0)
         if depth == 0:
-            self._lib.ps_stager_lock(self._st)  # waits for a running job (ctypes lets the GIL go)
+            self._lib.ps_stager_lock(self._handle())  # waits for a running job (ctypes lets the GIL go)
         self._lock_depth.n = depth + 1
 
     def unlock(self) -> None:
         self._lock_depth.n -= 1
         if self._lock_depth.n == 0:
-            self._lib.ps_stager_unlock(self._st)
-
-    def __del__(self) -> None:
-        st, self._st = getattr(self, "_st", None), None
-        if st:
-            self._lib.ps_stager_free(st)
+            self._lib.ps_stager_unlock(self._handle())

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import threading
+import weakref
 import zlib
 from typing import Dict, List, Optional, Tuple
 
@@ -250,6 +251,20 @@ class PSTier:
         self._fill_initial_state(t, rows)
         return rows
 
+    def _initial_rows_of(self, t: _Table):
+        """The store ops' init callback for ``t``. It holds the tier weakly: a submitted job holds
+        its store ops until the job is waited for or the stager ends (native.Stager), and must not
+        keep the module alive."""
+        tier = weakref.ref(self)
+
+        def initial_rows(ids: torch.Tensor) -> torch.Tensor:
+            live = tier()
+            if live is None:
+                raise RuntimeError(f"PS table {t.name!r}: its module was freed while a staging job ran")
+            return live._initial_rows(t, ids)
+
+        return initial_rows
+
     def _refresh_native(self, t: _Table) -> None:
         """Points the table's row layout at its rows and state (when they moved, or a fused
         optimizer was enabled: its state widens the rows), and its store ops at the store.
@@ -302,12 +317,12 @@ class PSTier:
                 t.lane_tables = [table] + [t.store.native_table(name, width, lane=k) for k in range(1, lanes)]
                 for op, lane_table in zip(ops, t.lane_tables):
                     lane_table.fill_store_ops(op)
-                py = native.PythonStoreOps(None, None, lambda ids: self._initial_rows(t, ids), width)
+                py = native.PythonStoreOps(None, None, self._initial_rows_of(t), width)
             else:
                 t.lane_tables = []
                 py = native.PythonStoreOps(lambda ids: t.store.get(name, ids, width, torch.float32),
                                            lambda ids, rows: t.store.put(name, ids, rows, unique_ids=True),
-                                           lambda ids: self._initial_rows(t, ids), width,
+                                           self._initial_rows_of(t), width,
                                            self._store_locks.setdefault(id(t.store), threading.Lock()))
             for op in ops:  # the init of never-seen rows (and a Python store's I/O): one callback
                 py.fill(op)
@@ -445,7 +460,7 @@ class PSTier:
                          out=out.data_ptr() + lo * item, tables=ctypes.addressof(tables), n_tables=len(plan))
         pending = _Pending(kjt, job, parts, refs, out, stager, ran=not submit)
         if submit:
-            stager.submit(job)
+            stager.submit(job, keep=(parts, refs, out))
         else:
             stager.run(job)
         return pending

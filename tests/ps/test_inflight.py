@@ -5,6 +5,8 @@ push buffer and never pulls them; a failure with jobs in flight gives them all b
 row, also when the failed job's pushes had been forwarded."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -16,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recom_rec import ps
 from recom_rec.ps import StoreError, StoreUnavailable, register_store
 from recom_rec.ps.stores import MemoryStore
+from tests.subprocess_env import child_env
 from tests.ps.test_tier import SMALL, assert_same_tables, ps_model, redis_url, reference_model, step, train
 
 GROUP = 12  # ids a batch uses; the cache holds three groups
@@ -340,3 +343,32 @@ def test_random_store_failures_with_four_jobs_in_flight_lose_no_row(loop):
     for a, b in zip(outs, train(ref, data)):
         assert torch.equal(a, b)
     assert_same_tables(m, ref)
+
+
+_DROPPED_WITH_JOBS_QUEUED = """
+import gc, weakref
+from tests.ps.test_inflight import cycling_batches, slow_model
+m, store = slow_model(put_seconds=0.05)
+tier = m._ps
+tier.set_depth(2)
+data = cycling_batches(6)
+handles = [tier.stage(kjt)[1] for kjt in data[:3]]  # three groups pinned: the cache is full
+pending = [tier.submit(kjt) for kjt in data[3:]]  # the first waits for slots that nothing releases
+stager = weakref.ref(tier._stager_of)
+cycle = [m, tier, pending, handles]
+cycle.append(cycle)
+del m, tier, pending, handles, cycle
+gc.collect()
+print("stager ended:", stager() is None)
+"""
+
+
+def test_a_module_dropped_with_jobs_queued_ends_its_stager():
+    # A model dropped (here in a reference cycle, as a module and its tier always are) while a job
+    # waits for slots only its own batches could release, and more are queued: collecting it ends
+    # the stager (the queued jobs given back) instead of waiting forever, and no finalizer frees
+    # memory a job still points into.
+    out = subprocess.run([sys.executable, "-c", _DROPPED_WITH_JOBS_QUEUED], env=child_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "stager ended: True", out.stdout
