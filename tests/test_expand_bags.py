@@ -29,6 +29,29 @@ def test_triton_kernels_match_gather_and_scatter_add(seed):
     torch.testing.assert_close(expand_triton.backward(grad, inverse, col_feature, pooled.shape[0]), expected)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_backward_of_features_at_the_full_batch(seed):
+    # VBE's features at the full batch come with the identity as inverse indices (their rows are
+    # their bags: stored, not added); mixed with a permuted one and ones that share bags
+    pooled, inverse, col_feature = _case(seed)
+    batch, features = inverse.shape[1], inverse.shape[0]
+    g = torch.Generator().manual_seed(100 + seed)
+    inverse = torch.randint(0, batch, (features, batch), generator=g)
+    kinds = torch.randint(0, 3, (features,), generator=g).tolist()  # identity, permutation, shared bags
+    for f, kind in enumerate(kinds):
+        if kind == 0:
+            inverse[f] = torch.arange(batch)
+        elif kind == 1:
+            inverse[f] = torch.randperm(batch, generator=g)
+    inverse = inverse.to(DEVICE)
+    rows = inverse.index_select(0, col_feature.long()).t()
+    grad = torch.randn(batch, pooled.shape[1], generator=g).to(DEVICE)
+    got = expand_triton.backward(grad, inverse, col_feature, batch)
+    torch.testing.assert_close(got, torch.zeros(batch, pooled.shape[1], device=DEVICE).scatter_add_(0, rows, grad))
+    identity = torch.tensor([kinds[f] == 0 for f in col_feature.tolist()], device=DEVICE)
+    assert torch.equal(got[:, identity], grad[:, identity])
+
+
 def test_op_gradient():
     pooled, inverse, col_feature = _case(7)
     pooled = pooled.double().requires_grad_()

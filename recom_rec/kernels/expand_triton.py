@@ -4,6 +4,11 @@ bag's pooled row, ``out[b, c] = pooled[inverse[feature(c), b], c]``, and the gra
 A program covers BLOCK_B rows x BLOCK_C columns; an element finds its bag through the inverse
 indices of its column's feature (one int64 a row and feature, in L1 across the feature's columns),
 so no ``[B, columns]`` index is ever built.
+
+The backward adds rows to bags with fp32 atomics, except for a feature whose inverse indices are
+the identity (a feature at the full batch: torchrec's VBE gives those ``arange(B)``), whose rows are
+its bags: they are stored, at a plain store's cost (perf-notes v47). A small kernel finds those
+features on the device (no sync).
 """
 import torch
 import triton
@@ -12,6 +17,7 @@ import triton.language as tl
 from .grid_math import cdiv
 
 BLOCK_B, BLOCK_C = 16, 128
+MOVED_BLOCK = 1024
 
 
 @triton.jit
@@ -34,11 +40,26 @@ def _expand_forward_kernel(pooled_ptr, inverse_ptr, col_feature_ptr, out_ptr, ba
 
 
 @triton.jit
-def _expand_backward_kernel(grad_ptr, inverse_ptr, col_feature_ptr, grad_pooled_ptr, batch, cols, inverse_stride,
-                            BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+def _moved_features_kernel(inverse_ptr, moved_ptr, batch, inverse_stride, BLOCK: tl.constexpr):
+    """moved[f] = 1 where some row b of feature f takes a bag other than b (moved starts at 0)."""
+    f = tl.program_id(1)
+    b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = b < batch
+    bag = tl.load(inverse_ptr + f * inverse_stride + b, mask=live, other=0).to(tl.int64)
+    moved = tl.max(((bag != b) & live).to(tl.int32), axis=0)
+    tl.store(moved_ptr + f, moved, mask=moved > 0)  # every writer writes 1
+
+
+@triton.jit
+def _expand_backward_kernel(grad_ptr, inverse_ptr, col_feature_ptr, moved_ptr, grad_pooled_ptr, batch, cols,
+                            inverse_stride, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
     b, c, mask, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B, BLOCK_C)
     g = tl.load(grad_ptr + b[:, None] * cols + c[None, :], mask=mask, other=0.0)
-    tl.atomic_add(grad_pooled_ptr + src * cols + c[None, :], g, mask=mask)
+    f = tl.load(col_feature_ptr + c, mask=c < cols, other=0)
+    summed = (tl.load(moved_ptr + f, mask=c < cols, other=1) != 0)[None, :]
+    # an identity feature's row b is its bag b and no other row adds to it: a store, same bits
+    tl.atomic_add(grad_pooled_ptr + src * cols + c[None, :], g, mask=mask & summed)
+    tl.store(grad_pooled_ptr + src * cols + c[None, :], g, mask=mask & ~summed)
 
 
 def forward(pooled, inverse, col_feature):
@@ -56,7 +77,10 @@ def backward(grad, inverse, col_feature, num_bags):
     batch, cols = grad.shape
     grad_pooled = torch.zeros(num_bags, cols, dtype=torch.float32, device=grad.device)
     if batch and cols:
+        moved = torch.zeros(inverse.shape[0], dtype=torch.int32, device=grad.device)
+        _moved_features_kernel[(cdiv(batch, MOVED_BLOCK), inverse.shape[0])](
+            inverse, moved, batch, inverse.stride(0), BLOCK=MOVED_BLOCK, num_warps=4)
         _expand_backward_kernel[(cdiv(batch, BLOCK_B), cdiv(cols, BLOCK_C))](
-            grad, inverse, col_feature, grad_pooled, batch, cols, inverse.stride(0),
+            grad, inverse, col_feature, moved, grad_pooled, batch, cols, inverse.stride(0),
             BLOCK_B=BLOCK_B, BLOCK_C=BLOCK_C, num_warps=4)
     return grad_pooled
