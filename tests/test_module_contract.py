@@ -238,3 +238,28 @@ def test_the_first_call_imports_no_kernel_module(kind):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+_BUILT_ON_THE_CPU = """
+import torch, recom_rec, recom_rec.quant
+from torchrec import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_configs import DataType
+bag = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=20, feature_names=["f"])]
+recom_rec.EmbeddingBagCollection(bag)
+recom_rec.EmbeddingBagCollection(bag, device=torch.device("meta"))
+recom_rec.EmbeddingCollection([EmbeddingConfig(name="t", embedding_dim=8, num_embeddings=20, feature_names=["f"])])
+recom_rec.quant.EmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=20,
+                                                           feature_names=["f"], data_type=DataType.INT8)],
+                                       False, torch.device("cpu"))
+print("cuda initialized:", torch.cuda.is_initialized())
+"""
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a GPU that construction could start (RECOM_TEST_DEVICE=cuda)")
+def test_a_module_built_on_the_cpu_or_meta_does_not_start_cuda():
+    # Loading the kernels at construction must not create a CUDA context: a process that builds its
+    # model on the CPU and then forks workers that use CUDA would fail
+    out = subprocess.run([sys.executable, "-c", _BUILT_ON_THE_CPU], env=child_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "cuda initialized: False", out.stdout

@@ -70,7 +70,8 @@ def load_kernels(backend: str) -> None:
         _selection() if backend == "auto" else _triton()
     if backend in ("auto", "cuda"):
         _cuda_builds()
-    load_decisions(torch.device("cuda", torch.cuda.current_device()))
+    if torch.cuda.is_initialized():  # (a module built on the CPU or meta must not start CUDA here)
+        load_decisions(torch.device("cuda", torch.cuda.current_device()))
 
 
 @lru_cache(maxsize=None)
