@@ -38,6 +38,15 @@ SUITE=/tmp/gpu-suite  # the detached suite's pid and log (the machine keeps /tmp
 suite_report() {
   cp "$SUITE/tests.log" "$OUT/tests.log"; tail -3 "$OUT/tests.log"
   grep -E " (FAILED|ERROR)( |$)" "$OUT/tests.log" | head -40; grep -cE " PASSED( |$)" "$OUT/tests.log"
+  # a crash: the test it happened in, the Python frames nearest to it, and the native ones
+  grep -m1 -B1 "Fatal Python error" "$OUT/tests.log" | cut -c1-300
+  grep -m1 -A8 "^Current thread" "$OUT/tests.log" | cut -c1-200
+  grep -A40 "=== native backtrace" "$OUT/tests.log" | cut -c1-200
+  # frames given as library(+offset): named by addr2line where the library has symbols
+  grep -A40 "=== native backtrace" "$OUT/tests.log" | sed -n 's/^\(\/[^(]*\)(+\(0x[0-9a-f]*\)).*/\1 \2/p' |
+    while read -r lib off; do
+      command -v addr2line >/dev/null && echo "$(basename "$lib") $off: $(addr2line -f -C -e "$lib" "$off" 2>/dev/null | paste -sd' ')"
+    done
 }
 suite_wait() {  # until the detached suite ends or $1 seconds pass
   local end=$(( $(date +%s) + $1 ))
