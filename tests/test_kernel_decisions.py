@@ -59,6 +59,11 @@ def _ours(decisions):
             for cls, choice in tuners.get(TUNER, {}).items()}
 
 
+def _other_context_decisions():
+    """The shape decided the other way on another GPU and build."""
+    return {"version": 1, "entries": {OTHER_CONTEXT: {TUNER: {shape_class(shape()): "features"}}}}
+
+
 def _fresh_launches(calls=3, s=None):
     """A new process's tuner (another model of the layout: the weights elsewhere): its launches."""
     stream = FakeStream({F: 2.0, B: 1.0})
@@ -110,7 +115,7 @@ def test_a_shape_on_trial_takes_an_imported_decision_at_its_next_call():
 
 def test_a_decision_of_another_context_is_ignored_and_the_shape_measured():
     decisions = _decided()
-    other = {"version": 1, "entries": {OTHER_CONTEXT: {TUNER: {shape_class(shape()): "features"}}}}
+    other = _other_context_decisions()
     forget_all()
     recom_rec.use_kernel_decisions(other)
     with pytest.warns(UserWarning, match="other contexts"):
@@ -128,7 +133,7 @@ def test_a_decision_of_another_context_is_ignored_and_the_shape_measured():
 def test_decisions_taken_out_hold_the_imported_ones_not_used_yet():
     decisions = _decided()
     forget_all()
-    other = {"version": 1, "entries": {OTHER_CONTEXT: {TUNER: {shape_class(shape()): "features"}}}}
+    other = _other_context_decisions()
     recom_rec.use_kernel_decisions(other)
     recom_rec.use_kernel_decisions(decisions)
     again = recom_rec.kernel_decisions()

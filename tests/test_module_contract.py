@@ -207,6 +207,14 @@ def test_ids_from_a_finished_functorch_transform_pool_like_plain_ids():
     assert torch.equal(grad, module.embedding_bags["t"].weight.grad)
 
 
+def _last_line_of(code: str, *args: str) -> str:
+    """The last line a fresh Python process running ``code`` prints (it must exit 0)."""
+    out = subprocess.run([sys.executable, "-c", code, *args], env=child_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
 _FIRST_CALL = """
 import sys, torch, recom_rec, recom_rec.quant
 from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor
@@ -234,10 +242,7 @@ print(sorted(n for n in set(sys.modules) - before if n.startswith("recom_rec.ker
 def test_the_first_call_imports_no_kernel_module(kind):
     # Construction imports the kernels the module runs: their Triton @jit decorators tokenize their
     # sources (~70 ms of the H200 host's time, perf-notes v47), which the first call would pay.
-    out = subprocess.run([sys.executable, "-c", _FIRST_CALL, kind], env=child_env(), capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    assert _last_line_of(_FIRST_CALL, kind) == "[]"
 
 
 _BUILT_ON_THE_CPU = """
@@ -259,7 +264,4 @@ print("cuda initialized:", torch.cuda.is_initialized())
 def test_a_module_built_on_the_cpu_or_meta_does_not_start_cuda():
     # Loading the kernels at construction must not create a CUDA context: a process that builds its
     # model on the CPU and then forks workers that use CUDA would fail
-    out = subprocess.run([sys.executable, "-c", _BUILT_ON_THE_CPU], env=child_env(), capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "cuda initialized: False", out.stdout
+    assert _last_line_of(_BUILT_ON_THE_CPU) == "cuda initialized: False"

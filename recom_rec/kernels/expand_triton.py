@@ -22,19 +22,19 @@ MOVED_BLOCK = 1024
 
 @triton.jit
 def _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The program's rows b, columns c, mask, and each element's bag."""
+    """The program's rows b, columns c, mask, each column's feature f and each element's bag."""
     b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (b < batch)[:, None] & (c < cols)[None, :]
     f = tl.load(col_feature_ptr + c, mask=c < cols, other=0).to(tl.int64)
     bag = tl.load(inverse_ptr + f[None, :] * inverse_stride + b[:, None], mask=mask, other=0).to(tl.int64)
-    return b, c, mask, bag
+    return b, c, mask, f, bag
 
 
 @triton.jit
 def _expand_forward_kernel(pooled_ptr, inverse_ptr, col_feature_ptr, out_ptr, batch, cols, inverse_stride,
                            BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    b, c, mask, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B, BLOCK_C)
+    b, c, mask, _, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B, BLOCK_C)
     v = tl.load(pooled_ptr + src * cols + c[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + b[:, None] * cols + c[None, :], v, mask=mask)
 
@@ -53,9 +53,8 @@ def _moved_features_kernel(inverse_ptr, moved_ptr, batch, inverse_stride, BLOCK:
 @triton.jit
 def _expand_backward_kernel(grad_ptr, inverse_ptr, col_feature_ptr, moved_ptr, grad_pooled_ptr, batch, cols,
                             inverse_stride, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    b, c, mask, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B, BLOCK_C)
+    b, c, mask, f, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B, BLOCK_C)
     g = tl.load(grad_ptr + b[:, None] * cols + c[None, :], mask=mask, other=0.0)
-    f = tl.load(col_feature_ptr + c, mask=c < cols, other=0)
     summed = (tl.load(moved_ptr + f, mask=c < cols, other=1) != 0)[None, :]
     # an identity feature's row b is its bag b and no other row adds to it: a store, same bits
     tl.atomic_add(grad_pooled_ptr + src * cols + c[None, :], g, mask=mask & summed)

@@ -144,8 +144,9 @@ def _active_prior(device: torch.device):
 
 
 def load_decisions(device: torch.device) -> None:
-    """Reads the decision file and ``device``'s shipped prior now (a module's construction) rather
-    than in the first launch."""
+    """Loads the decision file's reader (``RECOM_REC_CACHE``; the file itself is read at a shape's
+    first look-up) and reads ``device``'s shipped prior now (a module's construction) rather than
+    in the first launch."""
     from .decision_cache import active_cache
 
     active_cache()

@@ -66,8 +66,10 @@ def load_kernels(backend: str) -> None:
         return
     from ..kernels.launch_tuner import load_decisions
 
-    if backend in ("auto", "triton"):
-        _selection() if backend == "auto" else _triton()
+    if backend == "auto":
+        _selection()  # (imports the Triton and CUDA backends too)
+    elif backend == "triton":
+        _triton()
     if backend in ("auto", "cuda"):
         _cuda_builds()
     if torch.cuda.is_initialized():  # (a module built on the CPU or meta must not start CUDA here)
