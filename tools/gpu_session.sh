@@ -11,7 +11,8 @@
 #   (the tests stage runs the whole suite, tests/, with CUDA tensors in one process; TESTS="files or
 #   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it;
 #   TEST_DETACH=1 lets it run past the call, and the next call's STAGES=tests-wait awaits it;
-#   NATIVE_BACKTRACE=1 and HEAP_CHECK=1 for a process that crashes: native frames, glibc's checked malloc)
+#   NATIVE_BACKTRACE=1 and HEAP_CHECK=1 for a process that crashes: native frames, glibc's checked malloc;
+#   RESOURCE_LOG=1: mappings, threads, files and memory after each test, tools/pytest_resources.py)
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
 set -o pipefail
 source .gpu/setup.sh
@@ -37,6 +38,10 @@ quiet() { grep -v "Warning\|warn\|WARNING\|^ *$\|\[33m\|\[0m\|compat\|cannot det
 SUITE=/tmp/gpu-suite  # the detached suite's pid and log (the machine keeps /tmp while warm)
 suite_report() {
   cp "$SUITE/tests.log" "$OUT/tests.log"; tail -3 "$OUT/tests.log"
+  if [ -f "$SUITE/resources.log" ]; then  # the first and the last tests' holdings, and the limit on mappings
+    cp "$SUITE/resources.log" "$OUT/"; echo "vm.max_map_count $(cat /proc/sys/vm/max_map_count)"
+    head -2 "$SUITE/resources.log"; tail -3 "$SUITE/resources.log"
+  fi
   grep -E " (FAILED|ERROR)( |$)" "$OUT/tests.log" | head -40; grep -cE " PASSED( |$)" "$OUT/tests.log"
   # a crash: the test it happened in, the Python frames nearest to it, and the native ones
   grep -m1 -B1 "Fatal Python error" "$OUT/tests.log" | cut -c1-300
@@ -58,7 +63,7 @@ if [[ " $STAGES " == *" tests "* ]]; then
   # NATIVE_BACKTRACE=1: a crash prints its native frames too (tools/segv_backtrace.c); HEAP_CHECK=1:
   # glibc's checked malloc, which aborts where a corrupted heap block is next touched
   preload=()
-  if [ -n "${NATIVE_BACKTRACE:-}" ] && gcc -shared -fPIC -O1 -o /tmp/segv_backtrace.so tools/segv_backtrace.c; then
+  if [ -n "${NATIVE_BACKTRACE:-}" ] && gcc -shared -fPIC -O1 -o /tmp/segv_backtrace.so tools/segv_backtrace.c -ldl; then
     preload+=(/tmp/segv_backtrace.so)
   fi
   debug_malloc=$(ls /lib/x86_64-linux-gnu/libc_malloc_debug.so.0 /usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0 2>/dev/null | head -1)
@@ -69,6 +74,10 @@ if [[ " $STAGES " == *" tests "* ]]; then
   # -v: a line a test as it ends, so that a run the time limit stops still names what failed
   # --durations: the slowest tests, for planning the next call's split
   args=(-m pytest -v -rfE --tb=short --durations=40 -p no:cacheprovider ${TESTS:-tests} ${TEST_K:+-k "$TEST_K"})
+  if [ -n "${RESOURCE_LOG:-}" ]; then
+    mkdir -p "$SUITE"; rm -f "$SUITE/resources.log"
+    export RESOURCE_LOG="$SUITE/resources.log" PYTHONPATH="$PWD/tools:$PYTHONPATH"; args+=(-p pytest_resources)
+  fi
   if [ -n "${TEST_DETACH:-}" ]; then
     # The whole suite outlasts one device call: one process in a session of its own, which the
     # machine keeps while it stays warm; the next call's stage tests-wait awaits it (<30 s apart).

@@ -1,34 +1,76 @@
 // A native backtrace when a process dies of SIGSEGV or SIGBUS (Python's faulthandler prints only the
-// Python frames). Loaded with LD_PRELOAD (tools/gpu_session.sh, NATIVE_BACKTRACE=1): faulthandler,
-// installed later, prints its dump and re-raises to this handler, which prints the native frames
-// (library + offset; `addr2line -e LIB OFFSET` names them where the library has symbols) and dies.
+// Python frames). Loaded with LD_PRELOAD (tools/gpu_session.sh, NATIVE_BACKTRACE=1). Its handler stays
+// first: a later sigaction() for these signals (faulthandler's, torch's, a driver's) is kept as the
+// handler to call next, so the native frames print first (library + offset; `addr2line -e LIB OFFSET`
+// names them where the library has symbols), then the next handler runs (faulthandler: the Python
+// frames), then the process dies.
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <execinfo.h>
 #include <signal.h>
 #include <string.h>
 #include <unistd.h>
 
-static void print_and_die(int sig) {
+typedef int (*sigaction_fn)(int, const struct sigaction *, struct sigaction *);
+static sigaction_fn real_sigaction;
+static struct sigaction next_action[2];  // SIGSEGV's, SIGBUS's, as others set them
+static int installed;
+
+static int slot(int sig) { return sig == SIGSEGV ? 0 : sig == SIGBUS ? 1 : -1; }
+
+static void die_by(int sig) {
+  struct sigaction dfl;
+  memset(&dfl, 0, sizeof dfl);
+  dfl.sa_handler = SIG_DFL;
+  real_sigaction(sig, &dfl, 0);
+  raise(sig);
+}
+
+static void print_and_chain(int sig, siginfo_t *info, void *context) {
+  static volatile sig_atomic_t entered;
+  if (entered) die_by(sig);  // the next handler faulted, or re-raised into this one
+  entered = 1;
   static const char head[] = "\n=== native backtrace (tools/segv_backtrace.c) ===\n";
   void *frames[128];
   (void)!write(2, head, sizeof head - 1);
   backtrace_symbols_fd(frames, backtrace(frames, 128), 2);
-  signal(sig, SIG_DFL);
-  raise(sig);
+  static const char tail[] = "=== end of native backtrace ===\n";
+  (void)!write(2, tail, sizeof tail - 1);
+  const struct sigaction *next = &next_action[slot(sig)];
+  if (next->sa_flags & SA_SIGINFO) {
+    if (next->sa_sigaction) next->sa_sigaction(sig, info, context);
+  } else if (next->sa_handler != SIG_DFL && next->sa_handler != SIG_IGN) {
+    next->sa_handler(sig);
+  }
+  die_by(sig);
+}
+
+// Interposed: the process's own calls for SIGSEGV and SIGBUS set the handler chained to, not the
+// installed one.
+int sigaction(int sig, const struct sigaction *act, struct sigaction *old) {
+  if (!real_sigaction) real_sigaction = (sigaction_fn)dlsym(RTLD_NEXT, "sigaction");
+  int i = slot(sig);
+  if (!installed || i < 0) return real_sigaction(sig, act, old);
+  if (old) *old = next_action[i];
+  if (act) next_action[i] = *act;
+  return 0;
 }
 
 __attribute__((constructor)) static void install(void) {
+  real_sigaction = (sigaction_fn)dlsym(RTLD_NEXT, "sigaction");
   // backtrace() loads libgcc_s's unwinder on its first call, which mallocs: done here, not in a
-  // handler whose process may have a corrupted heap (the handler then died silently)
+  // handler whose process may have a corrupted heap
   void *prime[1];
   (void)backtrace(prime, 1);
   static char stack[1 << 16];  // the handler's own stack: a stack overflow still gets its backtrace
   stack_t alt = {.ss_sp = stack, .ss_size = sizeof stack, .ss_flags = 0};
-  struct sigaction action;
   sigaltstack(&alt, 0);
+  struct sigaction action;
   memset(&action, 0, sizeof action);
-  action.sa_handler = print_and_die;
-  action.sa_flags = SA_ONSTACK;
-  sigaction(SIGSEGV, &action, 0);
-  sigaction(SIGBUS, &action, 0);
+  action.sa_sigaction = print_and_chain;
+  action.sa_flags = SA_ONSTACK | SA_SIGINFO | SA_NODEFER;
+  for (int sig = SIGSEGV, n = 0; n < 2; sig = SIGBUS, n++) {
+    real_sigaction(sig, &action, &next_action[slot(sig)]);
+  }
+  installed = 1;
 }
