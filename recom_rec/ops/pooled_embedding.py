@@ -70,10 +70,13 @@ def load_kernels(backend: str) -> None:
         _selection()  # (imports the Triton and CUDA backends too)
     elif backend == "triton":
         _triton()
+    # The extension's load asks the GPU's architecture, which starts CUDA: a module built on the CPU
+    # or meta must not (a process that then forks CUDA workers would fail); its first call loads it.
+    if not torch.cuda.is_initialized():
+        return
     if backend in ("auto", "cuda"):
         _cuda_builds()
-    if torch.cuda.is_initialized():  # (a module built on the CPU or meta must not start CUDA here)
-        load_decisions(torch.device("cuda", torch.cuda.current_device()))
+    load_decisions(torch.device("cuda", torch.cuda.current_device()))
 
 
 @lru_cache(maxsize=None)
