@@ -12,7 +12,8 @@
 #   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it;
 #   TEST_DETACH=1 lets it run past the call, and the next call's STAGES=tests-wait awaits it;
 #   NATIVE_BACKTRACE=1 and HEAP_CHECK=1 for a process that crashes: native frames, glibc's checked malloc;
-#   RESOURCE_LOG=1: mappings, threads, files and memory after each test, tools/pytest_resources.py)
+#   RESOURCE_LOG=1: mappings, threads, files and memory after each test, and the garbage collector's
+#   last state, tools/pytest_resources.py; with GC_EACH_TEST=1 it collects after each test)
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
 set -o pipefail
 source .gpu/setup.sh
@@ -41,6 +42,7 @@ suite_report() {
   if [ -f "$SUITE/resources.log" ]; then  # the first and the last tests' holdings, and the limit on mappings
     cp "$SUITE/resources.log" "$OUT/"; echo "vm.max_map_count $(cat /proc/sys/vm/max_map_count)"
     head -2 "$SUITE/resources.log"; tail -3 "$SUITE/resources.log"
+    cp "$SUITE/resources.log.gc" "$OUT/" 2>/dev/null; echo "gc: $(sed 's/ *$//' "$SUITE/resources.log.gc" 2>/dev/null)"
   fi
   grep -E " (FAILED|ERROR)( |$)" "$OUT/tests.log" | head -40; grep -cE " PASSED( |$)" "$OUT/tests.log"
   # a crash: the test it happened in, the Python frames nearest to it, and the native ones
@@ -75,7 +77,7 @@ if [[ " $STAGES " == *" tests "* ]]; then
   # --durations: the slowest tests, for planning the next call's split
   args=(-m pytest -v -rfE --tb=short --durations=40 -p no:cacheprovider ${TESTS:-tests} ${TEST_K:+-k "$TEST_K"})
   if [ -n "${RESOURCE_LOG:-}" ]; then
-    mkdir -p "$SUITE"; rm -f "$SUITE/resources.log"
+    mkdir -p "$SUITE"; rm -f "$SUITE"/resources.log*
     export RESOURCE_LOG="$SUITE/resources.log" PYTHONPATH="$PWD/tools:$PYTHONPATH"; args+=(-p pytest_resources)
   fi
   if [ -n "${TEST_DETACH:-}" ]; then

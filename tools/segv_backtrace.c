@@ -3,16 +3,24 @@
 // first: a later sigaction() for these signals (faulthandler's, torch's, a driver's) is kept as the
 // handler to call next, so the native frames print first (library + offset; `addr2line -e LIB OFFSET`
 // names them where the library has symbols), then the next handler runs (faulthandler: the Python
-// frames), then the process dies.
+// frames), then the process dies. The thread that loads it keeps this file's alternate signal stack
+// (256 KiB): a later sigaltstack() there (faulthandler's, of a few KiB) is recorded, not applied, as
+// a signal frame with AVX-512/AMX state and libgcc's unwinder outgrow a small one (v48: the process
+// died without a word).
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <execinfo.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 typedef int (*sigaction_fn)(int, const struct sigaction *, struct sigaction *);
+typedef int (*sigaltstack_fn)(const stack_t *, stack_t *);
 static sigaction_fn real_sigaction;
+static sigaltstack_fn real_sigaltstack;
+static pid_t loader_tid;
+static stack_t asked_stack;  // what the loading thread last asked for (reported back as its "old" stack)
 static struct sigaction next_action[2];  // SIGSEGV's, SIGBUS's, as others set them
 static int installed;
 
@@ -56,15 +64,26 @@ int sigaction(int sig, const struct sigaction *act, struct sigaction *old) {
   return 0;
 }
 
+int sigaltstack(const stack_t *ss, stack_t *old) {
+  if (!real_sigaltstack) real_sigaltstack = (sigaltstack_fn)dlsym(RTLD_NEXT, "sigaltstack");
+  if (!installed || syscall(SYS_gettid) != loader_tid) return real_sigaltstack(ss, old);
+  if (old) *old = asked_stack;
+  if (ss) asked_stack = *ss;
+  return 0;
+}
+
 __attribute__((constructor)) static void install(void) {
   real_sigaction = (sigaction_fn)dlsym(RTLD_NEXT, "sigaction");
+  real_sigaltstack = (sigaltstack_fn)dlsym(RTLD_NEXT, "sigaltstack");
+  loader_tid = (pid_t)syscall(SYS_gettid);
+  asked_stack.ss_flags = SS_DISABLE;
   // backtrace() loads libgcc_s's unwinder on its first call, which mallocs: done here, not in a
   // handler whose process may have a corrupted heap
   void *prime[1];
   (void)backtrace(prime, 1);
-  static char stack[1 << 16];  // the handler's own stack: a stack overflow still gets its backtrace
+  static char stack[1 << 18];  // the handler's own stack: a stack overflow still gets its backtrace
   stack_t alt = {.ss_sp = stack, .ss_size = sizeof stack, .ss_flags = 0};
-  sigaltstack(&alt, 0);
+  real_sigaltstack(&alt, 0);
   struct sigaction action;
   memset(&action, 0, sizeof action);
   action.sa_sigaction = print_and_chain;
