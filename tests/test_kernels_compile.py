@@ -49,7 +49,7 @@ template __global__ void plan_kernel<{i}>(const {i}*, int64_t, int64_t*, int64_t
     uint32_t*);
 template __global__ void zero_untouched_kernel<{w}>({w}*, int64_t, const uint32_t*, const int64_t*, int);
 template __global__ void singleton_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const {i}*, const float*,
-    const int64_t*, const uint32_t*, const float*, PieceArgs, int64_t, int64_t, bool, {w}*, int64_t);
+    const int64_t*, const uint32_t*, const float*, const int64_t*, PieceArgs, int64_t, int64_t, bool, {w}*, int64_t);
 }}
 '''
 

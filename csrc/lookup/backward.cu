@@ -22,10 +22,11 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
                   const at::Tensor& meta, const at::Tensor& pieces, const at::Tensor& split_rows,
                   const at::Tensor& counts, int64_t n, const at::Tensor& partials, int64_t partial_stride,
                   const at::Tensor& out, const at::Tensor& state1, const at::Tensor& state2, const at::Tensor& hyper,
-                  const at::Tensor& step, int64_t opt, int64_t max_dim, int64_t lanes) {
+                  const at::Tensor& step, int64_t opt, int64_t max_dim, int64_t lanes,
+                  const c10::optional<at::Tensor>& grad_rows) {
   backward_kernels(opt).pieces(row_key, order, src, scale, feature, bag_scale, packed_batch, grad, meta, pieces,
                                split_rows, counts, n, partials, partial_stride, out, state1, state2, hyper, step, opt,
-                               max_dim, lanes);
+                               max_dim, lanes, grad_rows);
 }
 
 // The lookups whose rows plan_backward left out of the pieces (one lookup in the batch), finished
@@ -34,7 +35,7 @@ void singleton_update(const at::Tensor& values, const at::Tensor& offsets, const
                       const at::Tensor& meta, const at::Tensor& key_index, const at::Tensor& multi,
                       const at::Tensor& grad, int64_t batch_size, const at::Tensor& out, const at::Tensor& state1,
                       const at::Tensor& state2, const at::Tensor& hyper, const at::Tensor& step, int64_t opt,
-                      int64_t max_dim) {
+                      int64_t max_dim, const c10::optional<at::Tensor>& grad_rows) {
   backward_kernels(opt).singletons(values, offsets, psw, meta, key_index, multi, grad, batch_size, out, state1,
-                                   state2, hyper, step, opt, max_dim);
+                                   state2, hyper, step, opt, max_dim, grad_rows);
 }

@@ -17,7 +17,7 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
                       const at::Tensor& split_rows, const at::Tensor& counts, int64_t n, const at::Tensor& partials,
                       int64_t partial_stride, const at::Tensor& out, const at::Tensor& state1,
                       const at::Tensor& state2, const at::Tensor& hyper, const at::Tensor& step, int64_t opt,
-                      int64_t max_dim, int64_t lanes) {
+                      int64_t max_dim, int64_t lanes, const c10::optional<at::Tensor>& grad_rows) {
   c10::cuda::CUDAGuard guard(out.device());
   // lanes -1: each piece at its own row's fewest lanes, a launch a lane class (piece_class_count_kernel)
   const bool by_width = lanes == -1;
@@ -41,9 +41,13 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
   if (most_long > 0) C10_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr<int32_t>() + 2, 0, sizeof(int32_t), stream));
   TORCH_CHECK(packed_batch >= 0 && packed_batch < (int64_t)INT32_MAX, "packed_batch out of range");
   const bool grad_vec = reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0 && grad.size(1) % 4 == 0;
+  TORCH_CHECK(!grad_rows.has_value() || (packed_batch > 0 && grad_rows->is_cuda() &&
+                                          grad_rows->scalar_type() == at::kLong && grad_rows->numel() >= packed_batch),
+              "piece_update: grad_rows are int64 on the GPU, a bag each, with a packed plan");
   const Payload pay = make_payload((int32_t)packed_batch, grad_vec, grad.size(1), meta.data_ptr<int64_t>(),
                                    bag_scale.data_ptr<float>(), src.data_ptr<int64_t>(), scale.data_ptr<float>(),
-                                   feature.data_ptr<int32_t>());
+                                   feature.data_ptr<int32_t>(),
+                                   grad_rows.has_value() ? grad_rows->data_ptr<int64_t>() : nullptr);
   const PieceArgs args{pieces.data_ptr<int64_t>(), split_rows.data_ptr<int64_t>(), long_rows.data_ptr<int64_t>(),
                        counts.data_ptr<int32_t>(), n,
                        partials.data_ptr<float>(), partial_stride,
@@ -126,10 +130,14 @@ void singleton_update_for(const at::Tensor& values, const at::Tensor& offsets,
                           const c10::optional<at::Tensor>& psw, const at::Tensor& meta, const at::Tensor& key_index,
                           const at::Tensor& multi, const at::Tensor& grad, int64_t batch_size, const at::Tensor& out,
                           const at::Tensor& state1, const at::Tensor& state2, const at::Tensor& hyper,
-                          const at::Tensor& step, int64_t opt, int64_t max_dim) {
+                          const at::Tensor& step, int64_t opt, int64_t max_dim,
+                          const c10::optional<at::Tensor>& grad_rows) {
   c10::cuda::CUDAGuard guard(out.device());
   const int64_t F = meta.size(0);
   if (F == 0 || batch_size == 0) return;
+  TORCH_CHECK(!grad_rows.has_value() || (grad_rows->is_cuda() && grad_rows->scalar_type() == at::kLong &&
+                                         grad_rows->numel() >= batch_size),
+              "singleton_update: grad_rows are int64 on the GPU, a bag each");
   TORCH_CHECK(F <= 65535, "singleton_update takes at most 65535 features a group");
   TORCH_CHECK(values.scalar_type() == offsets.scalar_type(), "values and offsets must share a dtype");
   const PieceShape pieces = piece_shape(max_dim, 0, 0);  // piece_update's chunks a lane (V) and lanes a piece (a.G)
@@ -155,7 +163,9 @@ void singleton_update_for(const at::Tensor& values, const at::Tensor& offsets,
       auto k = V == 8 ? singleton_kernel<W, I, OPT, 8> : V == 4 ? singleton_kernel<W, I, OPT, 4>
                                                               : singleton_kernel<W, I, OPT, 1>;
       k<<<grid, threads, 0, stream>>>(values.data_ptr<I>(), offsets.data_ptr<I>(), w, key_index.data_ptr<int64_t>(),
-                                      bits, grad.data_ptr<float>(), args, batch_size, grad.size(1), grad_vec,
+                                      bits, grad.data_ptr<float>(),
+                                      grad_rows.has_value() ? grad_rows->data_ptr<int64_t>() : nullptr, args,
+                                      batch_size, grad.size(1), grad_vec,
                                       wptr<W>(out), values.numel());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };

@@ -612,15 +612,19 @@ inline BatchDivisor batch_divisor(uint32_t d) {
 //   gather through the payload but `bag_scale` for mean pooling. Used without sample weights.
 // - indexed (packed_batch = 0): o indexes the expand arrays src, scale, feature.
 // Built by make_payload, which sets `batch` from packed_batch.
+// `grad_rows` (packed only; null: bag * total_dim): where bag b's gradient row starts, in elements
+// from grad_output's start. The unpooled lookup's backward takes its features' gradients where
+// autograd left them, one tensor a feature, instead of a copy of them into one block (perf-notes v48).
 struct Payload {
   int32_t packed_batch;  // 32-bit: o / B is in the chain of every lookup (by `batch`'s multiply)
-  bool grad_vec;         // grad_output's start and width allow 16-byte rows
+  bool grad_vec;         // grad_output's start and width (and every row grad_rows names) allow 16-byte rows
   int64_t total_dim;
   const int64_t* meta;
   const float* bag_scale;
   const int64_t* src;
   const float* scale;
   const int32_t* feature;
+  const int64_t* grad_rows;
   BatchDivisor batch;
   __device__ __forceinline__ int32_t feature_of(int32_t o) const {
     return packed_batch ? (int32_t)batch.divide((uint32_t)o) : feature[o];
@@ -631,15 +635,16 @@ struct Payload {
       const int64_t b = o - f * packed_batch;
       const int64_t* m = meta + (int64_t)f * META_W;
       s = __ldg(m + 3) == 1 ? bag_scale[o] : 1.f;
-      return b * total_dim + __ldg(m + 2);
+      return (grad_rows ? __ldg(grad_rows + b) : b * total_dim) + __ldg(m + 2);
     }
     s = scale[o];
     return src[o];
   }
 };
 inline Payload make_payload(int32_t packed_batch, bool grad_vec, int64_t total_dim, const int64_t* meta,
-                            const float* bag_scale, const int64_t* src, const float* scale, const int32_t* feature) {
-  return Payload{packed_batch, grad_vec, total_dim, meta, bag_scale, src, scale, feature,
+                            const float* bag_scale, const int64_t* src, const float* scale, const int32_t* feature,
+                            const int64_t* grad_rows = nullptr) {
+  return Payload{packed_batch, grad_vec, total_dim, meta, bag_scale, src, scale, feature, grad_rows,
                  batch_divisor(packed_batch > 0 ? (uint32_t)packed_batch : 1u)};
 }
 
@@ -1063,7 +1068,8 @@ template <typename W, typename I, int OPT, int V>
 __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton_kernel(
     const I* __restrict__ values, const I* __restrict__ offsets, const float* __restrict__ psw,
     const int64_t* __restrict__ key_index, const uint32_t* __restrict__ multi, const float* __restrict__ grad,
-    PieceArgs a, int64_t batch_size, int64_t total_dim, bool grad_vec, W* __restrict__ out, int64_t num_values) {
+    const int64_t* __restrict__ grad_rows, PieceArgs a, int64_t batch_size, int64_t total_dim, bool grad_vec,
+    W* __restrict__ out, int64_t num_values) {
   constexpr int UNROLL = V == 1 ? (OPT == 2 ? 1 : 4) : 1;
   const int64_t feature = blockIdx.y;
   const int64_t* m = a.meta + feature * META_W;
@@ -1091,7 +1097,7 @@ __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton
     int most = len;  // the warp's longest bag: the loops below stay warp-uniform (shuffles, finish_row's)
     for (int off = 16; off > 0; off >>= 1) most = max(most, __shfl_xor_sync(0xffffffffu, most, off));
     const float bag_scale = mean ? 1.f / (float)(len > 1 ? len : 1) : 1.f;
-    const float* g = grad + b * total_dim + col;
+    const float* g = grad + (grad_rows ? (live ? grad_rows[b] : 0) : b * total_dim) + col;  // (Payload's grad_rows)
     for (int j0 = 0; j0 < most; j0 += G) {
       // lane sl of the group: lookup j0 + sl's row, whether it is finished here, its scale
       const bool mine = j0 + sl < len;

@@ -27,13 +27,14 @@ void piece_update(const at::Tensor& row_key, const at::Tensor& order, const at::
                   const at::Tensor& meta, const at::Tensor& pieces, const at::Tensor& split_rows,
                   const at::Tensor& counts, int64_t n, const at::Tensor& partials, int64_t partial_stride,
                   const at::Tensor& out, const at::Tensor& state1, const at::Tensor& state2, const at::Tensor& hyper,
-                  const at::Tensor& step, int64_t opt, int64_t max_dim, int64_t lanes);
+                  const at::Tensor& step, int64_t opt, int64_t max_dim, int64_t lanes,
+                  const c10::optional<at::Tensor>& grad_rows);
 
 void singleton_update(const at::Tensor& values, const at::Tensor& offsets, const c10::optional<at::Tensor>& psw,
                       const at::Tensor& meta, const at::Tensor& key_index, const at::Tensor& multi,
                       const at::Tensor& grad, int64_t batch_size, const at::Tensor& out, const at::Tensor& state1,
                       const at::Tensor& state2, const at::Tensor& hyper, const at::Tensor& step, int64_t opt,
-                      int64_t max_dim);
+                      int64_t max_dim, const c10::optional<at::Tensor>& grad_rows);
 
 // One optimizer's backward updates (backward_<optimizer>.cu): piece_update and singleton_update
 // with the kernels of that optimizer only.

@@ -193,33 +193,37 @@ def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, bat
 
 
 def _cuda_pieces(plan, grad_output, feature_meta, n, partials, partial_stride, out, state1, state2, hyper, step,
-                 opt, max_dim, lanes=WIDEST):
-    """The piece and split-row kernels on a _cuda_plan, then the rows of one lookup."""
+                 opt, max_dim, lanes=WIDEST, grad_rows=None):
+    """The piece and split-row kernels on a _cuda_plan, then the rows of one lookup. ``grad_rows``:
+    see run_backward (a packed plan's)."""
     row_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi, _, packed_batch, singles = plan
     ext = cuda_ext.extension()
     ext.piece_update(row_key, order, src, scale, feature, bag_scale, packed_batch, grad_output, feature_meta, pieces,
                      split_rows, counts, n, partials, partial_stride, out, state1, state2, hyper, step, opt, max_dim,
-                     piece_lanes(lanes, max_dim))
+                     piece_lanes(lanes, max_dim), grad_rows)
     if singles is not None:
         values, offsets, psw, key_index, batch_size = singles
         ext.singleton_update(values, offsets, psw, feature_meta, key_index, multi, grad_output, batch_size, out,
-                             state1, state2, hyper, step, opt, max_dim)
+                             state1, state2, hyper, step, opt, max_dim, grad_rows)
 
 
 def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, num_rows, opt, num_lookups, zeros=False) -> None:
+                  key_index, batch_size, max_dim, num_rows, opt, num_lookups, zeros=False, grad_rows=None) -> None:
     """pooled_triton.run_backward with the CUDA planning and piece kernels where they cover ``out``,
     on the path BACKWARD_PATH_TUNER picks for the shape. ``zeros``: ``out`` is the dense backward's
-    uninitialised gradient, zeroed outside the touched rows after the plan (see backward)."""
+    uninitialised gradient, zeroed outside the touched rows after the plan (see backward).
+    ``grad_rows``: see pooled_triton.run_backward."""
     cuda = supports(out, max_dim)
 
     def run(path: str):
         singles, lanes = BACKWARD_PATHS[path]
         pooled_triton.run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights,
                                     feature_meta, key_index, batch_size, max_dim, num_rows, opt, num_lookups,
-                                    pieces=functools.partial(_cuda_pieces, lanes=lanes) if cuda else None,
+                                    pieces=functools.partial(_cuda_pieces, lanes=lanes, grad_rows=grad_rows)
+                                    if cuda else None,
                                     planner=functools.partial(_cuda_plan, singles=singles,
-                                                              zeros_into=out if zeros else None) if cuda else None)
+                                                              zeros_into=out if zeros else None) if cuda else None,
+                                    grad_rows=grad_rows)
 
     if not cuda:
         return run("pieces")
@@ -232,7 +236,7 @@ def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sa
 
 
 def backward(grad_output, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_numel,
-             dtype, max_dim, num_lookups=-1, num_rows=-1):
+             dtype, max_dim, num_lookups=-1, num_rows=-1, grad_rows=None):
     """The dense gradient of the group's flat buffer. Each element is written once where the
     plan can mark the touched rows in a bitmap (the group's rows known, at most BITMAP_MAX_ROWS):
     zeros outside those rows, then the rows' sums. Else the buffer is zeroed whole first."""
@@ -245,13 +249,14 @@ def backward(grad_output, values, offsets, per_sample_weights, feature_meta, key
     if empty:
         return grad
     _run_backward(grad, [], None, None, grad_output, values, offsets, per_sample_weights, feature_meta, key_index,
-                  batch_size, max_dim, num_rows, -1, num_lookups, zeros=once)
+                  batch_size, max_dim, num_rows, -1, num_lookups, zeros=once, grad_rows=grad_rows)
     return grad
 
 
 def fused_update(grad_output, flat, states, state_is_row, hyper, step, values, offsets, per_sample_weights,
-                 feature_meta, key_index, batch_size, max_dim, kind, num_lookups=-1, num_rows=-1) -> None:
+                 feature_meta, key_index, batch_size, max_dim, kind, num_lookups=-1, num_rows=-1,
+                 grad_rows=None) -> None:
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return
     _run_backward(flat, states, hyper, step, grad_output, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, num_rows, kind, num_lookups)
+                  key_index, batch_size, max_dim, num_rows, kind, num_lookups, grad_rows=grad_rows)

@@ -601,13 +601,20 @@ def plan_sorted_lookups(row_key, order, src, scale, feature):
 
 
 def run_backward(grad_output, out, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, num_rows, opt, num_lookups, pieces=None, planner=None):
+                  key_index, batch_size, max_dim, num_rows, opt, num_lookups, pieces=None, planner=None,
+                  grad_rows=None):
     """The backward of one group: plan, then sum every row's lookups and finish the rows.
     ``planner`` replaces the Triton planning and ``pieces`` (taking the plan) the Triton piece and
     split-row kernels: the CUDA backend's pooled_cuda._cuda_plan and _cuda_pieces. ``num_rows``
     (-1: unknown) bounds the row keys; unknown, the bound is ``out``'s element count, which may push
-    the keys to 64 bits (twice the sort's passes and key traffic)."""
-    grad_output = grad_output.contiguous()
+    the keys to 64 bits (twice the sort's passes and key traffic).
+    ``grad_rows`` (int64, a bag each; one feature, bags of one lookup without sample weights: the
+    unpooled backward's): where each bag's gradient row starts, in elements from ``grad_output``'s
+    start, which is then only the first of the tensors holding them; rows where it names them are
+    16-byte aligned where ``grad_output`` is and its width is a multiple of 4. Without it, bag b's row
+    is ``grad_output[b]``."""
+    if grad_rows is None:
+        grad_output = grad_output.contiguous()
     device = grad_output.device
     row_count = num_rows if num_rows >= 0 else out.numel()
     plan = (planner or _triton_plan)(values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
@@ -625,6 +632,8 @@ def run_backward(grad_output, out, states, hyper, step, values, offsets, per_sam
         pieces(plan, grad_output, feature_meta, n, partials, block_d, out, state1, state2, hyper, step, opt, max_dim)
         return
     row_key, order, src, scale, feature, piece_list, split_rows, counts = plan
+    if grad_rows is not None:  # bags of one lookup: lookup i's row is bag i's
+        src = grad_rows
     block_r, unroll, num_warps = piece_launch(block_d)
     _piece_kernel[(_programs(device, cdiv(n, block_r)),)](
         row_key, order, src, scale, feature, grad_output, feature_meta, piece_list, counts, n, partials,
@@ -652,20 +661,21 @@ def backward(
     max_dim: int,
     num_lookups: int = -1,
     num_rows: int = -1,
+    grad_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     grad = torch.zeros(total_numel, dtype=dtype, device=grad_output.device)
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return grad
     run_backward(grad_output, grad, [], None, None, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, num_rows, -1, num_lookups)
+                  key_index, batch_size, max_dim, num_rows, -1, num_lookups, grad_rows=grad_rows)
     return grad
 
 
 def fused_update(
     grad_output, flat, states, state_is_row, hyper, step, values, offsets, per_sample_weights,
-    feature_meta, key_index, batch_size, max_dim, kind, num_lookups=-1, num_rows=-1,
+    feature_meta, key_index, batch_size, max_dim, kind, num_lookups=-1, num_rows=-1, grad_rows=None,
 ) -> None:
     if feature_meta.shape[0] == 0 or batch_size == 0:
         return
     run_backward(grad_output, flat, states, hyper, step, values, offsets, per_sample_weights, feature_meta,
-                  key_index, batch_size, max_dim, num_rows, kind, num_lookups)
+                  key_index, batch_size, max_dim, num_rows, kind, num_lookups, grad_rows=grad_rows)

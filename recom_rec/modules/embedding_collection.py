@@ -170,7 +170,7 @@ class EmbeddingCollection(FlatTables, _TorchrecEmbeddingCollection):
         if len(self._groups) != 1:
             return None
         features = maybe_td_to_kjt(features, None)
-        return _group_rows(features, *self._lookup_arguments())[0][0]
+        return _group_rows(features, *self._lookup_arguments(), False)[0][0][0]
 
     def _lookup_arguments(self):
         if self._flat_link.stale:
@@ -213,12 +213,11 @@ def _collection_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], w
     """Every group's lookup, split into the module's JaggedTensors. A free function, ``fx.wrap``-ed,
     so fx records one call (the KJT's per-key lengths are read on the host); TorchScript compiles
     its scripted branch."""
-    rows, counts, key_indices = _group_rows(features, flats, weights, metas, plan, fused)
+    pieces, key_indices = _group_rows(features, flats, weights, metas, plan, fused, True)
     stride_per_key: List[int] = features.stride_per_key()
     lengths = features.lengths().split(stride_per_key)
     values = features.values()
     indices: List[torch.Tensor] = values.split(features.length_per_key()) if plan.need_indices else []
-    pieces = [rows[g].split(counts[g]) for g in range(len(rows))]
     out: Dict[str, JaggedTensor] = {}
     for g, j in plan.order:
         k = key_indices[g][j]
@@ -228,10 +227,10 @@ def _collection_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], w
 
 
 def _group_rows(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights: List[List[torch.Tensor]],
-                metas: List[torch.Tensor], plan: UnpooledPlan,
-                fused: Optional[FusedStep]) -> Tuple[List[torch.Tensor], List[List[int]], List[List[int]]]:
-    """Each group's ``[ids, dim]`` rows (its outputs one after another), each output's id count and
-    the KJT key it reads."""
+                metas: List[torch.Tensor], plan: UnpooledPlan, fused: Optional[FusedStep],
+                by_feature: bool) -> Tuple[List[List[torch.Tensor]], List[List[int]]]:
+    """Each group's rows: ``by_feature``, one ``[ids, dim]`` piece per output, else the one block of
+    its outputs one after another; and the KJT key each output reads."""
     keys: List[str] = features.keys()
     values = features.values()
     length_per_key: List[int] = features.length_per_key()
@@ -241,8 +240,7 @@ def _group_rows(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights:
                          + str(values.numel()) + " values")
     offset_per_key: List[int] = features.offset_per_key()
     offsets = features.offsets()
-    rows: List[torch.Tensor] = []
-    counts: List[List[int]] = []
+    rows: List[List[torch.Tensor]] = []
     key_indices: List[List[int]] = []
     for g in range(len(plan.groups)):
         group = plan.groups[g]
@@ -250,17 +248,18 @@ def _group_rows(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights:
         segments = segments_for(key_index, length_per_key, offset_per_key, stride_per_key, flats[g].device)
         group_counts = [length_per_key[k] for k in key_index]
         if torch.jit.is_scripting():
-            group_rows = torch.ops.recom_rec.unpooled_embedding_forward(
+            block = torch.ops.recom_rec.unpooled_embedding_forward(
                 weights[g], flats[g], values, offsets, segments, metas[g], sum(group_counts), plan.dim,
                 plan.backend, plan.validate, group.names, -1, None, None, False, None, None, plan.report_id)
+            group_rows = list(block.split(group_counts)) if by_feature else [block]
         else:
             group_rows = unpooled_lookup(weights[g], flats[g], metas[g],
                                          UnpooledBatch(values, offsets, segments, sum(group_counts)), plan.dim,
-                                         plan.backend, plan.validate, group.names, plan.report_id, fused, g)
+                                         plan.backend, plan.validate, group.names, plan.report_id, fused, g,
+                                         group_counts if by_feature else None)
         rows.append(group_rows)
-        counts.append(group_counts)
         key_indices.append(key_index)
-    return rows, counts, key_indices
+    return rows, key_indices
 
 
 def _key_index(keys: List[str], features: List[str], tables: List[str]) -> List[int]:

@@ -174,13 +174,15 @@ def pooled_embedding_backward(
 
 
 def _backward_impl(grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_numel,
-                   max_dim, dtype, backend, num_lookups, num_rows=-1):
+                   max_dim, dtype, backend, num_lookups, num_rows=-1, grad_rows=None):
+    """``grad_rows`` (the kernel backends only): see kernels/pooled_triton.run_backward."""
     impl = _impl(backend, grad_output.device)
     if impl is not torch_backend:
         return impl.backward(
             grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size,
-            total_numel, dtype, max_dim, num_lookups, num_rows,
+            total_numel, dtype, max_dim, num_lookups, num_rows, grad_rows=grad_rows,
         )
+    assert grad_rows is None, "the torch backend reads one gradient block"
     return torch_backend.backward(
         grad_output, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_numel, dtype
     )
@@ -246,12 +248,14 @@ def fused_embedding_update(
 
 def _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, offsets,
                        per_sample_weights, feature_meta, keys, batch_size, max_dim, optimizer, backend, num_lookups,
-                       num_rows=-1):
+                       num_rows=-1, grad_rows=None):
+    """``grad_rows`` (the kernel backends only): see kernels/pooled_triton.run_backward."""
     impl = _impl(backend, flat.device)
     states = [t for t in (state1, state2) if t is not None]
+    extra = {} if grad_rows is None else {"grad_rows": grad_rows}
     impl.fused_update(
         grad_output, flat, states, [state1_is_row, False][:len(states)], hyper, step, values, offsets,
-        per_sample_weights, feature_meta, keys, batch_size, max_dim, optimizer, num_lookups, num_rows,
+        per_sample_weights, feature_meta, keys, batch_size, max_dim, optimizer, num_lookups, num_rows, **extra,
     )
 
 
