@@ -181,12 +181,45 @@ def check(rank: int, world: int, placement: str, url: Optional[str] = None, sign
         torch.testing.assert_close(out[key], want[key][rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-6)
 
 
+def check_variable_batch(rank: int, world: int, placement: str) -> None:
+    """Variable batch per feature through PS shards: each rank its own VBE KJT (bag counts that
+    differ by key and rank, inverse indices), against the unsharded in-HBM module fed every rank's
+    bags as one VBE KJT, output by output, then the big table's trained rows in the store."""
+    from tests.distributed._vbe_workers import rank_batches, to_vbe_kjt
+
+    rows = {"f1": BIG_ROWS, "f0": 20, "f2": 13}  # keys not in the tables' order
+    torch.manual_seed(0)
+    model = Model()
+    ref = Model()
+    ref.load_state_dict(model.state_dict())
+    ref.ebc.enable_fused_optimizer("sgd", lr=LR)
+    dmp = _shard(model, rank, world, placement)
+    for step in range(STEPS):
+        parts = rank_batches(step, world, rows, BATCH)
+        out = _wait(dmp(to_vbe_kjt(parts[rank:rank + 1], False, "cpu")))
+        want = ref(to_vbe_kjt(parts, False, "cpu"))
+        for key in want.keys():
+            torch.testing.assert_close(out[key], want[key][rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"vbe {placement} step {step} key {key}: {m}")
+        loss_of(out).backward()
+        (loss_of(want) / world).backward()
+    recom_rec.ps.flush(dmp)
+    full = ref.ebc.embedding_bags["big"].weight.detach()
+    for lookup in _rank_lookups(dmp):
+        for _, table, r0, c0, n_rows, n_cols in lookup.ps_shards():
+            got = recom_rec.ps.export_table(lookup, shard_table_name(table, r0, c0))
+            torch.testing.assert_close(got, full[r0:r0 + n_rows, c0:c0 + n_cols], rtol=1e-5, atol=1e-6)
+
+
 def run(rank: int, world: int, port: int, placements: List[str], url: Optional[str] = None,
-        signals: Optional[str] = None) -> None:
+        signals: Optional[str] = None, variable_batch: bool = False) -> None:
     register_remote_store()
 
     def work() -> None:
         for placement in placements:
-            check(rank, world, placement, url, signals)
+            if variable_batch:
+                check_variable_batch(rank, world, placement)
+            else:
+                check(rank, world, placement, url, signals)
 
     in_process_group(rank, world, port, "gloo", work)

@@ -46,17 +46,20 @@ class Model(nn.Module):
 Bags = Dict[str, List[List[int]]]  # key -> its bags of ids
 
 
-def rank_batches(step: int, world: int) -> List[Tuple[Bags, Dict[str, List[int]]]]:
-    """Per rank: (each key's bags, each key's bag of each of the rank's BATCH rows). Bag counts
-    from 1 to BATCH + 1, so keys and ranks differ (some keys have more bags than rows)."""
+def rank_batches(step: int, world: int, rows: Dict[str, int] = None,
+                 batch: int = BATCH) -> List[Tuple[Bags, Dict[str, List[int]]]]:
+    """Per rank: (each key's bags, each key's bag of each of the rank's ``batch`` rows), for the keys
+    of ``rows`` (key -> its table's rows; KEYS by default). Bag counts from 1 to batch + 1, so keys
+    and ranks differ (some keys have more bags than rows)."""
+    rows = rows if rows is not None else {key: ROWS[key] for key in KEYS}
     rng = random.Random(2000 + step)
     out = []
     for _ in range(world):
         bags, inverse = {}, {}
-        for key in KEYS:
-            count = rng.randint(1, BATCH + 1)
-            bags[key] = [[rng.randrange(ROWS[key]) for _ in range(rng.randrange(0, 4))] for _ in range(count)]
-            inverse[key] = [rng.randrange(count) for _ in range(BATCH)]
+        for key in rows:
+            count = rng.randint(1, batch + 1)
+            bags[key] = [[rng.randrange(rows[key]) for _ in range(rng.randrange(0, 4))] for _ in range(count)]
+            inverse[key] = [rng.randrange(count) for _ in range(batch)]
         out.append((bags, inverse))
     return out
 
@@ -64,8 +67,9 @@ def rank_batches(step: int, world: int) -> List[Tuple[Bags, Dict[str, List[int]]
 def to_vbe_kjt(parts: List[Tuple[Bags, Dict[str, List[int]]]], weighted: bool, device) -> KeyedJaggedTensor:
     """One VBE KJT of ``parts`` (one rank's, or every rank's for the reference): each key's bags
     part after part, its inverse indices shifted by the bags of the parts before."""
+    keys = list(parts[0][0])
     values, lengths, strides, inverse = [], [], [], []
-    for key in KEYS:
+    for key in keys:
         shift, rows = 0, []
         for bags, inv in parts:
             for bag in bags[key]:
@@ -77,9 +81,9 @@ def to_vbe_kjt(parts: List[Tuple[Bags, Dict[str, List[int]]]], weighted: bool, d
         inverse.append(rows)
     ids = torch.tensor(values, dtype=torch.int64)
     return KeyedJaggedTensor(
-        keys=KEYS, values=ids, lengths=torch.tensor(lengths, dtype=torch.int64),
+        keys=keys, values=ids, lengths=torch.tensor(lengths, dtype=torch.int64),
         weights=(0.5 + 0.25 * (ids % 3)).float() if weighted else None,
-        stride_per_key_per_rank=[[s] for s in strides], inverse_indices=(KEYS, torch.tensor(inverse))).to(device)
+        stride_per_key_per_rank=[[s] for s in strides], inverse_indices=(keys, torch.tensor(inverse))).to(device)
 
 
 def check_vbe_parity(rank: int, world: int, case: str, opt: str) -> None:

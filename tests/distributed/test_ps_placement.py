@@ -59,6 +59,11 @@ def test_world_2_ps_shards_train_like_the_unsharded_module():
     mp.spawn(run, args=(2, free_port(), ["planner", "column_wise"]), nprocs=2, join=True)
 
 
+def test_world_2_ps_shards_take_variable_batch_per_feature():
+    # VBE KJTs (torchrec's stride_per_key_per_rank and inverse indices) through the same plans
+    mp.spawn(run, args=(2, free_port(), ["planner", "column_wise"], None, None, True), nprocs=2, join=True)
+
+
 def test_world_2_ps_shards_share_one_redis_cluster_through_a_master_restart(tmp_path):
     """The planner's PS shards of both ranks in one real 3-master redis+cluster:// store (append-only
     files on); before step 1 a master is killed (SIGKILL), and restarted 1.5 s into that step: the

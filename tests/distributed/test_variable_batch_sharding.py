@@ -20,6 +20,9 @@ EVERY_SHARDING_TYPE = [
     ("two_kernels", "sgd"),
     ("row_wise", "rowwise_adagrad"),
     ("table_wise", "rowwise_adagrad"),
+    ("row_wise", "adagrad"),
+    ("row_wise", "adam"),
+    ("column_wise", "adam"),
     ("weighted_table_wise", "sgd"),
     ("weighted_row_wise", "sgd"),
 ]
