@@ -13,7 +13,7 @@
 #   TEST_DETACH=1 lets it run past the call, and the next call's STAGES=tests-wait awaits it;
 #   NATIVE_BACKTRACE=1 and HEAP_CHECK=1 for a process that crashes: native frames, glibc's checked malloc;
 #   RESOURCE_LOG=1: mappings, threads, files and memory after each test, and the garbage collector's
-#   last state, tools/pytest_resources.py; with GC_EACH_TEST=1 it collects after each test)
+#   last state, tools/pytest_resources.py; GC_EACH_TEST=1 (or file) collects after each test (or file))
 # (ps: the parameter-server workload on memory:// and on a Redis server and 3-shard cluster the bench starts)
 set -o pipefail
 source .gpu/setup.sh
