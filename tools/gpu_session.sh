@@ -48,6 +48,9 @@ suite_report() {
   # a crash: the test it happened in, the Python frames nearest to it, and the native ones
   grep -m1 -B1 "Fatal Python error" "$OUT/tests.log" | cut -c1-300
   grep -m1 -A8 "^Current thread" "$OUT/tests.log" | cut -c1-200
+  # Inductor's generated modules in the crash's frames: what the compiled graph ran before the call
+  grep -A60 "^Current thread" "$OUT/tests.log" | grep -o '/tmp/torchinductor_[^"]*\.py' | sort -u | head -4 |
+    while read -r module; do mkdir -p "$OUT/inductor"; cp "$module" "$OUT/inductor/" 2>/dev/null; done
   grep -A40 "=== native backtrace" "$OUT/tests.log" | cut -c1-200
   # frames given as library(+offset): named by addr2line where the library has symbols
   grep -A40 "=== native backtrace" "$OUT/tests.log" | sed -n 's/^\(\/[^(]*\)(+\(0x[0-9a-f]*\)).*/\1 \2/p' |
