@@ -130,17 +130,22 @@ def test_dense_gradients_match_torchrec(backend, seed):
 
 def _partial_loss(out, g):
     """A loss that leaves the features' gradients as a model's would: one output unused, one read
-    through a strided view, one read twice, the rest concatenated first (their gradients are then
-    views of one buffer)."""
+    through a strided view, one read twice, one whose gradient starts 4 bytes into a buffer (not
+    16-byte aligned), the rest concatenated first (their gradients are then views of one buffer)."""
     names = sorted(out)
-    unused, strided, twice, rest = names[0], names[1:2], names[2:3], names[3:]
+    unused, strided, twice, shifted, rest = names[0], names[1:2], names[2:3], names[3:4], names[4:]
+    for k in shifted:  # its gradient: a view one element into the flat gradient of `padded`
+        padded = torch.cat([torch.zeros(1, device=DEVICE), out[k].values().flatten()])
+        loss_shifted = (padded * torch.randn(padded.shape, generator=g).to(DEVICE)).sum()
     loss = sum((out[k].values()[:, ::2] * torch.randn(out[k].values()[:, ::2].shape, generator=g).to(DEVICE)).sum()
                for k in strided)
     loss = loss + sum(out[k].values().pow(2).sum() + out[k].values().sum() for k in twice)
+    if shifted:
+        loss = loss + loss_shifted
     if rest:
         joined = torch.cat([out[k].values() for k in rest])
         loss = loss + (joined * torch.randn(joined.shape, generator=g).to(DEVICE)).sum()
-    assert unused not in strided + twice + rest
+    assert unused not in strided + twice + shifted + rest
     return loss
 
 
