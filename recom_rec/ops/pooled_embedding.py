@@ -64,8 +64,6 @@ def load_kernels(backend: str) -> None:
     pays instead (issue 51: the first call)."""
     if backend == "torch" or not torch.cuda.is_available():
         return
-    from ..kernels.launch_tuner import load_decisions
-
     if backend == "auto":
         _selection()  # (imports the Triton and CUDA backends too)
     elif backend == "triton":
@@ -76,6 +74,8 @@ def load_kernels(backend: str) -> None:
         return
     if backend in ("auto", "cuda"):
         _cuda_builds()
+    from ..kernels.launch_tuner import load_decisions
+
     load_decisions(torch.device("cuda", torch.cuda.current_device()))
 
 

@@ -109,6 +109,23 @@ def _rank_lookups(dmp):
     return [_unwrap(lookup) for lookup in dmp.module.ebc._lookups]
 
 
+def _assert_rank_rows(out, want, rank: int, what: str = "") -> None:
+    """Every key's output of this rank equals its rows of the unsharded module's output."""
+    for key in want.keys():
+        torch.testing.assert_close(out[key], want[key][rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{what} key {key}: {m}")
+
+
+def _assert_store_holds_trained_rows(dmp, ref) -> None:
+    """After a flush the store holds the trained rows of this rank's shards of the big table."""
+    recom_rec.ps.flush(dmp)
+    full = ref.ebc.embedding_bags["big"].weight.detach()
+    for lookup in _rank_lookups(dmp):
+        for _, table, r0, c0, rows, cols in lookup.ps_shards():
+            got = recom_rec.ps.export_table(lookup, shard_table_name(table, r0, c0))
+            torch.testing.assert_close(got, full[r0:r0 + rows, c0:c0 + cols], rtol=1e-5, atol=1e-6)
+
+
 def _outage(rank: int, signals: str) -> None:
     """Every rank here; rank 0 tells the test's process to kill a store master and waits until it
     has, so that the next step meets the dead master (the test restarts it a moment later)."""
@@ -148,9 +165,7 @@ def check(rank: int, world: int, placement: str, url: Optional[str] = None, sign
         samples = batch(step, world)
         out = _wait(dmp(to_kjt(samples[rank * BATCH:(rank + 1) * BATCH])))
         want = ref(to_kjt(samples))
-        for key in want.keys():
-            torch.testing.assert_close(out[key], want[key][rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"step {step} key {key}: {m}")
+        _assert_rank_rows(out, want, rank, f"step {step}")
         loss_of(out).backward()
         (loss_of(want) / world).backward()
     # The shards' caches were too small for the run: rows left for the store and came back.
@@ -160,15 +175,9 @@ def check(rank: int, world: int, placement: str, url: Optional[str] = None, sign
         retries = torch.tensor([_store_retries(dmp)])
         dist.all_reduce(retries)
         assert retries.item() > 0, "no store operation met the killed master: the fault was not exercised"
-    # After a flush the store holds the trained rows of this rank's shards of the big table.
-    recom_rec.ps.flush(dmp)
     shards = [s for lookup in _rank_lookups(dmp) for s in lookup.ps_shards()]
     assert shards, "no parameter-server shard on this rank"
-    full = ref.ebc.embedding_bags["big"].weight.detach()
-    for lookup in _rank_lookups(dmp):
-        for _, table, r0, c0, rows, cols in lookup.ps_shards():
-            got = recom_rec.ps.export_table(lookup, shard_table_name(table, r0, c0))
-            torch.testing.assert_close(got, full[r0:r0 + rows, c0:c0 + cols], rtol=1e-5, atol=1e-6)
+    _assert_store_holds_trained_rows(dmp, ref)
     # An unsharded checkpoint loads into a fresh sharded model (its big table into the store).
     torch.manual_seed(1)
     fresh = _shard(Model(), rank, world, placement, url)
@@ -177,8 +186,7 @@ def check(rank: int, world: int, placement: str, url: Optional[str] = None, sign
     with torch.no_grad():
         out = _wait(fresh(to_kjt(samples[rank * BATCH:(rank + 1) * BATCH])))
         want = ref(to_kjt(samples))
-    for key in want.keys():
-        torch.testing.assert_close(out[key], want[key][rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-6)
+    _assert_rank_rows(out, want, rank, "after loading the checkpoint")
 
 
 def check_variable_batch(rank: int, world: int, placement: str) -> None:
@@ -198,17 +206,10 @@ def check_variable_batch(rank: int, world: int, placement: str) -> None:
         parts = rank_batches(step, world, rows, BATCH)
         out = _wait(dmp(to_vbe_kjt(parts[rank:rank + 1], False, "cpu")))
         want = ref(to_vbe_kjt(parts, False, "cpu"))
-        for key in want.keys():
-            torch.testing.assert_close(out[key], want[key][rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"vbe {placement} step {step} key {key}: {m}")
+        _assert_rank_rows(out, want, rank, f"vbe {placement} step {step}")
         loss_of(out).backward()
         (loss_of(want) / world).backward()
-    recom_rec.ps.flush(dmp)
-    full = ref.ebc.embedding_bags["big"].weight.detach()
-    for lookup in _rank_lookups(dmp):
-        for _, table, r0, c0, n_rows, n_cols in lookup.ps_shards():
-            got = recom_rec.ps.export_table(lookup, shard_table_name(table, r0, c0))
-            torch.testing.assert_close(got, full[r0:r0 + n_rows, c0:c0 + n_cols], rtol=1e-5, atol=1e-6)
+    _assert_store_holds_trained_rows(dmp, ref)
 
 
 def run(rank: int, world: int, port: int, placements: List[str], url: Optional[str] = None,

@@ -7,7 +7,7 @@ the inverse indices shifted to them): the sharded output of rank r is the refere
 rank r, and the weights after a few fused steps equal the reference's trained on the mean of the
 ranks' losses. The reference itself is checked against torchrec's unsharded EmbeddingBagCollection."""
 import random
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,7 @@ class Model(nn.Module):
 Bags = Dict[str, List[List[int]]]  # key -> its bags of ids
 
 
-def rank_batches(step: int, world: int, rows: Dict[str, int] = None,
+def rank_batches(step: int, world: int, rows: Optional[Dict[str, int]] = None,
                  batch: int = BATCH) -> List[Tuple[Bags, Dict[str, List[int]]]]:
     """Per rank: (each key's bags, each key's bag of each of the rank's ``batch`` rows), for the keys
     of ``rows`` (key -> its table's rows; KEYS by default). Bag counts from 1 to batch + 1, so keys
