@@ -182,6 +182,35 @@ def test_gradients_where_autograd_leaves_them(backend, fused, dim):
         torch.testing.assert_close(trained[backend][k], v, rtol=1e-5, atol=1e-5, msg=k)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a GPU property: whether the backward makes the host wait for "
+                                                  "the device")
+@pytest.mark.parametrize("fused", [None, "sgd"])
+def test_backward_queues_its_work_without_waiting_for_the_gpu(fused):
+    """The backward's per-row gradient addresses go to the device without a wait: a copy from
+    pageable memory would first wait for all the stream's earlier work (CUDA's rule; torch's
+    sync debug mode does not see it), so the host could not run ahead of the GPU."""
+    from recom_rec.kernels.selection import trial_launches
+
+    tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=16, num_embeddings=50, feature_names=[f"f{i}", f"g{i}"])
+              for i in range(3)]
+    kjt = _kjt(tables, 7, batch=8, max_len=5)
+    module = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE)
+    if fused:
+        module.enable_fused_optimizer(fused, lr=0.1)
+    recom_rec.tune(module, [kjt], train=True, max_passes=1000)  # kernels built, every choice decided
+    trials = trial_launches()
+    loss = sum(jt.values().sum() for jt in module(kjt).values())
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 31)  # ~1 s of device time queued ahead of the backward
+    slept = torch.cuda.Event()
+    slept.record()
+    loss.backward()
+    waited = slept.query()
+    torch.cuda.synchronize()
+    assert trial_launches() == trials, "a shape was still on trial: the test timed the tuner, not the backward"
+    assert not waited, "the backward waited for the GPU's earlier work"
+
+
 def _train(module, tables, optimizer=None, steps=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     outs = []

@@ -298,7 +298,10 @@ def _gradient_rows(grads, sizes: List[int], dim: int,
         starts.append((t.data_ptr() - base.data_ptr()) // 4 - first * stride)
         strides.append(stride)
         first += n
-    table = torch.tensor([starts, strides, sizes], dtype=torch.int64).to(device, non_blocking=True)
+    # From pinned memory: a copy from pageable memory waits for the stream's earlier work first
+    # (CUDA's rule), which stalled the host behind the forward (v49: +0.9 ms a step at batch 128).
+    host = torch.tensor([starts, strides, sizes], dtype=torch.int64, pin_memory=device.type == "cuda")
+    table = host.to(device, non_blocking=True)
     row = torch.arange(total, dtype=torch.int64, device=device)
     start = torch.repeat_interleave(table[0], table[2], output_size=total)
     stride = torch.repeat_interleave(table[1], table[2], output_size=total)
