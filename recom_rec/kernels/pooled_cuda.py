@@ -230,8 +230,11 @@ def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sa
     rows = num_rows if num_rows >= 0 else out.numel()
     # singletons need a bitmap of the rows and put the features on the grid's y axis
     singletons_ok = rows <= BITMAP_MAX_ROWS and feature_meta.shape[0] <= 65535
-    shape = BackwardShape(*ForwardLaunchShape.of(out, values, per_sample_weights, feature_meta, batch_size,
-                                                 grad_output.shape[1], max_dim), opt, singletons_ok)
+    shape = ForwardLaunchShape.of(out, values, per_sample_weights, feature_meta, batch_size, grad_output.shape[1],
+                                  max_dim)
+    if opt < 0:  # a dense backward's ``out`` is a new gradient buffer each step: its address is no model's
+        shape = shape._replace(weights_at=0)
+    shape = BackwardShape(*shape, opt, singletons_ok)
     return BACKWARD_PATH_TUNER.launch(shape, run, out.device)
 
 
