@@ -158,8 +158,12 @@ fi
 if [[ " $STAGES " == *" cold "* ]]; then
   stage cold  # each peer's first calls in a fresh process (issue 51); twice with RECOM_REC_CACHE: measure, then reuse
   export RECOM_REC_CACHE=/tmp/recom-cache
+  seed=$(( RANDOM * 32768 + RANDOM ))  # one fresh draw for both runs: the second reuses the first's decisions
   for run in 1 2; do
-    timeout ${COLD_TIMEOUT:-200} python3 -m recom_rec.bench --phases cold --out /tmp/cold$run ${COLD_ARGS:-} 2>&1 \
+    # (the bench's own default, every training workload with 1000 calls a process, takes far longer
+    # than a call: v49's two runs printed nothing in 150 s each)
+    timeout ${COLD_TIMEOUT:-200} python3 -m recom_rec.bench --phases cold --out /tmp/cold$run --seed $seed \
+      ${COLD_ARGS:---workloads random --random-count 1 --cold-calls 200} 2>&1 \
       | quiet | tee "$OUT/cold$run.log" | tail -12
   done
   unset RECOM_REC_CACHE

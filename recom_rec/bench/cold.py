@@ -71,23 +71,24 @@ def run_cold(workloads: List[str], peers: List[str], phases: List[str], device: 
     """A row per (workload, peer, phase): the summed ms of its first 1, 10, 100 and ``calls`` calls,
     each measured in a fresh process. ``draw``: the (seed, count) of the drawn layouts among
     ``workloads`` (random_layouts.random_workloads)."""
+    from tqdm import tqdm
+
     rows = []
     env = {**os.environ}
-    for workload in workloads:
-        for phase in phases:
-            for peer in peers:
-                if phase != "forward" and peer == "torchrec":  # (its dense-gradient step is not comparable)
-                    continue
-                args = [sys.executable, "-m", "recom_rec.bench.cold", workload, peer, phase, str(device), str(calls),
-                        "1" if small else "0", backend, f"{draw[0]}:{draw[1]}" if draw else "-"]
-                done = subprocess.run(args, capture_output=True, text=True, env=env)
-                row = {"workload": workload, "peer": peer, "phase": f"cold {phase}"}
-                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-                if done.returncode != 0 or not lines:
-                    row["error"] = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
-                else:
-                    row["cumulative_ms"] = json.loads(lines[-1])
-                rows.append(row)
+    # (its dense-gradient step is not comparable: torchrec runs the forward alone)
+    jobs = [(w, phase, peer) for w in workloads for phase in phases for peer in peers
+            if phase == "forward" or peer != "torchrec"]
+    for workload, phase, peer in tqdm(jobs, desc="cold: fresh processes", unit="process"):
+        args = [sys.executable, "-m", "recom_rec.bench.cold", workload, peer, phase, str(device), str(calls),
+                "1" if small else "0", backend, f"{draw[0]}:{draw[1]}" if draw else "-"]
+        done = subprocess.run(args, capture_output=True, text=True, env=env)
+        row = {"workload": workload, "peer": peer, "phase": f"cold {phase}"}
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            row["error"] = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        else:
+            row["cumulative_ms"] = json.loads(lines[-1])
+        rows.append(row)
     return rows
 
 
