@@ -4,8 +4,10 @@ For each workload and backend: the step time (CUDA events), the host time to iss
 sync: is the step host-bound?), and the CUDA kernels of one step from torch.profiler, longest first.
 Usage: python tools/profile_step.py [--workloads ...] [--backends cuda triton] [--optimizer sgd|none]
        python tools/profile_step.py --points dim=1024,ids=50 dim=256,ids=50,zipf=1 --fbgemm
+       python tools/profile_step.py --sequence 1024 --fbgemm --timeline
 (--points: sweep points, recom_rec.bench.sweep.Point fields over its base point; --optimizer none:
-dense gradients, no optimizer.)
+dense gradients, no optimizer; --sequence BATCH: the sequence workload's EmbeddingCollection at that
+batch, recom_rec.bench.sequence's, its step with SGD fused and gradients of ones as the bench's.)
 """
 import argparse
 import json
@@ -162,6 +164,35 @@ def sweep_point_peers(spec: str, dev, optimizer: str, fbgemm: bool):
     return p.label(), kjt, grad, peers
 
 
+class _SequencePeer:
+    """A peer of recom_rec.bench.sequence (its step makes its own gradients) as report() calls it."""
+
+    def __init__(self, peer):
+        self.peer = peer
+
+    def forward(self, kjt):
+        return self.peer.forward(kjt)
+
+    def train_step(self, kjt, grad):
+        self.peer.train_step(kjt)
+
+
+def sequence_peers(batch: int, dev, fbgemm: bool):
+    """(label, kjt, [(name, peer)]) of the sequence workload at ``batch``, on one set of weights."""
+    from recom_rec.bench import sequence
+
+    w = sequence.SequenceWorkload(batch, 10_000_000, [100_000, 16], (50, 2000))
+    kjt = w.make_input(dev)
+    torch.manual_seed(0)
+    weights = [torch.empty(t.num_embeddings, sequence.DIM, device=dev).uniform_(-0.01, 0.01) for t in w.tables()]
+    peers = [("recom_rec", sequence._Ours(w, dev, train=True))]
+    if fbgemm:
+        peers.append(("fbgemm", sequence._Fbgemm(w, dev, True, kjt.keys())))
+    for _, peer in peers:
+        peer.load(weights)
+    return f"sequence-b{batch} ({kjt.values().numel():,} ids)", kjt, [(n, _SequencePeer(peer)) for n, peer in peers]
+
+
 def report(label, name, optimizer, peer, kjt, grad, dev, seen_orders, seen_paths, host_prof, timeline=False):
     step = lambda: peer.train_step(kjt, grad)  # noqa: E731
     fwd = lambda: peer.forward(kjt)  # noqa: E731
@@ -204,6 +235,8 @@ def main():
     p.add_argument("--fbgemm", action="store_true", help="profile fbgemm's TBE step too")
     p.add_argument("--host", action="store_true", help="print a cProfile of the step's host side")
     p.add_argument("--points", nargs="*", default=[], help="sweep points instead of workloads")
+    p.add_argument("--sequence", type=int, nargs="*", default=[],
+                   help="batch sizes of the sequence workload (EmbeddingCollection) instead of workloads")
     p.add_argument("--timeline", action="store_true",
                    help="print one step's kernels in start order, with their streams")
     p.add_argument("--backward-paths", nargs="*", default=[None],
@@ -218,7 +251,13 @@ def main():
             report_paths(args, label, name, peer, kjt, grad, dev, seen_orders, seen_paths)
         del peers
         torch.cuda.empty_cache()
-    for wname in ([] if args.points else args.workloads):
+    for batch in args.sequence:
+        label, kjt, peers = sequence_peers(batch, dev, args.fbgemm)
+        for name, peer in peers:
+            report_paths(args, label, name, peer, kjt, None, dev, seen_orders, seen_paths)
+        del peers
+        torch.cuda.empty_cache()
+    for wname in ([] if args.points or args.sequence else args.workloads):
         w = get_workload(wname, False)
         kjt = w.make_input(dev)
         grad = torch.ones(w.batch_size, sum(w.dims), device=dev)
