@@ -131,11 +131,27 @@ def test_rejects_what_torchrec_rejects():
     with pytest.raises(ValueError, match="Unsupported pooling type"):
         recom_rec.EmbeddingBagCollection([EmbeddingBagConfig(
             name="t", embedding_dim=4, num_embeddings=10, pooling=PoolingType.NONE)])
-    with pytest.raises(ValueError, match="table 't'.*INT8"):
-        recom_rec.EmbeddingBagCollection([EmbeddingBagConfig(
-            name="t", embedding_dim=4, num_embeddings=10, data_type=DataType.INT8)])
     with pytest.raises(ValueError, match="unknown backend"):
         recom_rec.EmbeddingBagCollection(_tables(), backend="cuda-please")
+
+
+@pytest.mark.parametrize("data_type", [DataType.INT8, DataType.INT4, DataType.INT2])
+def test_integer_data_types_give_fp16_tables_as_torchrec(data_type):
+    """A table configured for its quantized type (INT8, INT4, ...) is an fp16 table until the model
+    is quantized, as in torchrec's module (the config carries the type on to ``from_float``)."""
+    def tables():
+        return [EmbeddingBagConfig(name="q", embedding_dim=4, num_embeddings=10, feature_names=["f"],
+                                   data_type=data_type),
+                EmbeddingBagConfig(name="p", embedding_dim=4, num_embeddings=10, feature_names=["g"])]
+
+    torch.manual_seed(0)
+    ref = torchrec.EmbeddingBagCollection(tables(), device=DEVICE)
+    ours = recom_rec.EmbeddingBagCollection(tables(), device=DEVICE)
+    assert ours.embedding_bags["q"].weight.dtype == ref.embedding_bags["q"].weight.dtype == torch.float16
+    assert ours.embedding_bag_configs()[0].data_type == data_type
+    ours.load_state_dict(ref.state_dict())
+    kjt = make_kjt(tables(), batch_size=4, max_len=3, seed=1, is_weighted=False)
+    _close(ours(kjt).values(), ref(kjt).values().float())
 
 
 def test_dtype_conversion_and_deepcopy_keep_one_flat_buffer():

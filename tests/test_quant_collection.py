@@ -1,8 +1,9 @@
 """recom_rec.quant.EmbeddingCollection against torchrec's quantized EmbeddingCollection (fbgemm's IntN
 TBE in PoolingMode.NONE, on the CPU; on the GPU with RECOM_TEST_DEVICE=cuda): outputs bit for bit
 on every row type, the state_dict layout, checkpoints both ways, from_float of our float module,
-recom_rec.quantize, bad ids."""
+recom_rec.quantize, fx tracing, bad ids."""
 import copy
+import io
 
 import pytest
 import torch
@@ -125,6 +126,39 @@ def test_from_float_of_our_float_module_and_quantize():
     quantized = recom_rec.quantize(model, torch.qint8)
     assert all(isinstance(m, QuantEC) for m in quantized.values())
     assert isinstance(model["theirs"], torchrec.EmbeddingCollection)  # not in place by default
+
+
+def _graphs(module):
+    """The module as torchrec's inference flow makes it (fx traced, then scripted), and traced by
+    torch.fx, scripted, scripted and saved and loaded."""
+    from torchrec.fx import symbolic_trace
+
+    buffer = io.BytesIO()
+    torch.jit.save(torch.jit.script(module), buffer)
+    buffer.seek(0)
+    return {"torchrec fx": symbolic_trace(module), "torch fx": torch.fx.symbolic_trace(module),
+            "script": torch.jit.script(module), "fx then script": torch.jit.script(symbolic_trace(module)),
+            "script saved and loaded": torch.jit.load(buffer)}
+
+
+@pytest.mark.parametrize("need_indices", [False, True])
+def test_fx_and_torchscript_give_the_module_s_outputs(need_indices):
+    """fx traces (one call of the lookup, the row metadata read as buffers) and TorchScript (the
+    registered ops) give the module's outputs bit for bit; a bad id raises there too, naming its
+    feature and table."""
+    _, ours = _pair(torch.float16, need_indices=need_indices)
+    for name, graph in _graphs(ours).items():
+        for seed in (1, 2):
+            _assert_equal(ours(_kjt(seed=seed)), graph(_kjt(seed=seed)), torch.float16)
+        bad = _kjt()
+        values = bad.values().clone()
+        values[-1] = 1000
+        bad = KeyedJaggedTensor(keys=bad.keys(), values=values, lengths=bad.lengths())
+        # (TorchScript's interpreter re-raises the op's ValueError as a RuntimeError with its text)
+        with pytest.raises((ValueError, RuntimeError), match=r"feature '\w+' \(table '\w+'\): id 1000"):
+            graph(bad)
+            if hasattr(ours, "check_inputs"):
+                ours.check_inputs()
 
 
 def test_deepcopy_and_to_keep_the_tables_on_the_kernel_s_buffer():

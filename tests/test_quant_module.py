@@ -1,6 +1,7 @@
 """recom_rec.quant.EmbeddingBagCollection against torchrec's quantized EmbeddingBagCollection
 (fbgemm's CPU IntN TBE): outputs bit for bit, state_dict layout, checkpoints both ways."""
 import copy
+import io
 
 import pytest
 import torch
@@ -68,6 +69,35 @@ def test_outputs_equal_torchrec_bit_for_bit(weighted, output_dtype):
     assert a.keys() == b.keys() and a.length_per_key() == b.length_per_key()
     assert b.values().dtype == output_dtype
     assert torch.equal(_bits(a.values()), _bits(b.values()))
+
+
+def test_fx_and_torchscript_give_the_module_s_outputs():
+    """torchrec's inference flow (torchrec.fx's trace, then TorchScript), torch.fx's trace, the
+    module scripted, and scripted, saved and loaded (INT4 and INT2 tables among them) give the
+    module's KeyedTensor bit for bit; a bad id raises there, naming its feature and table."""
+    from torchrec.fx import symbolic_trace
+
+    _, ours = _pair(True, torch.float16)
+    buffer = io.BytesIO()
+    torch.jit.save(torch.jit.script(ours), buffer)
+    buffer.seek(0)
+    graphs = {"torchrec fx": symbolic_trace(ours), "torch fx": torch.fx.symbolic_trace(ours),
+              "script": torch.jit.script(ours), "fx then script": torch.jit.script(symbolic_trace(ours)),
+              "script saved and loaded": torch.jit.load(buffer)}
+    for name, graph in graphs.items():
+        for seed in (1, 2):
+            kjt = _kjt(True, seed=seed)
+            a, b = ours(kjt), graph(kjt)
+            assert a.keys() == b.keys() and a.length_per_key() == b.length_per_key(), name
+            assert torch.equal(_bits(a.values()), _bits(b.values())), name
+        kjt = _kjt(True)
+        values = kjt.values().clone()
+        values[0] = 1000
+        bad = KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths(), weights=kjt.weights())
+        # (TorchScript's interpreter re-raises the op's ValueError as a RuntimeError with its text)
+        with pytest.raises((ValueError, RuntimeError), match=r"feature '\w+' \(table '\w+'\): id 1000"):
+            graph(bad)
+            ours.check_inputs()
 
 
 @pytest.mark.parametrize("split", [False, True])

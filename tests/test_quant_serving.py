@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
-from torchrec.inference.modules import quantize_embeddings
+from torchrec.inference.modules import quantize_embeddings, quantize_inference_model
 from torchrec.models.dlrm import DLRM
 
 import recom_rec
@@ -64,6 +64,41 @@ def test_quantize_dlrm_equals_torchrec_quantize_embeddings(ours, dtype):
             torch.testing.assert_close(quantized(b.dense_features, b.sparse_features),
                                        reference(b.dense_features, b.sparse_features), **EXACT)
     assert list(_ebc(quantized).state_dict()) == list(_ebc(reference).state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.quint4x2])
+def test_torchrecs_inference_flow_quantizes_ours(dtype):
+    """torchrec's quantize_inference_model (its serving flow) makes our float EBC and EC our quantized
+    modules, equal to what it makes of torchrec's; per-table dtypes reach the configs, as torchrec's."""
+    from torchrec import EmbeddingConfig
+    from recom_rec.quant import EmbeddingCollection as QuantEC
+
+    def sequence_tables():
+        return [EmbeddingConfig(name="s", embedding_dim=8, num_embeddings=HASH_SIZES[0], feature_names=["C1"])]
+
+    def model(ours: bool):
+        m = _trained_dlrm(ours)
+        torch.manual_seed(1)
+        m.ec = (recom_rec.EmbeddingCollection if ours else torchrec.EmbeddingCollection)(sequence_tables(),
+                                                                                          device=DEVICE)
+        return m
+
+    import torchrec
+
+    ours, stock = model(True), model(False)
+    stock.load_state_dict(ours.state_dict())
+    per_table = {"t_C2": torch.half}
+    quantize_inference_model(ours, quantization_dtype=dtype, per_table_weight_dtype=per_table)
+    quantize_inference_model(stock, quantization_dtype=dtype, per_table_weight_dtype=per_table)
+    assert isinstance(_ebc(ours), QuantEBC) and isinstance(ours.ec, QuantEC)
+    assert ([(c.name, c.data_type) for c in _ebc(ours).embedding_bag_configs()]
+            == [(c.name, c.data_type) for c in _ebc(stock).embedding_bag_configs()])
+    with torch.no_grad():
+        for b in _batches(2, seed=3):
+            torch.testing.assert_close(ours(b.dense_features, b.sparse_features),
+                                       stock(b.dense_features, b.sparse_features), **EXACT)
+            got, want = ours.ec(b.sparse_features), stock.ec(b.sparse_features)
+            torch.testing.assert_close(got["C1"].values(), want["C1"].values(), **EXACT)
 
 
 def test_quantize_keeps_shared_modules_shared_and_converts_in_place():

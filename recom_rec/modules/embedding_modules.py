@@ -65,12 +65,10 @@ assert len(_DTYPES) == 3
 
 
 def _table_dtype(config: EmbeddingBagConfig) -> torch.dtype:
-    if config.data_type not in _DTYPES:
-        raise ValueError(
-            f"table {config.name!r}: data_type {config.data_type} is not supported; "
-            f"use one of {', '.join(str(d) for d in _DTYPES)}"
-        )
-    return _DTYPES[config.data_type]
+    """The float table's dtype. As torchrec's float modules, an integer data type (INT8, INT4, ...)
+    gives an fp16 table: it names the rows' type once the model is quantized (its configs carry it
+    to ``from_float``). BF16 tables are bf16 here (torchrec's: fp16)."""
+    return _DTYPES.get(config.data_type, torch.float16)
 
 
 class _Group(TableGroup):

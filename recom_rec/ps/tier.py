@@ -103,7 +103,8 @@ def init_rows(config, ids: torch.Tensor, seed: int = 0, dtype: Optional[torch.dt
     float64 multiply-add: the same bits on the CPU and a GPU); any other
     ``init_fn`` is applied to a ``[1, dim]`` tensor per row under a generator seeded from
     ``(table, id, seed)`` (tens of microseconds per row)."""
-    dtype = dtype or {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}[config.data_type.name]
+    # (the float modules' rule, modules/embedding_modules._table_dtype: integer types are fp16 tables)
+    dtype = dtype or {"FP32": torch.float32, "BF16": torch.bfloat16}.get(config.data_type.name, torch.float16)
     ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
     device = ids.device
     init_fn = config.init_fn

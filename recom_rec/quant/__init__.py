@@ -4,5 +4,8 @@
 from .convert import quantize
 from .embedding_collection import EmbeddingCollection
 from .embedding_modules import EmbeddingBagCollection
+from .torchrec_inference import register_quant_mapping
+
+register_quant_mapping()
 
 __all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "quantize"]

@@ -13,7 +13,7 @@ tables (fbgemm's arithmetic of the device).
 """
 import itertools
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +22,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollectionInterface, get
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
+from ..modules.embedding_collection import _key_index
 from ..modules.embedding_modules import _key_plan
 from ..modules.table_size import check_sequence_tables
 from ..ops.layout import META_NUM_EMBEDDINGS, META_ROW_BASE, META_WIDTH, POOLING_SUM
@@ -44,18 +45,18 @@ from .rows import DEFAULT_ROW_ALIGNMENT, check_dim, pack_rows, row_type
 from .storage import QuantizedStorage
 
 
-class _TypeGroup:
-    """The tables of one data type: their features, the row-key metadata (per feature: its
-    table's rows and first row key) and the one-row metadata of the virtual table."""
+class _TypeGroup(NamedTuple):
+    """The tables of one data type: their features, their tables, the outputs' names, the names
+    encoded for the input check, and its rows of the module's row-key metadata (``_key_meta``:
+    per feature, its table's rows and first row key; ``_virtual_meta`` holds each group's one-row
+    metadata of its virtual table). Plain values: an fx trace takes the groups as a constant and
+    TorchScript as a module attribute; the metadata are buffers, which both read as attributes."""
 
-    def __init__(self, features: List[str], tables: List[str], embedding_names: List[str], key_meta: Tensor,
-                 virtual_meta: Tensor) -> None:
-        self.features = tuple(features)  # (tuples: the cached key plans take them as they are)
-        self.tables = tuple(tables)
-        self.embedding_names = embedding_names
-        self.names = encode_names([], list(features), list(tables))
-        self.key_meta = key_meta
-        self.virtual_meta = virtual_meta
+    features: List[str]
+    tables: List[str]
+    embedding_names: List[str]
+    names: str
+    first_meta_row: int
 
 
 class EmbeddingCollection(QuantizedStorage, EmbeddingCollectionInterface):
@@ -74,6 +75,7 @@ class EmbeddingCollection(QuantizedStorage, EmbeddingCollectionInterface):
     """
 
     _TABLES_ATTR = "embeddings"
+    _groups: List[_TypeGroup]  # (for TorchScript, which would take the NamedTuples for plain tuples)
 
     def __init__(
         self,
@@ -108,7 +110,8 @@ class EmbeddingCollection(QuantizedStorage, EmbeddingCollectionInterface):
         slot_of = {s.name: s for s in self._slots}
         total = buffer_bytes(self._slots)
         self._groups: List[_TypeGroup] = []
-        self._host_metas: List[Tuple[Tensor, Tensor]] = []
+        key_metas: List[Tensor] = []
+        virtual_metas: List[Tensor] = []
         for configs in by_type.values():
             stride = slot_of[configs[0].name].row_stride
             features = [f for c in configs for f in c.feature_names]
@@ -123,10 +126,16 @@ class EmbeddingCollection(QuantizedStorage, EmbeddingCollectionInterface):
             virtual[0, QMETA_NUM_EMBEDDINGS] = total // stride
             virtual[0, QMETA_ROW_STRIDE] = stride
             virtual[0, QMETA_ROW_TYPE] = int(slot_of[configs[0].name].kind)
-            self._host_metas.append((key_meta, virtual))
-            self._groups.append(_TypeGroup(features, names,
-                                           list(itertools.chain(*get_embedding_names_by_table(configs))),
-                                           key_meta.to(self._device), virtual.to(self._device)))
+            self._groups.append(_TypeGroup(features, names, list(itertools.chain(*get_embedding_names_by_table(configs))),
+                                           encode_names([], features, names), sum(len(m) for m in key_metas)))
+            key_metas.append(key_meta)
+            virtual_metas.append(virtual)
+        # host copies (the metadata are rebuilt from them when the module moves)
+        self._host_metas = (torch.cat(key_metas) if key_metas else torch.zeros(0, META_WIDTH, dtype=torch.int64),
+                            torch.cat(virtual_metas) if virtual_metas else torch.zeros(0, QMETA_WIDTH,
+                                                                                       dtype=torch.int64))
+        self.register_buffer("_key_meta", self._host_metas[0].to(self._device), persistent=False)
+        self.register_buffer("_virtual_meta", self._host_metas[1].to(self._device), persistent=False)
         self._embedding_names_by_table = get_embedding_names_by_table(tables)
         self.register_buffer("_flat_rows", torch.zeros(total, dtype=torch.uint8, device=self._device),
                              persistent=False)
@@ -146,14 +155,15 @@ class EmbeddingCollection(QuantizedStorage, EmbeddingCollectionInterface):
         self._buffers["_flat_rows"] = fn(self._flat_rows)
         self._device = self._flat_rows.device
         self._buffers["_first_key"] = torch.zeros(1, dtype=torch.int64, device=self._device)
-        for group, (key_meta, virtual) in zip(self._groups, self._host_metas):
-            group.key_meta, group.virtual_meta = key_meta.to(self._device), virtual.to(self._device)
+        self._buffers["_key_meta"] = self._host_metas[0].to(self._device)
+        self._buffers["_virtual_meta"] = self._host_metas[1].to(self._device)
         self._bind_table_views()
         return self
 
     # ----------------------------------------------------------------------------- torchrec API
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        return _quantized_collection_lookup(features, self._flat_rows, self._first_key, self._groups,
+        return _quantized_collection_lookup(features, self._flat_rows, self._first_key, self._groups, self._key_meta,
+                                            self._virtual_meta,
                                             self._embedding_dim, self._need_indices, self._output_dtype,
                                             self.backend, self.validate_inputs, self._report_id)
 
@@ -183,34 +193,50 @@ class EmbeddingCollection(QuantizedStorage, EmbeddingCollectionInterface):
 
 @torch.fx.wrap
 def _quantized_collection_lookup(features: KeyedJaggedTensor, flat: Tensor, first_key: Tensor,
-                                 groups: List[_TypeGroup], dim: int, need_indices: bool, output_dtype: torch.dtype,
-                                 backend: str, validate: bool, report_id: int) -> Dict[str, JaggedTensor]:
-    """Every data type's lookup, split into the module's JaggedTensors (a free, fx-wrapped function)."""
-    keys = tuple(features.keys())
+                                 groups: List[_TypeGroup], key_meta: Tensor, virtual_meta: Tensor, dim: int,
+                                 need_indices: bool, output_dtype: torch.dtype, backend: str, validate: bool,
+                                 report_id: int) -> Dict[str, JaggedTensor]:
+    """Every data type's lookup, split into the module's JaggedTensors (a free, fx-wrapped function;
+    TorchScript runs the registered ops)."""
+    keys: List[str] = features.keys()
     values, offsets = features.values(), features.offsets()
     length_per_key: List[int] = features.length_per_key()
     stride_per_key: List[int] = features.stride_per_key()
     if validate and sum(length_per_key) != values.numel():
-        raise ValueError(f"KeyedJaggedTensor lengths add up to {sum(length_per_key)} but there are "
-                         f"{values.numel()} values")
+        raise ValueError("KeyedJaggedTensor lengths add up to " + str(sum(length_per_key)) + " but there are "
+                         + str(values.numel()) + " values")
     offset_per_key: List[int] = features.offset_per_key()
     lengths = features.lengths().split(stride_per_key)
-    indices = values.split(length_per_key) if need_indices else None
+    indices: List[Tensor] = values.split(length_per_key) if need_indices else []
     out: Dict[str, JaggedTensor] = {}
-    for group in groups:
-        key_index = _key_plan(keys, group.features, group.tables)
+    for g in range(len(groups)):
+        group = groups[g]
+        if torch.jit.is_scripting():
+            key_index = _key_index(keys, group.features, group.tables)
+        else:  # (the key plan cached per key order)
+            key_index = _key_plan(tuple(keys), tuple(group.features), tuple(group.tables))
         segments = segments_for(key_index, length_per_key, offset_per_key, stride_per_key, flat.device)
         counts = [length_per_key[k] for k in key_index]
         num = sum(counts)
-        row_key = row_keys(values, offsets, segments, group.key_meta, num, backend, validate, group.names, report_id)
-        rows = _one_id_bags(flat, row_key, group.virtual_meta, first_key, dim, output_dtype, backend, report_id)
-        for name, piece, k in zip(group.embedding_names, rows.split(counts), key_index):
-            out[name] = JaggedTensor(values=piece, lengths=lengths[k], weights=indices[k] if indices else None)
+        metas = key_meta[group.first_meta_row:group.first_meta_row + len(group.features)]
+        if torch.jit.is_scripting():
+            row_key = torch.ops.recom_rec.unpooled_row_keys(values, offsets, segments, metas, num, backend, validate,
+                                                            group.names, report_id)
+        else:
+            row_key = row_keys(values, offsets, segments, metas, num, backend, validate, group.names, report_id)
+        rows = _one_id_bags(flat, row_key, virtual_meta[g:g + 1], first_key, dim, output_dtype, backend, report_id)
+        pieces = rows.split(counts)
+        for j in range(len(key_index)):
+            k = key_index[j]
+            out[group.embedding_names[j]] = JaggedTensor(values=pieces[j], lengths=lengths[k],
+                                                         weights=indices[k] if need_indices else None)
     return out
 
 
 # The quantized kernel's grid has the batch's blocks of bags on its y axis (at most 65535 blocks).
 MAX_BAGS = 65535
+# TorchScript reads no module globals: its branch of _one_id_bags spells these two out.
+assert (MAX_BAGS, QMETA_OUT_COL) == (65535, 2)
 
 
 def _one_id_bags(flat: Tensor, row_key: Tensor, virtual_meta: Tensor, first_key: Tensor, dim: int,
@@ -219,18 +245,31 @@ def _one_id_bags(flat: Tensor, row_key: Tensor, virtual_meta: Tensor, first_key:
     the bags are spread over F virtual features side by side (id r is bag r // F of feature r % F,
     whose pooled output row r // F, columns (r % F) * dim, is row r of ``[ids, dim]``)."""
     num = row_key.numel()
-    features = max(1, -(-num // MAX_BAGS))
+    if torch.jit.is_scripting():
+        max_bags, out_col = 65535, 2
+    else:
+        max_bags, out_col = MAX_BAGS, QMETA_OUT_COL
+    features = max(1, -(-num // max_bags))
     if features == 1:
         bags = torch.arange(num + 1, dtype=torch.int64, device=flat.device)
-        return quantized_lookup(flat, row_key, bags, None, virtual_meta, first_key, num, dim, dim, output_dtype,
-                                backend, False, "", report_id)
+        return _pool(flat, row_key, bags, virtual_meta, first_key, num, dim, dim, output_dtype, backend, report_id)
     batch = -(-num // features)
     padded = torch.cat([row_key, row_key.new_zeros(batch * features - num)])  # key 0: a real row, dropped after
     values = padded.view(batch, features).t().reshape(-1)  # a KJT's order: feature after feature
     bags = torch.arange(batch * features + 1, dtype=torch.int64, device=flat.device)
     meta = virtual_meta.repeat(features, 1)
-    meta[:, QMETA_OUT_COL] = torch.arange(features, device=flat.device) * dim
+    meta[:, out_col] = torch.arange(features, device=flat.device) * dim
     key_index = torch.arange(features, dtype=torch.int64, device=flat.device)
-    out = quantized_lookup(flat, values, bags, None, meta, key_index, batch, features * dim, dim, output_dtype,
-                           backend, False, "", report_id)
+    out = _pool(flat, values, bags, meta, key_index, batch, features * dim, dim, output_dtype, backend, report_id)
     return out.view(-1, dim)[:num]
+
+
+def _pool(flat: Tensor, values: Tensor, bags: Tensor, meta: Tensor, key_index: Tensor, batch: int, total_dim: int,
+          dim: int, output_dtype: torch.dtype, backend: str, report_id: int) -> Tensor:
+    """The quantized pooled lookup of row keys already checked (row_keys): the registered op in
+    TorchScript, else quantized_lookup."""
+    if torch.jit.is_scripting():
+        return torch.ops.recom_rec.quantized_pooled_lookup(flat, values, bags, None, meta, key_index, batch,
+                                                           total_dim, dim, output_dtype, backend, False, "")
+    return quantized_lookup(flat, values, bags, None, meta, key_index, batch, total_dim, dim, output_dtype, backend,
+                            False, "", report_id)

@@ -20,6 +20,7 @@ from ..modules.embedding_modules import key_routing
 from ..modules.table_size import check_table_size
 from ..ops.layout import POOLING_MEAN, POOLING_SUM
 from ..ops.quantized_lookup import quantized_lookup
+from ..ops.validation import encode_names
 from ..ops.variable_batch import expand_rows, uniform_batch
 from .from_float import quantized_module_args
 from .layout import QuantTableSlot, buffer_bytes, pack_quant_tables, quant_feature_meta
@@ -33,14 +34,25 @@ def _rows_of(config: EmbeddingBagConfig) -> int:
 
 
 @torch.fx.wrap
-def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, wanted: Tuple[str, ...],
-                      tables: Tuple[str, ...], widths: List[int], dims: List[int], is_weighted: bool,
+def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, wanted: List[str],
+                      tables: List[str], widths: List[int], dims: List[int], is_weighted: bool,
                       output_dtype: torch.dtype, backend: str, validate: bool, report_id: int) -> Tensor:
     """The whole module's lookup (a free, fx-wrapped function: fx records one call). A KJT with a
     batch size per feature is padded to a uniform one and its rows expanded by its inverse
     indices after the lookup (ops/variable_batch.py); a uniform KJT's inverse indices are ignored,
-    as torchrec's quantized module ignores them."""
-    features, rows = uniform_batch(features, list(wanted), expand_uniform=False)
+    as torchrec's quantized module ignores them. TorchScript compiles its scripted branch."""
+    if torch.jit.is_scripting():
+        return _scripted_quantized_lookup(features, flat, meta, wanted, tables, widths, dims, is_weighted,
+                                          output_dtype, backend, validate)
+    return _python_quantized_lookup(features, flat, meta, wanted, tables, widths, dims, is_weighted, output_dtype,
+                                    backend, validate, report_id)
+
+
+def _python_quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, wanted: List[str],
+                             tables: List[str], widths: List[int], dims: List[int], is_weighted: bool,
+                             output_dtype: torch.dtype, backend: str, validate: bool, report_id: int) -> Tensor:
+    """Eager and compiled: the key plan cached per key order (key_routing)."""
+    features, rows = uniform_batch(features, wanted, expand_uniform=False)
     keys = tuple(features.keys())
     per_sample_weights = features.weights_or_none() if is_weighted else None
     if is_weighted and per_sample_weights is None:
@@ -49,6 +61,34 @@ def _quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, w
     total_dim, max_dim = widths
     out = quantized_lookup(flat, features.values(), features.offsets(), per_sample_weights, meta, key_index,
                            features.stride(), total_dim, max_dim, output_dtype, backend, validate, names, report_id)
+    return out if rows is None else expand_rows(out, rows, dims)
+
+
+def _scripted_quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, wanted: List[str],
+                               tables: List[str], widths: List[int], dims: List[int], is_weighted: bool,
+                               output_dtype: torch.dtype, backend: str, validate: bool) -> Tensor:
+    """TorchScript: the registered op, the key plan built per call (the check on the host, as in
+    any traced graph)."""
+    features, rows = uniform_batch(features, wanted, False)
+    keys = features.keys()
+    position: Dict[str, int] = {}
+    for i in range(len(keys)):
+        position[keys[i]] = i
+    key_index_list: List[int] = []
+    for f in range(len(wanted)):
+        if wanted[f] not in position:
+            raise ValueError("KeyedJaggedTensor is missing feature " + wanted[f] + " (table " + tables[f] + ")")
+        key_index_list.append(position[wanted[f]])
+    key_index = torch.tensor(key_index_list, dtype=torch.int64, device=flat.device)
+    per_sample_weights: Optional[Tensor] = None
+    if is_weighted:
+        per_sample_weights = features.weights_or_none()
+        if per_sample_weights is None:
+            raise ValueError("the EmbeddingBagCollection is weighted but the KeyedJaggedTensor has no weights")
+    names = encode_names(keys, wanted, tables) if validate else ""
+    out = torch.ops.recom_rec.quantized_pooled_lookup(flat, features.values(), features.offsets(), per_sample_weights,
+                                                     meta, key_index, features.stride(), widths[0], widths[1],
+                                                     output_dtype, backend, validate, names)
     return out if rows is None else expand_rows(out, rows, dims)
 
 
@@ -123,9 +163,9 @@ class EmbeddingBagCollection(QuantizedStorage, EmbeddingBagCollectionInterface):
                 poolings.append(POOLING_MEAN if c.pooling.value == PoolingType.MEAN.value else POOLING_SUM)
         out_cols = list(itertools.accumulate([0] + self._length_per_key))[:-1]
         self._host_meta = quant_feature_meta(self._slots, feature_tables, out_cols, poolings)
-        # Tuples: the per-key-order caches take them as they are (no copies per batch).
-        self._feature_names = tuple(f for c in ordered for f in c.feature_names)
-        self._feature_tables = tuple(c.name for c in ordered for _ in c.feature_names)
+        # The module's own lists, never changed: the per-key-order cache knows them by identity.
+        self._feature_names: List[str] = [f for c in ordered for f in c.feature_names]
+        self._feature_tables: List[str] = [c.name for c in ordered for _ in c.feature_names]
         self._widths = [sum(self._length_per_key), max((c.embedding_dim for c in ordered), default=1)]
 
         flat = torch.zeros(buffer_bytes(self._slots), dtype=torch.uint8, device=self._device)

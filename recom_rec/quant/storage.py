@@ -16,10 +16,12 @@ from .layout import QuantTableSlot
 from .rows import SCALE_BIAS_BYTES, RowType, data_bytes
 
 
-def bind_table_views(tables: nn.ModuleDict, slots: List[QuantTableSlot], flat: Tensor, split_scale_bias: bool) -> None:
+def bind_table_views(tables: nn.ModuleDict, slots: List[QuantTableSlot], flat: Tensor, split_scale_bias: bool,
+                     wrap_packed: bool = True) -> None:
     """(Re-)registers each table's state_dict buffers (``weight``, and with ``split_scale_bias``
     ``weight_qscale`` / ``weight_qbias``) as views of the flat buffer, as torchrec registers views of
-    its TBEs' buffers."""
+    its TBEs' buffers; INT4 / INT2 rows wrapped in torchrec's UInt4Tensor / UInt2Tensor unless not
+    ``wrap_packed``."""
     for s in slots:
         rows = s.rows_of(flat)
         table = tables[s.name]
@@ -27,9 +29,9 @@ def bind_table_views(tables: nn.ModuleDict, slots: List[QuantTableSlot], flat: T
         if split_scale_bias:
             start = SCALE_BIAS_BYTES if s.kind.has_scale_bias else 0
             weight = rows[:, start:start + data_bytes(s.kind, s.embedding_dim)]
-        if s.kind == RowType.INT4:
+        if s.kind == RowType.INT4 and wrap_packed:
             weight = UInt4Tensor(weight)
-        elif s.kind == RowType.INT2:
+        elif s.kind == RowType.INT2 and wrap_packed:
             weight = UInt2Tensor(weight)
         table.register_buffer("weight", weight)
         if split_scale_bias and s.kind.has_scale_bias:
@@ -76,6 +78,21 @@ class QuantizedStorage:
         new._bind_table_views()
         new._report_id = new_report_id(new)
         return new
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        """``torch.jit.script`` scripts what this returns. ``torch.jit.save`` crashes on torchrec's
+        UInt4Tensor / UInt2Tensor buffers (a segmentation fault, torch 2.11-2.13), which TorchScript
+        treats as plain tensors anyway: the scripted module's INT4 / INT2 tables are plain uint8
+        views of the same rows. Modules without such tables script as they are."""
+        if not any(s.kind in (RowType.INT4, RowType.INT2) for s in self._slots):
+            return self
+        scripted = copy.copy(self)  # (a new module over the same buffers and settings)
+        scripted._buffers = OrderedDict(self._buffers)
+        scripted._modules = OrderedDict(self._modules)
+        tables = nn.ModuleDict({name: nn.Module() for name in getattr(self, self._TABLES_ATTR)})
+        bind_table_views(tables, self._slots, self._flat_rows, self._split_scale_bias, wrap_packed=False)
+        scripted._modules[self._TABLES_ATTR] = tables
+        return scripted
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
