@@ -384,6 +384,56 @@ def test_torch_compile_keeps_numbers():
     _assert_same_output(compiled(kjt), module(kjt))
 
 
+class _KJTInTheGraph(torch.nn.Module):
+    """A model that builds its KJT from tensors in its forward (as torchrec's export examples do):
+    under torch.compile and torch.export its per-key lengths are known only at run time."""
+
+    def __init__(self, module, keys):
+        super().__init__()
+        self.module, self.keys = module, list(keys)
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out = self.module(KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths))
+        return torch.cat([out[k].values() for k in sorted(out)])
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_compile_and_export_with_the_kjt_built_in_the_graph(backend):
+    """torch.compile(fullgraph=True) and torch.export take the KJT built inside the graph, as
+    torchrec's module does: the same outputs for batches of other lengths, the same gradients
+    (compiled); lengths that do not add up to the values are refused at run time."""
+    tables = [EmbeddingConfig(name="t1", embedding_dim=8, num_embeddings=20, feature_names=["f1", "f2"]),
+              EmbeddingConfig(name="t2", embedding_dim=8, num_embeddings=30, feature_names=["f2", "f3"])]
+    kjts = [_kjt(tables, seed, batch=4, max_len=4) for seed in (3, 4)]
+    keys = kjts[0].keys()
+    kjts = [k.permute([k.keys().index(key) for key in keys]) for k in kjts]  # the graph's key order
+
+    def model():
+        torch.manual_seed(0)
+        return _KJTInTheGraph(recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, backend=backend),
+                              keys)
+
+    eager, compiled_model = model(), model()
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    with torch.no_grad():
+        n_values = torch.export.Dim("n_values", min=2, max=10_000)
+        exported = torch.export.export(eager, (kjts[0].values(), kjts[0].lengths()),
+                                       dynamic_shapes=({0: n_values}, None)).module()
+    for kjt in kjts:
+        want = eager(kjt.values(), kjt.lengths())
+        assert torch.equal(compiled(kjt.values(), kjt.lengths()), want)
+        with torch.no_grad():
+            assert torch.equal(exported(kjt.values(), kjt.lengths()), want)
+        want.pow(2).sum().backward()
+        compiled(kjt.values(), kjt.lengths()).pow(2).sum().backward()
+    for a, b in zip(eager.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)
+    values = kjts[0].values()
+    # (the compiled graph's own runtime assertion: it states the relation that failed)
+    with pytest.raises(RuntimeError, match=r"do not add up|Eq\(u0 \+ u1 \+ u2 \+ u3"):
+        compiled(values[:-1], kjts[0].lengths())
+
+
 SLOTS = 12
 
 

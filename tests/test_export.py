@@ -112,6 +112,22 @@ def test_export_inference_matches_eager(tmp_path):
         torch.testing.assert_close(loaded.module()(*_inputs(example)), model(example.dense_features, example.sparse_features))
 
 
+@pytest.mark.parametrize("fused", ["rowwise_adagrad", None])
+def test_exporting_leaves_the_module_training_as_before(fused):
+    """Exporting a serving snapshot mid-training changes nothing the module trains with: the
+    exported module and its twin that was not exported train on with the same losses and weights
+    (torch.export's trace swaps fake tensors into the module's parameters and leaves its table
+    modules new parameter dicts)."""
+    batches = _batches(4)
+    (model, opt), (twin, twin_opt) = _dlrm(fused=fused), _dlrm(fused=fused)
+    _train(model, opt, batches[:2]), _train(twin, twin_opt, batches[:2])
+    with torch.no_grad():
+        torch.export.export(ExportableDLRM(model, KEYS), _inputs(batches[0]))
+    torch.testing.assert_close(_train(model, opt, batches[2:]), _train(twin, twin_opt, batches[2:]), rtol=0, atol=0)
+    for (name, a), b in zip(twin.state_dict().items(), model.state_dict().values()):
+        assert type(b) is torch.Tensor and torch.equal(b, a), name
+
+
 def test_export_with_dynamic_batch_size():
     model, _ = _dlrm(fused=None)
     model.eval()

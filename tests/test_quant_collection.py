@@ -161,6 +161,38 @@ def test_fx_and_torchscript_give_the_module_s_outputs(need_indices):
                 ours.check_inputs()
 
 
+class _KJTInTheGraph(torch.nn.Module):
+    """Builds its KJT from tensors in its forward: under torch.compile and torch.export the per-key
+    lengths are known only at run time."""
+
+    def __init__(self, module, keys):
+        super().__init__()
+        self.module, self.keys = module, list(keys)
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out = self.module(KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths))
+        return torch.cat([out[k].values() for k in sorted(out)])
+
+
+def test_compile_and_export_with_the_kjt_built_in_the_graph():
+    """torch.compile(fullgraph=True) and torch.export (saved and loaded) take a KJT built inside the
+    graph, as torchrec's quantized module does: the module's outputs for batches of other lengths."""
+    _, ours = _pair(torch.float16)
+    kjts = [_kjt(seed=seed) for seed in (1, 2, 3)]
+    model = _KJTInTheGraph(ours, kjts[0].keys())
+    compiled = torch.compile(model, fullgraph=True)
+    n_values = torch.export.Dim("n_values", min=2, max=10_000)
+    exported = torch.export.export(model, (kjts[0].values(), kjts[0].lengths()), dynamic_shapes=({0: n_values}, None))
+    buffer = io.BytesIO()
+    torch.export.save(exported, buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer).module()
+    for kjt in kjts:
+        want = model(kjt.values(), kjt.lengths())
+        for graph in (compiled, exported.module(), loaded):
+            assert torch.equal(_bits(graph(kjt.values(), kjt.lengths())), _bits(want))
+
+
 def test_deepcopy_and_to_keep_the_tables_on_the_kernel_s_buffer():
     _, ours = _pair(torch.float32)
     kjt = _kjt()
@@ -221,7 +253,7 @@ def test_int2_rows_on_the_gpu_match_the_cpu_s():
 def test_more_ids_than_one_launch_takes_bags(monkeypatch):
     """Past the kernel's bags a launch (its grid's y axis) the ids spread over virtual features:
     the same rows (the limit lowered here so that a small batch crosses it)."""
-    import recom_rec.quant.embedding_collection as qec
+    import recom_rec.ops.quantized_rows as qec
 
     theirs, ours = _pair(torch.float32)
     kjt = _kjt(batch_size=9, seed=4)

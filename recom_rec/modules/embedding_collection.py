@@ -21,7 +21,7 @@ from ..ops.backends import check_backend
 from ..ops.input_check import new_report_id
 from ..ops.layout import FeatureSlot, POOLING_SUM, feature_meta_tensor, pack_tables
 from ..ops.plan import FusedStep, UnpooledGroupPlan, UnpooledPlan
-from ..ops.unpooled_embedding import UnpooledBatch, load_kernels, segments_for, unpooled_lookup
+from ..ops.unpooled_embedding import UnpooledBatch, check_lengths_add_up, load_kernels, segments_for, unpooled_lookup
 from ..ops.validation import encode_names
 from ..optim.spec import FusedOptimizerSpec
 from .embedding_modules import _fx_tracing, _table_dtype, maybe_td_to_kjt
@@ -173,8 +173,7 @@ class EmbeddingCollection(FlatTables, _TorchrecEmbeddingCollection):
         return _group_rows(features, *self._lookup_arguments(), False)[0][0][0]
 
     def _lookup_arguments(self):
-        if self._flat_link.stale:
-            self._repack_flat_buffers()
+        self._refresh_flat_tables()
         if not (torch.compiler.is_compiling() or _fx_tracing()):
             self._sync_optimizer_in_backward()
         grad = torch.is_grad_enabled()
@@ -235,9 +234,8 @@ def _group_rows(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights:
     values = features.values()
     length_per_key: List[int] = features.length_per_key()
     stride_per_key: List[int] = features.stride_per_key()
-    if plan.validate and sum(length_per_key) != values.numel():
-        raise ValueError("KeyedJaggedTensor lengths add up to " + str(sum(length_per_key)) + " but there are "
-                         + str(values.numel()) + " values")
+    if plan.validate:
+        check_lengths_add_up(length_per_key, values.numel())
     offset_per_key: List[int] = features.offset_per_key()
     offsets = features.offsets()
     rows: List[List[torch.Tensor]] = []

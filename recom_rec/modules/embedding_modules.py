@@ -451,8 +451,7 @@ class EmbeddingBagCollection(FlatTables, _TorchrecEmbeddingBagCollection):
     @torch.jit.unused
     def _lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         features = maybe_td_to_kjt(features, None)
-        if self._flat_link.stale:
-            self._repack_flat_buffers()
+        self._refresh_flat_tables()
         if not (torch.compiler.is_compiling() or _fx_tracing()):
             self._sync_optimizer_in_backward()
         if getattr(self, "_ps", None) is not None:

@@ -99,6 +99,19 @@ class FlatTables:
         # Parameter.
         return [params["weight"] for params in self._table_parameters[group.index]]
 
+    def _refresh_flat_tables(self) -> None:
+        """Before a lookup: the flat buffer is re-packed where a replaced Parameter left it stale,
+        and the tables' parameter dicts are held again where they were replaced wholesale (a
+        non-strict torch.export trace leaves the table modules new dicts: the held ones would keep
+        its fake tensors). One identity check a forward: the dicts are replaced all together."""
+        if self._groups:
+            first = self._table_modules()[self._groups[0].slots[0].name]
+            if first._parameters is not self._table_parameters[0][0]:
+                self._hold_table_parameters()
+                self._flat_link.stale = True
+        if self._flat_link.stale:
+            self._repack_flat_buffers()
+
     def _hold_table_parameters(self) -> None:
         self._table_parameters: List[List[Dict[str, Any]]] = [
             [self._table_modules()[s.name]._parameters for s in group.slots] for group in self._groups]

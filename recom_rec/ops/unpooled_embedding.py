@@ -47,6 +47,27 @@ def _on_kernels(backend: str, device: torch.device) -> bool:
     return resolve_backend(backend, device) != "torch"
 
 
+@torch.jit.unused
+def _check_in_graph(total: int, num_values: int) -> None:
+    # (TorchScript does not parse a lambda; torch.compile wants the message made in its region)
+    torch._check(total == num_values, lambda: "KeyedJaggedTensor lengths do not add up to its values")
+
+
+def check_lengths_add_up(length_per_key: List[int], num_values: int) -> None:
+    """A ValueError where a KJT's lengths do not add up to its values. Traced by torch.compile or
+    export, the lengths of a KJT built in the graph are known only when it runs: a runtime check
+    there (torch._check)."""
+    total = sum(length_per_key)
+    if torch.jit.is_scripting():
+        if total != num_values:
+            raise ValueError("KeyedJaggedTensor lengths add up to " + str(total) + " but there are "
+                             + str(num_values) + " values")
+    elif torch.compiler.is_compiling():
+        _check_in_graph(total, num_values)
+    elif total != num_values:
+        raise ValueError(f"KeyedJaggedTensor lengths add up to {total} but there are {num_values} values")
+
+
 def segments_for(key_index: List[int], length_per_key: List[int], offset_per_key: List[int],
                  stride_per_key: List[int], device: torch.device) -> Tensor:
     """The ``segments`` of a batch (see the module docstring) for features reading the KJT's keys
@@ -65,7 +86,12 @@ def segments_for(key_index: List[int], length_per_key: List[int], offset_per_key
         first_bag.append(bag_start[k])
         bags.append(stride_per_key[k])
     rows = [out_start, value_start + [0], first_bag + [0], bags + [0]]
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    if torch.jit.is_scripting():
+        return torch.tensor(rows, dtype=torch.int64).to(device)
+    if torch.compiler.is_compiling():
+        return torch.tensor(rows, dtype=torch.int64, device=device)
+    # Eagerly from pinned memory: a copy from pageable memory waits for the stream's earlier work.
+    return torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 def _forward_impl(flat, values, offsets, segments, feature_meta, num_outputs, dim, backend, validate, names,

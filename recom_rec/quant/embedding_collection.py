@@ -26,14 +26,13 @@ from ..modules.embedding_collection import _key_index
 from ..modules.embedding_modules import _key_plan
 from ..modules.table_size import check_sequence_tables
 from ..ops.layout import META_NUM_EMBEDDINGS, META_ROW_BASE, META_WIDTH, POOLING_SUM
-from ..ops.quantized_lookup import quantized_lookup
-from ..ops.unpooled_embedding import row_keys, segments_for
+from ..ops.quantized_rows import rows_by_key
+from ..ops.unpooled_embedding import check_lengths_add_up, row_keys, segments_for
 from ..ops.validation import encode_names
 from .from_float import quantized_module_args
 from .layout import (
     QMETA_DIM,
     QMETA_NUM_EMBEDDINGS,
-    QMETA_OUT_COL,
     QMETA_POOLING,
     QMETA_ROW_STRIDE,
     QMETA_ROW_TYPE,
@@ -202,9 +201,8 @@ def _quantized_collection_lookup(features: KeyedJaggedTensor, flat: Tensor, firs
     values, offsets = features.values(), features.offsets()
     length_per_key: List[int] = features.length_per_key()
     stride_per_key: List[int] = features.stride_per_key()
-    if validate and sum(length_per_key) != values.numel():
-        raise ValueError("KeyedJaggedTensor lengths add up to " + str(sum(length_per_key)) + " but there are "
-                         + str(values.numel()) + " values")
+    if validate:
+        check_lengths_add_up(length_per_key, values.numel())
     offset_per_key: List[int] = features.offset_per_key()
     lengths = features.lengths().split(stride_per_key)
     indices: List[Tensor] = values.split(length_per_key) if need_indices else []
@@ -224,52 +222,14 @@ def _quantized_collection_lookup(features: KeyedJaggedTensor, flat: Tensor, firs
                                                             group.names, report_id)
         else:
             row_key = row_keys(values, offsets, segments, metas, num, backend, validate, group.names, report_id)
-        rows = _one_id_bags(flat, row_key, virtual_meta[g:g + 1], first_key, dim, output_dtype, backend, report_id)
+        if torch.jit.is_scripting():
+            rows = torch.ops.recom_rec.quantized_rows(flat, row_key, virtual_meta[g:g + 1], first_key, dim,
+                                                      output_dtype, backend)
+        else:
+            rows = rows_by_key(flat, row_key, virtual_meta[g:g + 1], first_key, dim, output_dtype, backend)
         pieces = rows.split(counts)
         for j in range(len(key_index)):
             k = key_index[j]
             out[group.embedding_names[j]] = JaggedTensor(values=pieces[j], lengths=lengths[k],
                                                          weights=indices[k] if need_indices else None)
     return out
-
-
-# The quantized kernel's grid has the batch's blocks of bags on its y axis (at most 65535 blocks).
-MAX_BAGS = 65535
-# TorchScript reads no module globals: its branch of _one_id_bags spells these two out.
-assert (MAX_BAGS, QMETA_OUT_COL) == (65535, 2)
-
-
-def _one_id_bags(flat: Tensor, row_key: Tensor, virtual_meta: Tensor, first_key: Tensor, dim: int,
-                 output_dtype: torch.dtype, backend: str, report_id: int) -> Tensor:
-    """``[ids, dim]``: the quantized pooled lookup of bags of one row key each. Past MAX_BAGS ids
-    the bags are spread over F virtual features side by side (id r is bag r // F of feature r % F,
-    whose pooled output row r // F, columns (r % F) * dim, is row r of ``[ids, dim]``)."""
-    num = row_key.numel()
-    if torch.jit.is_scripting():
-        max_bags, out_col = 65535, 2
-    else:
-        max_bags, out_col = MAX_BAGS, QMETA_OUT_COL
-    features = max(1, -(-num // max_bags))
-    if features == 1:
-        bags = torch.arange(num + 1, dtype=torch.int64, device=flat.device)
-        return _pool(flat, row_key, bags, virtual_meta, first_key, num, dim, dim, output_dtype, backend, report_id)
-    batch = -(-num // features)
-    padded = torch.cat([row_key, row_key.new_zeros(batch * features - num)])  # key 0: a real row, dropped after
-    values = padded.view(batch, features).t().reshape(-1)  # a KJT's order: feature after feature
-    bags = torch.arange(batch * features + 1, dtype=torch.int64, device=flat.device)
-    meta = virtual_meta.repeat(features, 1)
-    meta[:, out_col] = torch.arange(features, device=flat.device) * dim
-    key_index = torch.arange(features, dtype=torch.int64, device=flat.device)
-    out = _pool(flat, values, bags, meta, key_index, batch, features * dim, dim, output_dtype, backend, report_id)
-    return out.view(-1, dim)[:num]
-
-
-def _pool(flat: Tensor, values: Tensor, bags: Tensor, meta: Tensor, key_index: Tensor, batch: int, total_dim: int,
-          dim: int, output_dtype: torch.dtype, backend: str, report_id: int) -> Tensor:
-    """The quantized pooled lookup of row keys already checked (row_keys): the registered op in
-    TorchScript, else quantized_lookup."""
-    if torch.jit.is_scripting():
-        return torch.ops.recom_rec.quantized_pooled_lookup(flat, values, bags, None, meta, key_index, batch,
-                                                           total_dim, dim, output_dtype, backend, False, "")
-    return quantized_lookup(flat, values, bags, None, meta, key_index, batch, total_dim, dim, output_dtype, backend,
-                            False, "", report_id)
