@@ -2,7 +2,8 @@
 arguments the module gave it: its schema (what it mutates), its autograd registration, its fake
 kernel against the real one (shapes, dtypes, strides, devices) and AOTDispatcher tracing with
 static and dynamic shapes, which is what torch.compile and torch.export rely on. The calls are
-recorded from real modules (EBC, EC, variable batch, fused optimizers), on every kernel backend."""
+recorded from real modules (EBC, EC, variable batch, fused optimizers, the quantized EBC and EC), on
+every kernel backend."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -76,6 +77,24 @@ def _run_sequence(backend, fused=None):
     sum(jt.values().pow(2).sum() for jt in out.values()).backward()
 
 
+def _run_quantized(backend, sequence):
+    from torch import quantization as tq
+    from torchrec.modules.embedding_configs import QuantConfig
+
+    config = EmbeddingConfig if sequence else EmbeddingBagConfig
+    tables = [config(name=f"t{i}", embedding_dim=8, num_embeddings=13, feature_names=[f"f{i}"]) for i in range(2)]
+    float_module = (recom_rec.EmbeddingCollection if sequence else recom_rec.EmbeddingBagCollection)(tables,
+                                                                                                       device=DEVICE)
+    float_module.qconfig = QuantConfig(activation=tq.PlaceholderObserver.with_args(dtype=torch.float16),
+                                       weight=tq.PlaceholderObserver.with_args(dtype=torch.qint8),
+                                       per_table_weight_dtype={"t1": torch.quint4x2})
+    quant = recom_rec.quant.EmbeddingCollection if sequence else recom_rec.quant.EmbeddingBagCollection
+    # (the quantized modules have no CUDA C++ backend: "cuda" is the GPU's default there)
+    module = quant.from_float(float_module, backend=backend if backend in ("torch", "triton") else "auto")
+    with torch.no_grad():
+        module(_kjt(["f0", "f1"], [2, 0, 3, 1, 1, 2], 13))
+
+
 CASES = {
     "bags": lambda b: _run_bags(b),
     "bags weighted": lambda b: _run_bags(b, weighted=True),
@@ -85,6 +104,8 @@ CASES = {
     "bags variable batch fused sgd": lambda b: _run_bags(b, fused="sgd", variable_batch=True),
     "sequence": lambda b: _run_sequence(b),
     "sequence fused adam": lambda b: _run_sequence(b, fused="adam"),
+    "quantized bags": lambda b: _run_quantized(b, sequence=False),
+    "quantized sequence": lambda b: _run_quantized(b, sequence=True),
 }
 
 
