@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 import torchrec
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor, PoolingType
 from torchrec.modules.embedding_configs import DataType
 
 import recom_rec
@@ -152,6 +152,44 @@ def test_integer_data_types_give_fp16_tables_as_torchrec(data_type):
     ours.load_state_dict(ref.state_dict())
     kjt = make_kjt(tables(), batch_size=4, max_len=3, seed=1, is_weighted=False)
     _close(ours(kjt).values(), ref(kjt).values().float())
+
+
+@pytest.mark.parametrize("collection", ["bags", "sequence"])
+def test_functional_call_reads_the_weights_it_is_given(collection):
+    """torch.func.functional_call with substituted table weights (torch.func's way to run a module
+    on other parameters) reads those weights and differentiates against them, as torchrec's module
+    does; afterwards the module reads its own again. With a fused optimizer, whose update would go
+    to a copy, it is refused."""
+    if collection == "bags":
+        tables, kjt = _tables(), _kjt()
+        make = (torchrec.EmbeddingBagCollection, recom_rec.EmbeddingBagCollection)
+
+        def values(out):
+            return out.values()
+    else:
+        tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=4, num_embeddings=20, feature_names=[f"f{i}"])
+                  for i in range(2)]
+        kjt = make_kjt(tables, batch_size=4, max_len=3, seed=5, is_weighted=False)
+        make = (torchrec.EmbeddingCollection, recom_rec.EmbeddingCollection)
+
+        def values(out):
+            return torch.cat([out[k].values() for k in sorted(out)])
+
+    ref, ours = make[0](tables=tables, device=DEVICE), make[1](tables=tables, device=DEVICE)
+    ours.load_state_dict(ref.state_dict())
+    own = values(ours(kjt)).detach()
+    given = {k: (torch.rand_like(v) - 0.5).requires_grad_(True) for k, v in ref.named_parameters()}
+    want = values(torch.func.functional_call(ref, given, (kjt,)))
+    got = values(torch.func.functional_call(ours, given, (kjt,)))
+    _close(got, want)
+    grads = torch.autograd.grad(got.float().pow(2).sum(), list(given.values()))
+    want_grads = torch.autograd.grad(want.float().pow(2).sum(), list(given.values()))
+    for g, w in zip(grads, want_grads):
+        _close(g.float(), w.float())
+    assert torch.equal(values(ours(kjt)).detach(), own)
+    ours.enable_fused_optimizer("sgd", lr=0.1)
+    with pytest.raises(ValueError, match="substituted"):
+        torch.func.functional_call(ours, given, (kjt,))
 
 
 def test_dtype_conversion_and_deepcopy_keep_one_flat_buffer():

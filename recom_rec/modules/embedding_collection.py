@@ -24,8 +24,8 @@ from ..ops.plan import FusedStep, UnpooledGroupPlan, UnpooledPlan
 from ..ops.unpooled_embedding import UnpooledBatch, check_lengths_add_up, load_kernels, segments_for, unpooled_lookup
 from ..ops.validation import encode_names
 from ..optim.spec import FusedOptimizerSpec
-from .embedding_modules import _fx_tracing, _table_dtype, maybe_td_to_kjt
-from .flat_tables import FlatTables, TableGroup
+from .embedding_modules import _table_dtype, maybe_td_to_kjt
+from .flat_tables import FlatTables, TableGroup, _fx_tracing
 from .table_size import check_sequence_tables
 from .table_weight import FlatLink, TableEmbedding
 
@@ -177,8 +177,9 @@ class EmbeddingCollection(FlatTables, _TorchrecEmbeddingCollection):
         if not (torch.compiler.is_compiling() or _fx_tracing()):
             self._sync_optimizer_in_backward()
         grad = torch.is_grad_enabled()
-        return ([self._flat(g) for g in self._groups],
-                [self._autograd_inputs(g) if grad else [self._flat(g)] for g in self._groups],
+        flats = self._lookup_flats()
+        return (flats,
+                [self._autograd_inputs(g) if grad else [flat] for g, flat in zip(self._groups, flats)],
                 [getattr(self, g.meta_name) for g in self._groups], self._plan, self._fused_step_for_forward())
 
     def need_indices(self) -> bool:

@@ -10,7 +10,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.fx import _symbolic_trace as _fx_symbolic_trace
 from torchrec.modules.embedding_configs import (
     DataType,
     EmbeddingBagConfig,
@@ -41,7 +40,7 @@ from ..ops.validation import encode_names
 from ..ops.variable_batch import expand_rows, uniform_batch
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import FusedOptimizerSpec
-from .flat_tables import FlatTables, TableGroup
+from .flat_tables import FlatTables, TableGroup, _fx_tracing
 from .table_size import check_table_size
 from .table_weight import FlatLink, TableEmbeddingBag
 
@@ -51,12 +50,6 @@ except ImportError:  # pragma: no cover - torchrec 1.6
     def maybe_td_to_kjt(features, keys=None):  # type: ignore[misc]
         return features
 
-# torch >= 2.12 splits symbolic tracing from torch.export's tracing (and warns on the old name).
-_FX_TRACING = getattr(_fx_symbolic_trace, "is_fx_symbolic_tracing", None) or _fx_symbolic_trace.is_fx_tracing
-
-
-def _fx_tracing() -> bool:
-    return _FX_TRACING()
 
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
@@ -460,12 +453,13 @@ class EmbeddingBagCollection(FlatTables, _TorchrecEmbeddingBagCollection):
             features = self._ps.prepare(features)  # PS tables' ids -> cache slots
         grad = torch.is_grad_enabled()
         fused = self._fused_step_for_forward()
+        flats = self._lookup_flats()
         return _fused_lookup(
             features,
-            [self._flat(g) for g in self._groups],
+            flats,
             # Never an empty list (Inductor's wrapper code generation has trouble with them);
             # without grad the op only needs *a* tensor here, and the flat buffer needs none.
-            [self._autograd_inputs(g) if grad else [self._flat(g)] for g in self._groups],
+            [self._autograd_inputs(g) if grad else [flat] for g, flat in zip(self._groups, flats)],
             [getattr(self, g.meta_name) for g in self._groups],
             self._output_columns,
             self._plan,

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.fx import _symbolic_trace as _fx_symbolic_trace
 
 from ..ops.backends import check_backend
 from ..ops.input_check import new_report_id
@@ -24,6 +25,15 @@ from ..ops.layout import TableSlot
 from ..ops.plan import FusedStep
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import spec_from_optimizer
+from .table_weight import watch_parameters
+
+
+# torch >= 2.12 splits symbolic tracing from torch.export's tracing (and warns on the old name).
+_FX_TRACING = getattr(_fx_symbolic_trace, "is_fx_symbolic_tracing", None) or _fx_symbolic_trace.is_fx_tracing
+
+
+def _fx_tracing() -> bool:
+    return _FX_TRACING()
 
 
 class TableGroup:
@@ -112,9 +122,48 @@ class FlatTables:
         if self._flat_link.stale:
             self._repack_flat_buffers()
 
+    def _lookup_flats(self) -> List[torch.Tensor]:
+        """The flat buffers a lookup reads: the groups' own, unless a table's weight was set in its
+        parameter dict since the last check (see _flats_of_current_weights)."""
+        flats = [self._flat(g) for g in self._groups]
+        if self._flat_link.swapped and not (torch.compiler.is_compiling() or _fx_tracing()):
+            flats = self._flats_of_current_weights(flats)
+        return flats
+
+    def _flats_of_current_weights(self, flats: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The lookup reads the weights the tables hold now. Weights that view the group's buffer
+        (the module's own) read it; weights substituted for a call (``torch.func.functional_call``)
+        are packed into a buffer for that call (the module keeps its own: they come back when the
+        call ends); a trace's tensors (torch.export's fakes) are left as they are. Once every
+        table holds its own weight again the check stops."""
+        out, own = [], True
+        for group, flat in zip(self._groups, flats):
+            weights = self._table_weights(group)
+            if not all(type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta" for t in [flat, *weights]):
+                out.append(flat)  # tracing tensors: the trace's own consistent state
+                own = False
+                continue
+            storage = flat.untyped_storage().data_ptr()
+            if all(w.untyped_storage().data_ptr() == storage for w in weights):
+                out.append(flat)
+                continue
+            own = False
+            if self._fused_spec is not None:
+                raise ValueError("the tables' weights were substituted (torch.func.functional_call?) while a fused "
+                                 "optimizer is enabled: its update would go to a copy; call it without the fused "
+                                 "optimizer")
+            out.append(torch.cat([w.reshape(-1).to(group.dtype) for w in weights]))
+        if own:
+            self._flat_link.swapped = False
+        return out
+
     def _hold_table_parameters(self) -> None:
+        tables = self._table_modules()
+        for group in self._groups:  # (a dict replaced wholesale is watched again)
+            for s in group.slots:
+                watch_parameters(tables[s.name], self._flat_link)
         self._table_parameters: List[List[Dict[str, Any]]] = [
-            [self._table_modules()[s.name]._parameters for s in group.slots] for group in self._groups]
+            [tables[s.name]._parameters for s in group.slots] for group in self._groups]
 
     def _flat(self, group: "TableGroup") -> torch.Tensor:
         return getattr(self, group.flat_name)
@@ -155,6 +204,7 @@ class FlatTables:
                 setattr(self, group.meta_name, getattr(self, group.meta_name).to(device))
         self._freeze_tables()
         self._flat_link.stale = False
+        self._flat_link.swapped = False  # every table's weight views the new buffer
 
     def _apply(self, fn, recurse=True):
         # nn.Module._apply would convert each table's Parameter on its own and break the

@@ -12,15 +12,43 @@ from torch import nn
 
 
 class FlatLink:
-    """Shared between a collection and its tables: set when a table's weight Parameter is
+    """Shared between a collection and its tables. ``stale``: a table's weight Parameter was
     replaced (``load_state_dict(assign=True)``, ``table.weight = nn.Parameter(...)``), so the
-    collection re-packs its flat buffer before the next lookup. Deep copies keep the sharing
-    because ``copy.deepcopy`` memoises the object."""
+    collection re-packs its flat buffer before the next lookup. ``swapped``: an entry of a table's
+    parameter dict was set some other way (``torch.func.functional_call`` and torch.export's
+    tracing swap tensors in and out there), so the next lookup checks which weights the tables
+    hold. Deep copies keep the sharing because ``copy.deepcopy`` memoises the object."""
 
-    __slots__ = ("stale",)
+    __slots__ = ("stale", "swapped")
 
     def __init__(self) -> None:
         self.stale = False
+        self.swapped = False
+
+
+class WatchedParameters(dict):
+    """A table module's ``_parameters``: setting an entry marks the collection's link ``swapped``
+    (one flag, so that a lookup need not compare every table's weight every call)."""
+
+    __slots__ = ("link",)
+
+    def __init__(self, items, link: FlatLink) -> None:
+        super().__init__(items)
+        self.link = link
+
+    def __setitem__(self, key, value) -> None:
+        self.link.swapped = True
+        super().__setitem__(key, value)
+
+    def __reduce__(self):
+        return WatchedParameters, (dict(self), self.link)
+
+
+def watch_parameters(module: nn.Module, link: FlatLink) -> None:
+    """Gives ``module`` a WatchedParameters of its parameters (unless it has one on ``link``)."""
+    params = module.__dict__["_parameters"]
+    if not (isinstance(params, WatchedParameters) and params.link is link):
+        module.__dict__["_parameters"] = WatchedParameters(params, link)
 
 
 class _FlatTableWeight:
@@ -56,6 +84,7 @@ class TableEmbeddingBag(_FlatTableWeight, nn.EmbeddingBag):
         rows, dim = weight_view.shape
         super().__init__(rows, dim, mode=mode, include_last_offset=True, _weight=weight_view)
         self._flat_link = link
+        watch_parameters(self, link)
 
 
 class TableEmbedding(_FlatTableWeight, nn.Embedding):
@@ -65,3 +94,4 @@ class TableEmbedding(_FlatTableWeight, nn.Embedding):
         rows, dim = weight_view.shape
         super().__init__(rows, dim, _weight=weight_view)
         self._flat_link = link
+        watch_parameters(self, link)
