@@ -47,6 +47,20 @@ class Case:
         ) for t in self.tables]
 
 
+class KJTInTheGraph(torch.nn.Module):
+    """A model that builds its KJT from tensors in its forward (as torchrec's export examples do):
+    under torch.compile and torch.export the per-key lengths are known only at run time. Returns
+    the module's JaggedTensors' values, keys in sorted order, in one tensor."""
+
+    def __init__(self, module, keys):
+        super().__init__()
+        self.module, self.keys = module, list(keys)
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out = self.module(KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths))
+        return torch.cat([out[k].values() for k in sorted(out)])
+
+
 def make_kjt(tables, batch_size, max_len, seed, is_weighted, index_dtype=torch.int64,
              extra_keys=0, zero_fraction=0.3, shuffle_keys=True) -> KeyedJaggedTensor:
     g = torch.Generator().manual_seed(seed)

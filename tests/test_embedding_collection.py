@@ -15,7 +15,7 @@ from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import recom_rec
-from ebc_cases import DEVICE, KERNEL_BACKENDS
+from ebc_cases import DEVICE, KERNEL_BACKENDS, KJTInTheGraph
 
 
 def _tables(seed: int, dtype=DataType.FP32):
@@ -384,19 +384,6 @@ def test_torch_compile_keeps_numbers():
     _assert_same_output(compiled(kjt), module(kjt))
 
 
-class _KJTInTheGraph(torch.nn.Module):
-    """A model that builds its KJT from tensors in its forward (as torchrec's export examples do):
-    under torch.compile and torch.export its per-key lengths are known only at run time."""
-
-    def __init__(self, module, keys):
-        super().__init__()
-        self.module, self.keys = module, list(keys)
-
-    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        out = self.module(KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths))
-        return torch.cat([out[k].values() for k in sorted(out)])
-
-
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_compile_and_export_with_the_kjt_built_in_the_graph(backend):
     """torch.compile(fullgraph=True) and torch.export take the KJT built inside the graph, as
@@ -410,7 +397,7 @@ def test_compile_and_export_with_the_kjt_built_in_the_graph(backend):
 
     def model():
         torch.manual_seed(0)
-        return _KJTInTheGraph(recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, backend=backend),
+        return KJTInTheGraph(recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, backend=backend),
                               keys)
 
     eager, compiled_model = model(), model()

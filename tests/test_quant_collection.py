@@ -14,7 +14,7 @@ from torchrec.quant.embedding_modules import EmbeddingCollection as TorchrecQuan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import recom_rec
-from ebc_cases import DEVICE
+from ebc_cases import DEVICE, KJTInTheGraph
 from recom_rec.quant import EmbeddingCollection as QuantEC
 
 DIM = 16
@@ -161,25 +161,12 @@ def test_fx_and_torchscript_give_the_module_s_outputs(need_indices):
                 ours.check_inputs()
 
 
-class _KJTInTheGraph(torch.nn.Module):
-    """Builds its KJT from tensors in its forward: under torch.compile and torch.export the per-key
-    lengths are known only at run time."""
-
-    def __init__(self, module, keys):
-        super().__init__()
-        self.module, self.keys = module, list(keys)
-
-    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        out = self.module(KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths))
-        return torch.cat([out[k].values() for k in sorted(out)])
-
-
 def test_compile_and_export_with_the_kjt_built_in_the_graph():
     """torch.compile(fullgraph=True) and torch.export (saved and loaded) take a KJT built inside the
     graph, as torchrec's quantized module does: the module's outputs for batches of other lengths."""
     _, ours = _pair(torch.float16)
     kjts = [_kjt(seed=seed) for seed in (1, 2, 3)]
-    model = _KJTInTheGraph(ours, kjts[0].keys())
+    model = KJTInTheGraph(ours, kjts[0].keys())
     compiled = torch.compile(model, fullgraph=True)
     n_values = torch.export.Dim("n_values", min=2, max=10_000)
     exported = torch.export.export(model, (kjts[0].values(), kjts[0].lengths()), dynamic_shapes=({0: n_values}, None))

@@ -114,11 +114,11 @@ class FlatTables:
         and the tables' parameter dicts are held again where they were replaced wholesale (a
         non-strict torch.export trace leaves the table modules new dicts: the held ones would keep
         its fake tensors). One identity check a forward: the dicts are replaced all together."""
-        if self._groups:
-            first = self._table_modules()[self._groups[0].slots[0].name]
-            if first._parameters is not self._table_parameters[0][0]:
-                self._hold_table_parameters()
-                self._flat_link.stale = True
+        # (dict reads: nn.Module.__getattr__ and the ModuleDict would cost microseconds a forward)
+        first = self._modules[self._TABLES_ATTR]._modules[self._groups[0].slots[0].name] if self._groups else None
+        if first is not None and first._parameters is not self._table_parameters[0][0]:
+            self._hold_table_parameters()
+            self._flat_link.stale = True
         if self._flat_link.stale:
             self._repack_flat_buffers()
 

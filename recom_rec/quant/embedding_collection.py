@@ -23,7 +23,6 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
 from ..modules.embedding_collection import _key_index
-from ..modules.embedding_modules import _key_plan
 from ..modules.table_size import check_sequence_tables
 from ..ops.layout import META_NUM_EMBEDDINGS, META_ROW_BASE, META_WIDTH, POOLING_SUM
 from ..ops.quantized_rows import rows_by_key
@@ -209,23 +208,18 @@ def _quantized_collection_lookup(features: KeyedJaggedTensor, flat: Tensor, firs
     out: Dict[str, JaggedTensor] = {}
     for g in range(len(groups)):
         group = groups[g]
-        if torch.jit.is_scripting():
-            key_index = _key_index(keys, group.features, group.tables)
-        else:  # (the key plan cached per key order)
-            key_index = _key_plan(tuple(keys), tuple(group.features), tuple(group.tables))
+        key_index = _key_index(keys, group.features, group.tables)
         segments = segments_for(key_index, length_per_key, offset_per_key, stride_per_key, flat.device)
         counts = [length_per_key[k] for k in key_index]
         num = sum(counts)
         metas = key_meta[group.first_meta_row:group.first_meta_row + len(group.features)]
-        if torch.jit.is_scripting():
+        if torch.jit.is_scripting():  # (the registered ops)
             row_key = torch.ops.recom_rec.unpooled_row_keys(values, offsets, segments, metas, num, backend, validate,
                                                             group.names, report_id)
-        else:
-            row_key = row_keys(values, offsets, segments, metas, num, backend, validate, group.names, report_id)
-        if torch.jit.is_scripting():
             rows = torch.ops.recom_rec.quantized_rows(flat, row_key, virtual_meta[g:g + 1], first_key, dim,
                                                       output_dtype, backend)
         else:
+            row_key = row_keys(values, offsets, segments, metas, num, backend, validate, group.names, report_id)
             rows = rows_by_key(flat, row_key, virtual_meta[g:g + 1], first_key, dim, output_dtype, backend)
         pieces = rows.split(counts)
         for j in range(len(key_index)):

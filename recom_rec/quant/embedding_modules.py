@@ -16,6 +16,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
+from ..modules.embedding_collection import _key_index
 from ..modules.embedding_modules import key_routing
 from ..modules.table_size import check_table_size
 from ..ops.layout import POOLING_MEAN, POOLING_SUM
@@ -71,15 +72,7 @@ def _scripted_quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: 
     any traced graph)."""
     features, rows = uniform_batch(features, wanted, False)
     keys = features.keys()
-    position: Dict[str, int] = {}
-    for i in range(len(keys)):
-        position[keys[i]] = i
-    key_index_list: List[int] = []
-    for f in range(len(wanted)):
-        if wanted[f] not in position:
-            raise ValueError("KeyedJaggedTensor is missing feature " + wanted[f] + " (table " + tables[f] + ")")
-        key_index_list.append(position[wanted[f]])
-    key_index = torch.tensor(key_index_list, dtype=torch.int64, device=flat.device)
+    key_index = torch.tensor(_key_index(keys, wanted, tables), dtype=torch.int64, device=flat.device)
     per_sample_weights: Optional[Tensor] = None
     if is_weighted:
         per_sample_weights = features.weights_or_none()
