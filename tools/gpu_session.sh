@@ -22,14 +22,19 @@ OUT="${OUT:-out}"; mkdir -p "$OUT"
 STAGES="${STAGES-tests nccl dlrm bench}"  # set but empty: build/load only
 t0=$(date +%s)
 if [ -f .cuda_ext_xz/_lookup_cuda.so.xz ]; then  # a carried build (checked against the sources below)
-  xz -dc .cuda_ext_xz/_lookup_cuda.so.xz > "recom_rec/kernels/_lookup_cuda$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+  # Written beside and renamed over, only when it differs: a detached suite from the last call has
+  # the library mapped, and rewriting that file in place killed it (v50: SIGBUS on its next launch).
+  so="recom_rec/kernels/_lookup_cuda$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+  xz -dc .cuda_ext_xz/_lookup_cuda.so.xz > "$so.new"
+  if cmp -s "$so.new" "$so"; then rm "$so.new"; else mv "$so.new" "$so"; fi
 fi
 if ! python3 -m recom_rec.kernels.cuda_ext --installed; then
   python3 setup.py -q build_ext --inplace 2>&1 | grep "^recom_rec:\|error" | head -20
   python3 -m recom_rec.kernels.cuda_ext --installed && xz -T0 -c recom_rec/kernels/_lookup_cuda*.so > "$OUT/_lookup_cuda.so.xz"
 fi
 if [ -f .triton_cache_xz/triton_cache.tar.xz ]; then  # Triton's compiled kernels from an earlier machine
-  mkdir -p ~/.triton && tar xJf .triton_cache_xz/triton_cache.tar.xz -C ~ 2>/dev/null
+  # files already there are kept: a running suite may be reading them
+  mkdir -p ~/.triton && tar xJf .triton_cache_xz/triton_cache.tar.xz -C ~ --skip-old-files 2>/dev/null
 fi
 echo "build/load $(( $(date +%s) - t0 )) s"
 stage() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
