@@ -150,7 +150,7 @@ def test_integer_data_types_give_fp16_tables_as_torchrec(data_type):
     assert ours.embedding_bags["q"].weight.dtype == ref.embedding_bags["q"].weight.dtype == torch.float16
     assert ours.embedding_bag_configs()[0].data_type == data_type
     ours.load_state_dict(ref.state_dict())
-    kjt = make_kjt(tables(), batch_size=4, max_len=3, seed=1, is_weighted=False)
+    kjt = make_kjt(tables(), batch_size=4, max_len=3, seed=1, is_weighted=False).to(DEVICE)
     _close(ours(kjt).values(), ref(kjt).values().float())
 
 
@@ -175,6 +175,7 @@ def test_functional_call_reads_the_weights_it_is_given(collection):
         def values(out):
             return torch.cat([out[k].values() for k in sorted(out)])
 
+    kjt = kjt.to(DEVICE)
     ref, ours = make[0](tables=tables, device=DEVICE), make[1](tables=tables, device=DEVICE)
     ours.load_state_dict(ref.state_dict())
     own = values(ours(kjt)).detach()

@@ -17,7 +17,7 @@ from . import torch_backend
 from .backends import resolve_backend
 from .input_check import kernel_report
 from .plan import FusedStep, GroupPlan, LookupPlan, group_states
-from .validation import check_shapes, decode_names, validate_inputs
+from .validation import check_device, check_shapes, decode_names, validate_inputs
 
 @lru_cache(maxsize=None)
 def _triton():
@@ -127,6 +127,7 @@ def pooled_embedding_forward(
 
 def _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, keys, batch_size, total_dim, max_dim,
                   backend, validate, names, report_id):
+    check_device(flat, values, offsets, per_sample_weights, names)
     impl = _impl(backend, flat.device, "forward", feature_meta.shape[0], total_dim, max_dim)
     if impl is torch_backend:
         if validate:

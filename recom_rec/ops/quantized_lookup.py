@@ -26,7 +26,7 @@ from . import quantized_torch
 from .backends import resolve_backend
 from .input_check import kernel_report
 from .pooled_embedding import _eager_ok
-from .validation import check_shapes, decode_names, validate_inputs
+from .validation import check_device, check_shapes, decode_names, validate_inputs
 
 OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -86,6 +86,7 @@ def _lookup(flat, values, offsets, per_sample_weights, feature_meta, key_index, 
             output_dtype, backend, validate, names, traced: bool, report_id: int = 0):
     if output_dtype not in OUTPUT_DTYPES:
         raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {output_dtype}")
+    check_device(flat, values, offsets, per_sample_weights, names)
     kernel = resolve_backend(backend, flat.device) == "triton"
     check = None
     if validate:

@@ -21,6 +21,7 @@ from torch import Tensor
 from . import pooled_embedding, unpooled_torch
 from .backends import resolve_backend
 from .input_check import kernel_report
+from .validation import check_device
 from .layout import META_DIM, META_NUM_EMBEDDINGS, META_WIDTH
 from .plan import FusedStep, group_states
 from .pooled_embedding import _eager_ok, _wants_grad
@@ -96,6 +97,7 @@ def segments_for(key_index: List[int], length_per_key: List[int], offset_per_key
 
 def _forward_impl(flat, values, offsets, segments, feature_meta, num_outputs, dim, backend, validate, names,
                   report_id):
+    check_device(flat, values, offsets, None, names)
     if not _on_kernels(backend, flat.device):
         if validate:
             unpooled_torch.validate_ids(values, offsets, segments, feature_meta, num_outputs, names)
@@ -366,6 +368,7 @@ def unpooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, b
 
 
 def _row_keys_impl(values, offsets, segments, key_meta, num_outputs, backend, validate, names, report_id):
+    check_device(key_meta, values, offsets, None, names)
     if not _on_kernels(backend, values.device):
         if validate:
             unpooled_torch.validate_ids(values, offsets, segments, key_meta, num_outputs, names)

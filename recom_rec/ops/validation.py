@@ -42,6 +42,22 @@ def _tables_reading(key: str, pairs) -> str:
     return ", ".join(repr(t) for t in tables) if tables else "no table"
 
 
+def check_device(tables: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+                 per_sample_weights: Optional[torch.Tensor], names: str) -> None:
+    """A batch on another device than its tables: the GPU kernels would read host addresses as
+    device ones (an illegal access that ends the process's CUDA context), so it is refused first,
+    whatever ``validate_inputs`` says."""
+    device = tables.device
+    for what, tensor in (("values", values), ("offsets", offsets), ("weights", per_sample_weights)):
+        if tensor is not None and tensor.device != device:
+            pairs = decode_names(names)[1]
+            named = ", ".join(f"{f!r} (table {t!r})" for f, t in pairs[:4]) + (", ..." if len(pairs) > 4 else "")
+            raise ValueError(
+                f"KeyedJaggedTensor {what} are on {tensor.device} but the tables of features {named} are on "
+                f"{device}: move the batch with kjt.to({str(device)!r})"
+            )
+
+
 def check_shapes(values: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
                  num_keys: int, batch_size: int) -> None:
     """What the host knows of a batch without reading it: shapes and dtypes."""
