@@ -17,3 +17,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # the cores; CI machines have two, which gives no pool: ask for two workers so the suite runs the
 # threaded path everywhere (the library reads this once, when it is first loaded).
 os.environ.setdefault("RECOM_REC_PS_THREADS", "2")
+
+
+# A sticky CUDA error (an illegal address, a device-side assert) ends the process's CUDA context:
+# every later CUDA call fails with it. The suite stops there and names the test, instead of
+# reporting each later test as failed (v50: one such error failed 259 tests after it).
+_STICKY_CUDA_ERRORS = ("an illegal memory access was encountered", "device-side assert triggered",
+                       "misaligned address", "unspecified launch failure")
+
+
+def pytest_runtest_makereport(item, call):
+    if call.excinfo is not None and any(e in str(call.excinfo.value) for e in _STICKY_CUDA_ERRORS):
+        item.session.shouldstop = (f"the CUDA context was lost during {item.nodeid} ({call.when}): "
+                                   "the tests after it cannot run in this process")

@@ -97,8 +97,10 @@ if [[ " $STAGES " == *" tests "* ]]; then
     suite_wait ${TEST_TIMEOUT:-540}; suite_report
   else
     # SIGINT at the limit: pytest then stops as after Ctrl-C and still prints its summary and durations
-    RECOM_TEST_DEVICE=cuda timeout -s INT -k 20 ${TEST_TIMEOUT:-540} python3 "${args[@]}" > "$SUITE.log" 2>&1
-    mkdir -p "$SUITE"; mv "$SUITE.log" "$SUITE/tests.log"; suite_report
+    # (the log is written under $OUT as it runs: a call that outruns its own limit still returns it)
+    mkdir -p "$SUITE"
+    RECOM_TEST_DEVICE=cuda timeout -s INT -k 20 ${TEST_TIMEOUT:-540} python3 "${args[@]}" 2>&1 | tee "$SUITE/tests.log" > "$OUT/tests.log"
+    suite_report
   fi
 fi
 if [[ " $STAGES " == *" tests-wait "* ]]; then
