@@ -6,9 +6,11 @@
 // frames), then the process dies. The thread that loads it keeps this file's alternate signal stack
 // (256 KiB): a later sigaltstack() there (faulthandler's, of a few KiB) is recorded, not applied, as
 // a signal frame with AVX-512/AMX state and libgcc's unwinder outgrow a small one (v48: the process
-// died without a word).
+// died without a word). It writes to the stderr the process started with (a copy taken when it loads):
+// pytest's capture points fd 2 at a temporary file during each test, which a dying process takes with it.
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <execinfo.h>
 #include <signal.h>
 #include <string.h>
@@ -23,6 +25,7 @@ static pid_t loader_tid;
 static stack_t asked_stack;  // what the loading thread last asked for (reported back as its "old" stack)
 static struct sigaction next_action[2];  // SIGSEGV's, SIGBUS's, as others set them
 static int installed;
+static int out_fd = 2;  // the starting stderr
 
 static int slot(int sig) { return sig == SIGSEGV ? 0 : sig == SIGBUS ? 1 : -1; }
 
@@ -40,10 +43,10 @@ static void print_and_chain(int sig, siginfo_t *info, void *context) {
   entered = 1;
   static const char head[] = "\n=== native backtrace (tools/segv_backtrace.c) ===\n";
   void *frames[128];
-  (void)!write(2, head, sizeof head - 1);
-  backtrace_symbols_fd(frames, backtrace(frames, 128), 2);
+  (void)!write(out_fd, head, sizeof head - 1);
+  backtrace_symbols_fd(frames, backtrace(frames, 128), out_fd);
   static const char tail[] = "=== end of native backtrace ===\n";
-  (void)!write(2, tail, sizeof tail - 1);
+  (void)!write(out_fd, tail, sizeof tail - 1);
   const struct sigaction *next = &next_action[slot(sig)];
   if (next->sa_flags & SA_SIGINFO) {
     if (next->sa_sigaction) next->sa_sigaction(sig, info, context);
@@ -76,6 +79,8 @@ __attribute__((constructor)) static void install(void) {
   real_sigaction = (sigaction_fn)dlsym(RTLD_NEXT, "sigaction");
   real_sigaltstack = (sigaltstack_fn)dlsym(RTLD_NEXT, "sigaltstack");
   loader_tid = (pid_t)syscall(SYS_gettid);
+  int copy = fcntl(2, F_DUPFD_CLOEXEC, 200);  // a high number, out of the way of fds others dup2 onto
+  if (copy >= 0) out_fd = copy;
   asked_stack.ss_flags = SS_DISABLE;
   // backtrace() loads libgcc_s's unwinder on its first call, which mallocs: done here, not in a
   // handler whose process may have a corrupted heap
