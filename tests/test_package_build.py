@@ -41,9 +41,11 @@ def test_pip_install_builds_the_ps_library_and_the_package_loads_it(tmp_path):
         assert not cuda_built
         assert "torch is a CPU build: the CUDA lookup kernels are not built" in install.stdout + install.stderr
 
-    # Run from elsewhere, so that the installed copy (not this checkout) is imported; an empty
-    # cache: a first-use build would have to compile, and say so.
-    env = {**os.environ, "PYTHONPATH": str(site), "RECOM_REC_CACHE": str(tmp_path / "cache")}
+    # Run from elsewhere, so that the installed copy (not this checkout) is imported, with the
+    # rest of PYTHONPATH kept (the GPU machine's torchrec and fbgemm are there); an empty cache: a
+    # first-use build would have to compile, and say so.
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *kept]), "RECOM_REC_CACHE": str(tmp_path / "cache")}
     probe = ("import recom_rec; from recom_rec.ps import host_lib, native; print(recom_rec.__file__); "
              "print(host_lib.where()); print(host_lib.lib().ps_pool_workers() >= 0); print(len(native.ptx_text()) > 0)")
     run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
