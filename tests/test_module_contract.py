@@ -12,7 +12,7 @@ from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor, Poo
 from torchrec.modules.embedding_configs import DataType
 
 import recom_rec
-from ebc_cases import DEVICE, make_kjt
+from ebc_cases import DEVICE, KERNEL_BACKENDS, make_kjt
 from subprocess_env import child_env
 
 
@@ -325,3 +325,65 @@ def test_a_module_built_on_the_cpu_or_meta_does_not_start_cuda():
     # model on the CPU and then forks workers that use CUDA would fail. (Without a GPU the child
     # simulates one whose start is recorded: the H200 run found the extension's load starting it.)
     assert _last_line_of(_BUILT_ON_THE_CPU) == "cuda started: False"
+
+
+def _as_views(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The same batch with its values, offsets and weights held as strided views (as a KJT sliced
+    out of a wider tensor holds them)."""
+    def view(t):
+        return None if t is None else torch.stack([t, torch.zeros_like(t)], 1)[:, 0]
+
+    out = KeyedJaggedTensor(keys=kjt.keys(), values=view(kjt.values()), weights=view(kjt.weights_or_none()),
+                            offsets=view(kjt.offsets()))
+    assert not out.values().is_contiguous() and not out.offsets().is_contiguous()
+    return out
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("kind", ["bags weighted", "bags fused", "sequence", "quantized"])
+def test_a_batch_held_as_views_reads_as_its_dense_copy(backend, kind):
+    """A KJT whose tensors are strided views gives what its dense copy gives (the kernels index the
+    batch densely: they read views as such; v50: the Triton forward pooled the wrong ids)."""
+    weighted = kind == "bags weighted"
+    if kind == "sequence":
+        tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=30, feature_names=[f"f{i}"])
+                  for i in range(2)]
+    else:
+        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=4 * (i + 1), num_embeddings=30,
+                                     feature_names=[f"f{i}"]) for i in range(2)]
+
+    def build():
+        torch.manual_seed(0)
+        if kind == "sequence":
+            return recom_rec.EmbeddingCollection(tables=tables, device=DEVICE, backend=backend)
+        module = recom_rec.EmbeddingBagCollection(tables, is_weighted=weighted, device=DEVICE, backend=backend)
+        if kind == "bags fused":
+            module.enable_fused_optimizer("sgd", lr=0.5)
+        if kind == "quantized":
+            module = recom_rec.quant.EmbeddingBagCollection.from_float(
+                _with_qconfig(module), backend=backend if backend != "cuda" else "auto")
+        return module
+
+    def values(out):
+        return torch.cat([jt.values() for jt in out.values()]) if isinstance(out, dict) else out.values()
+
+    dense = make_kjt(tables, batch_size=5, max_len=4, seed=2, is_weighted=weighted).to(DEVICE)
+    results = []
+    for kjt in (dense, _as_views(dense)):
+        module = build()
+        out = values(module(kjt))
+        if kind != "quantized":
+            out.float().pow(2).sum().backward()
+            out = (out, *(p.grad if p.grad is not None else p.detach().clone() for p in module.parameters()))
+        results.append(out)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def _with_qconfig(module):
+    from torch import quantization as tq
+    from torchrec.modules.embedding_configs import QuantConfig
+
+    module.qconfig = QuantConfig(activation=tq.PlaceholderObserver.with_args(dtype=torch.float),
+                                 weight=tq.PlaceholderObserver.with_args(dtype=torch.qint8))
+    return module

@@ -62,6 +62,8 @@ def _expand_backward_kernel(grad_ptr, inverse_ptr, col_feature_ptr, moved_ptr, g
 
 
 def forward(pooled, inverse, col_feature):
+    # (the kernels step along a feature's inverse indices by one: a strided view is made dense)
+    pooled, inverse, col_feature = pooled.contiguous(), inverse.contiguous(), col_feature.contiguous()
     batch, cols = inverse.shape[1], pooled.shape[1]
     out = torch.empty(batch, cols, dtype=pooled.dtype, device=pooled.device)
     if batch and cols:
@@ -74,6 +76,7 @@ def forward(pooled, inverse, col_feature):
 def backward(grad, inverse, col_feature, num_bags):
     """fp32 ``grad``: the pooled rows' gradient, summed by fp32 atomics."""
     batch, cols = grad.shape
+    grad, inverse, col_feature = grad.contiguous(), inverse.contiguous(), col_feature.contiguous()
     grad_pooled = torch.zeros(num_bags, cols, dtype=torch.float32, device=grad.device)
     if batch and cols:
         moved = torch.zeros(inverse.shape[0], dtype=torch.int32, device=grad.device)

@@ -480,6 +480,8 @@ def forward(
     num_features = feature_meta.shape[0]
     if num_features == 0 or batch_size == 0:
         return out.zero_()
+    # the kernels index the batch's tensors densely (a KJT may hold views, e.g. a slice's values)
+    values, offsets, per_sample_weights = _dense(values, offsets, per_sample_weights)
     block_d = _block_d(max_dim)
     if block_b is None:
         # From the H100 sweep (docs/perf-notes.md, v1): ~8K-element tiles for wide rows with 2
@@ -537,6 +539,12 @@ def _programs(device: torch.device, wanted: int) -> int:
     return max(1, min(wanted, 16))  # the interpreter runs programs one after another
 
 
+def _dense(values, offsets, per_sample_weights):
+    """The batch's tensors as the kernels index them (no copy when they are already dense)."""
+    return (values.contiguous(), offsets.contiguous(),
+            None if per_sample_weights is None else per_sample_weights.contiguous())
+
+
 def lookup_bases(offsets, key_index, batch_size, num_lookups, values_numel):
     """(positional, feature_base, n): with num_lookups >= 0 every key is read by exactly one
     feature, so a lookup's entry can be its position in values (no per-feature bases to compute:
@@ -558,6 +566,7 @@ def _sorted_lookups(values, offsets, per_sample_weights, feature_meta, key_index
     a row's lookups stay in input order). No host sync when ``num_lookups`` is known."""
     device = values.device
     key_index = key_index.to(torch.int64)
+    values, offsets, per_sample_weights = _dense(values, offsets, per_sample_weights)
     positional, feature_base, n = lookup_bases(offsets, key_index, batch_size, num_lookups, values.numel())
     # 32-bit keys when they fit: a radix sort of half the passes.
     row_key = torch.empty(n, dtype=torch.int32 if row_count < 2**31 else torch.int64, device=device)

@@ -232,6 +232,10 @@ def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per
     if num_features == 0 or batch_size == 0:
         return torch.zeros(batch_size, total_dim, dtype=output_dtype, device=flat.device)
     out = torch.empty(batch_size, total_dim, dtype=output_dtype, device=flat.device)
+    # the kernel indexes the batch's tensors densely (a KJT may hold views)
+    values, offsets = values.contiguous(), offsets.contiguous()
+    if per_sample_weights is not None:
+        per_sample_weights = per_sample_weights.contiguous()
     block_b, block_d, num_warps = block_shape(max_dim, batch_size)
     words, halves, floats = flat.view(torch.int32), flat.view(torch.float16), flat.view(torch.float32)
     weights = per_sample_weights if per_sample_weights is not None else floats  # (not read)

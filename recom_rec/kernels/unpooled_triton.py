@@ -130,6 +130,7 @@ def forward(flat, values, segments, feature_meta, offsets, num_outputs, dim, che
         return out
     block_r, block_d, num_warps = _forward_block(dim)
     report = check is not None
+    values, offsets = values.contiguous(), offsets.contiguous()  # indexed densely (a KJT may hold views)
     _unpooled_forward_kernel[(cdiv(num_outputs, block_r), cdiv(dim, block_d))](
         flat, values, segments, feature_meta, offsets, out,
         check.claim if report else out, check.words if report else out,
@@ -147,6 +148,8 @@ def row_keys(values, segments, feature_meta, num_outputs, offsets=None, check=No
     if num_outputs and feature_meta.shape[0]:
         block_r = 1024
         report = check is not None
+        values = values.contiguous()  # indexed densely (a KJT may hold views)
+        offsets = offsets.contiguous() if report else offsets
         _row_key_kernel[(cdiv(num_outputs, block_r),)](
             values, segments, feature_meta, offsets if report else values, keys,
             check.claim if report else keys, check.words if report else keys,
