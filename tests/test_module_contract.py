@@ -387,3 +387,23 @@ def _with_qconfig(module):
     module.qconfig = QuantConfig(activation=tq.PlaceholderObserver.with_args(dtype=torch.float),
                                  weight=tq.PlaceholderObserver.with_args(dtype=torch.qint8))
     return module
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.int32])
+def test_narrow_integer_ids_read_as_int64_ids(backend, dtype):
+    """Ids of a narrower integer type (torchrec's module takes them) pool and train as their int64
+    values do (the CUDA kernels take int32 or int64: narrower ones are widened)."""
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100, feature_names=[f"f{i}"])
+              for i in range(2)]
+    kjt = make_kjt(tables, batch_size=6, max_len=4, seed=4, is_weighted=False).to(DEVICE)
+    narrow = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().to(dtype), lengths=kjt.lengths())
+    results = []
+    for batch in (kjt, narrow):
+        torch.manual_seed(0)
+        module = recom_rec.EmbeddingBagCollection(tables, device=DEVICE, backend=backend)
+        out = module(batch).values()
+        out.pow(2).sum().backward()
+        results.append((out, *(p.grad for p in module.parameters())))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -122,10 +122,17 @@ def forward_args(values, offsets, per_sample_weights, feature_meta, key_index):
     """The forward kernel's inputs in the types it takes (offsets in the values' dtype, fp32 sample
     weights, int64 keys); loads the extension first (cuda_ext)."""
     cuda_ext.extension()
+    values = _wide_ids(values)
     if offsets.dtype != values.dtype:
         offsets = offsets.to(values.dtype)
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
     return (values.contiguous(), offsets.contiguous(), psw, feature_meta.contiguous(), _int64_keys(key_index))
+
+
+def _wide_ids(values):
+    """The kernels take int32 or int64 ids (and offsets of their type): narrower ones (int8, int16,
+    uint8, which torchrec's module accepts) are widened, not refused."""
+    return values if values.dtype in (torch.int32, torch.int64) else values.to(torch.int32)
 
 
 def _int64_keys(key_index):
@@ -174,6 +181,7 @@ def _cuda_plan(values, offsets, per_sample_weights, feature_meta, key_index, bat
     key_index = _int64_keys(key_index)
     positional, feature_base, n = pooled_triton.lookup_bases(offsets, key_index, batch_size, num_lookups,
                                                              values.numel())
+    values = _wide_ids(values)
     if offsets.dtype != values.dtype:
         offsets = offsets.to(values.dtype)
     psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
