@@ -18,7 +18,8 @@ def _variants():
 
     ptr = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "i32": "*i32", "i64": "*i64"}
     for wdtype, idx, has_w, block_d, report in itertools.product(("fp32", "fp16", "bf16"), ("i32", "i64"),
-                                                                 (False, True), (16, 32, 128, 256), (False, True)):
+                                                                 (False, True), (16, 32, 128, 256, 1024, 2048),
+                                                                 (False, True)):
         block_b = max(8, min(128, 8192 // block_d))
         yield k._pooled_forward_kernel, {
             "flat_ptr": ptr[wdtype], "values_ptr": ptr[idx], "offsets_ptr": ptr[idx],
@@ -26,7 +27,7 @@ def _variants():
             "out_ptr": "*fp32", "batch_size": "i32", "total_dim": "i32", "num_values": "i32", "last_offset": "i32",
             "claim_ptr": "*i32" if report else "*fp32", "report_ptr": "*i64" if report else "*fp32",
         }, {"META_W": 8, "HAS_WEIGHTS": has_w, "BLOCK_B": block_b, "BLOCK_D": block_d, "REPORT": report}, \
-            {"num_warps": 2 if block_d >= 128 else 4}
+            {"num_warps": k.forward_warps(block_d)}
     for key, has_w, block_b, positional in itertools.product(("i32", "i64"), (False, True), (64, 1024), (False, True)):
         yield k._expand_kernel, {
             "values_ptr": ptr[key], "offsets_ptr": ptr[key], "weights_ptr": "*fp32", "meta_ptr": "*i64",
@@ -39,7 +40,7 @@ def _variants():
         yield k._plan_kernel, {
             "row_key_ptr": ptr[key], "n": "i32", "piece_ptr": "*i64", "split_row_ptr": "*i64", "counts_ptr": "*i32",
         }, {"PIECE": k.PIECE, "BLOCK": k.PLAN_BLOCK}, {"num_warps": 4}
-    for wdtype, opt, block_d, key in itertools.product(("fp32", "fp16", "bf16"), (-1, 0, 1, 2, 3), (16, 128, 256),
+    for wdtype, opt, block_d, key in itertools.product(("fp32", "fp16", "bf16"), (-1, 0, 1, 2, 3), (16, 128, 256, 2048),
                                                        ("i32", "i64")):
         block_r, unroll, num_warps = k.piece_launch(block_d)
         common = {"out_ptr": ptr[wdtype], "state1_ptr": "*fp32", "state2_ptr": "*fp32",

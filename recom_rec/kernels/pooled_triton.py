@@ -488,7 +488,7 @@ def forward(
         # warps, up to 128 bags for narrow ones with 4.
         block_b = max(8, min(128, 8192 // block_d))
     if num_warps is None:
-        num_warps = 2 if block_d >= 128 else 4
+        num_warps = forward_warps(block_d)
     grid = (num_features, cdiv(batch_size, block_b))
     weights = per_sample_weights if per_sample_weights is not None else flat
     _pooled_forward_kernel[grid](
@@ -517,10 +517,25 @@ PLAN_BLOCK = 1024
 PROGRAM_WAVES = 8  # programs per SM for the kernels that loop over an on-device list
 
 
+def forward_warps(block_d: int) -> int:
+    """Warps of the forward kernel: from the H100 sweep (v1), 2 for rows of 128-256 columns and
+    4 for narrower ones. Wider rows take 8+ warps, ~32-64 of the tile's elements a thread: at 2
+    warps the [8, 2048] tile spilled 3 KB a thread to the stack (sm_90 build, v50)."""
+    if block_d > 256:
+        return min(32, max(8, block_d // 256))
+    return 2 if block_d >= 128 else 4
+
+
 def piece_launch(block_d: int):
     """(lanes per program, lookups unrolled per lane, warps) of the piece kernel. From the H100
-    sweep (docs/perf-notes.md, v5): 8 x 8 at 2 warps for rows of 128+ columns, 4 x 4 at 4 warps
-    for narrower ones (tools/profile_gpu.py sweeps others by replacing this function)."""
+    sweep (docs/perf-notes.md, v5): 8 x 8 at 2 warps for rows of 128-256 columns, 4 x 4 at 4 warps
+    for narrower ones (tools/profile_gpu.py sweeps others by replacing this function). Wider rows
+    (the GPU runs them here only above the CUDA kernels' 1024 columns, or on the Triton backend):
+    tiles of ~8K elements over 8+ warps. The sweep's 8 x 8 x 2 there spilled kilobytes a thread and
+    took Triton 33 s to compile at 2048 columns (sm_90 build, v50), which a first training step paid."""
+    if block_d > 256:
+        lanes = max(1, 1024 // block_d)
+        return lanes, max(1, min(8, 8192 // (lanes * block_d))), min(32, max(8, block_d // 512))
     wide = block_d >= 128
     return (8, 8, 2) if wide else (4, 4, 4)
 
