@@ -21,10 +21,10 @@ from torch import Tensor
 from . import pooled_embedding, unpooled_torch
 from .backends import resolve_backend
 from .input_check import kernel_report
-from .validation import check_device
 from .layout import META_DIM, META_NUM_EMBEDDINGS, META_WIDTH
 from .plan import FusedStep, group_states
 from .pooled_embedding import _eager_ok, _wants_grad
+from .validation import check_device
 
 
 @lru_cache(maxsize=None)
