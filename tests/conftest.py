@@ -26,7 +26,21 @@ _STICKY_CUDA_ERRORS = ("an illegal memory access was encountered", "device-side 
                        "misaligned address", "unspecified launch failure")
 
 
+def _cuda_context_lost() -> bool:
+    """Whether this process's CUDA context is gone (the error's text alone may be a child's)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - any error here is the lost context's
+        return True
+    return False
+
+
 def pytest_runtest_makereport(item, call):
-    if call.excinfo is not None and any(e in str(call.excinfo.value) for e in _STICKY_CUDA_ERRORS):
+    if (call.excinfo is not None and any(e in str(call.excinfo.value) for e in _STICKY_CUDA_ERRORS)
+            and _cuda_context_lost()):
         item.session.shouldstop = (f"the CUDA context was lost during {item.nodeid} ({call.when}): "
                                    "the tests after it cannot run in this process")

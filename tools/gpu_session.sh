@@ -25,8 +25,11 @@ if [ -f .cuda_ext_xz/_lookup_cuda.so.xz ]; then  # a carried build (checked agai
   # Written beside and renamed over, only when it differs: a detached suite from the last call has
   # the library mapped, and rewriting that file in place killed it (v50: SIGBUS on its next launch).
   so="recom_rec/kernels/_lookup_cuda$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
-  xz -dc .cuda_ext_xz/_lookup_cuda.so.xz > "$so.new"
-  if cmp -s "$so.new" "$so"; then rm "$so.new"; else mv "$so.new" "$so"; fi
+  if xz -dc .cuda_ext_xz/_lookup_cuda.so.xz > "$so.new"; then
+    if cmp -s "$so.new" "$so"; then rm "$so.new"; else mv "$so.new" "$so"; fi
+  else
+    rm -f "$so.new"  # (a broken copy is not installed: the check below then builds)
+  fi
 fi
 if ! python3 -m recom_rec.kernels.cuda_ext --installed; then
   python3 setup.py -q build_ext --inplace 2>&1 | grep "^recom_rec:\|error" | head -20

@@ -130,9 +130,11 @@ def forward_args(values, offsets, per_sample_weights, feature_meta, key_index):
 
 
 def _wide_ids(values):
-    """The kernels take int32 or int64 ids (and offsets of their type): narrower ones (int8, int16,
-    uint8, which torchrec's module accepts) are widened, not refused."""
-    return values if values.dtype in (torch.int32, torch.int64) else values.to(torch.int32)
+    """The kernels take int32 or int64 ids (and offsets of their type): other integer types (int8,
+    int16, uint8, which torchrec's module accepts; unsigned 16-64 bits) are widened, not refused."""
+    if values.dtype in (torch.int32, torch.int64):
+        return values
+    return values.to(torch.int32 if values.dtype in (torch.int8, torch.int16, torch.uint8) else torch.int64)
 
 
 def _int64_keys(key_index):

@@ -148,14 +148,14 @@ _LAST_ROUTING: Dict[Tuple[int, int], tuple] = {}
 def key_routing(keys: Tuple[str, ...], wanted: Sequence[str], tables: Sequence[str], device: torch.device,
                 validate: bool) -> Tuple[torch.Tensor, bool, str]:
     """For one KJT key order: the key index of each wanted feature (on ``device``), whether the
-    features read every key exactly once, and the names an input error may need ("" when inputs
-    are not validated). Cached per key order in eager mode; torch.compile folds them instead.
+    features read every key exactly once, and the names an input error may need (also unvalidated:
+    a batch on another device is refused either way). Cached per key order in eager mode; torch.compile folds them instead.
     ``wanted`` and ``tables`` must not change after the call (a module's plan)."""
     if torch.compiler.is_compiling():
         key_index_list = _key_plan.__wrapped__(keys, tuple(wanted), tuple(tables))
         key_index = torch.tensor(key_index_list, dtype=torch.int64, device=device)
         reads_each_key_once = sorted(key_index_list) == list(range(len(keys)))
-        names = encode_names(list(keys), list(wanted), list(tables)) if validate else ""
+        names = encode_names(list(keys), list(wanted), list(tables))
         return key_index, reads_each_key_once, names
     last = _LAST_ROUTING.get((id(wanted), id(tables)))
     if (last is not None and last[0] is wanted and last[1] is tables and last[2] == device and last[3] == validate
@@ -164,7 +164,7 @@ def key_routing(keys: Tuple[str, ...], wanted: Sequence[str], tables: Sequence[s
     wanted_t, tables_t = tuple(wanted), tuple(tables)
     key_index = _key_index_on(keys, wanted_t, tables_t, device)
     reads_each_key_once = _reads_each_key_once(keys, wanted_t, tables_t)
-    names = _names_for(keys, wanted_t, tables_t) if validate else ""
+    names = _names_for(keys, wanted_t, tables_t)
     result = (key_index, reads_each_key_once, names)
     if len(_LAST_ROUTING) >= 4096:
         _LAST_ROUTING.clear()

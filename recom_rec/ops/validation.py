@@ -50,11 +50,12 @@ def check_device(tables: torch.Tensor, values: torch.Tensor, offsets: torch.Tens
     device = tables.device
     for what, tensor in (("values", values), ("offsets", offsets), ("weights", per_sample_weights)):
         if tensor is not None and tensor.device != device:
-            pairs = decode_names(names)[1]
-            named = ", ".join(f"{f!r} (table {t!r})" for f, t in pairs[:4]) + (", ..." if len(pairs) > 4 else "")
+            pairs = decode_names(names)[1]  # (none from an unvalidated TorchScript module)
+            named = (" (" + ", ".join(f"feature {f!r} (table {t!r})" for f, t in pairs[:4])
+                     + (", ..." if len(pairs) > 4 else "") + ")") if pairs else ""
             raise ValueError(
-                f"KeyedJaggedTensor {what} are on {tensor.device} but the tables of features {named} are on "
-                f"{device}: move the batch with kjt.to({str(device)!r})"
+                f"KeyedJaggedTensor {what} are on {tensor.device} but the tables{named} are on {device}: "
+                f"move the batch with kjt.to({str(device)!r})"
             )
 
 
