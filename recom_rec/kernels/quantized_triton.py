@@ -22,7 +22,7 @@ import triton.language as tl
 from ..ops.backends import triton_interpreting
 from ..quant.layout import QMETA_WIDTH
 from .grid_math import cdiv, next_power_of_2
-from .pooled_triton import _checked_bag_block, _report_bad_input
+from .pooled_triton import _checked_bag_block, _dense, _report_bad_input
 
 
 @triton.jit
@@ -233,9 +233,7 @@ def forward(flat: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per
         return torch.zeros(batch_size, total_dim, dtype=output_dtype, device=flat.device)
     out = torch.empty(batch_size, total_dim, dtype=output_dtype, device=flat.device)
     # the kernel indexes the batch's tensors densely (a KJT may hold views)
-    values, offsets = values.contiguous(), offsets.contiguous()
-    if per_sample_weights is not None:
-        per_sample_weights = per_sample_weights.contiguous()
+    values, offsets, per_sample_weights = _dense(values, offsets, per_sample_weights)
     block_b, block_d, num_warps = block_shape(max_dim, batch_size)
     words, halves, floats = flat.view(torch.int32), flat.view(torch.float16), flat.view(torch.float32)
     weights = per_sample_weights if per_sample_weights is not None else floats  # (not read)

@@ -145,12 +145,13 @@ def _concat_groups(outs: List[torch.Tensor], output_columns: Optional[torch.Tens
 _LAST_ROUTING: Dict[Tuple[int, int], tuple] = {}
 
 
-def key_routing(keys: Tuple[str, ...], wanted: Sequence[str], tables: Sequence[str], device: torch.device,
-                validate: bool) -> Tuple[torch.Tensor, bool, str]:
+def key_routing(keys: Tuple[str, ...], wanted: Sequence[str], tables: Sequence[str],
+                device: torch.device) -> Tuple[torch.Tensor, bool, str]:
     """For one KJT key order: the key index of each wanted feature (on ``device``), whether the
-    features read every key exactly once, and the names an input error may need (also unvalidated:
-    a batch on another device is refused either way). Cached per key order in eager mode; torch.compile folds them instead.
-    ``wanted`` and ``tables`` must not change after the call (a module's plan)."""
+    features read every key exactly once, and the names an input error may need (also without
+    validation: a batch on another device is refused either way). Cached per key order in eager
+    mode; torch.compile folds them instead. ``wanted`` and ``tables`` must not change after the
+    call (a module's plan)."""
     if torch.compiler.is_compiling():
         key_index_list = _key_plan.__wrapped__(keys, tuple(wanted), tuple(tables))
         key_index = torch.tensor(key_index_list, dtype=torch.int64, device=device)
@@ -158,9 +159,8 @@ def key_routing(keys: Tuple[str, ...], wanted: Sequence[str], tables: Sequence[s
         names = encode_names(list(keys), list(wanted), list(tables))
         return key_index, reads_each_key_once, names
     last = _LAST_ROUTING.get((id(wanted), id(tables)))
-    if (last is not None and last[0] is wanted and last[1] is tables and last[2] == device and last[3] == validate
-            and last[4] == keys):
-        return last[5]
+    if last is not None and last[0] is wanted and last[1] is tables and last[2] == device and last[3] == keys:
+        return last[4]
     wanted_t, tables_t = tuple(wanted), tuple(tables)
     key_index = _key_index_on(keys, wanted_t, tables_t, device)
     reads_each_key_once = _reads_each_key_once(keys, wanted_t, tables_t)
@@ -168,7 +168,7 @@ def key_routing(keys: Tuple[str, ...], wanted: Sequence[str], tables: Sequence[s
     result = (key_index, reads_each_key_once, names)
     if len(_LAST_ROUTING) >= 4096:
         _LAST_ROUTING.clear()
-    _LAST_ROUTING[(id(wanted), id(tables))] = (wanted, tables, device, validate, keys, result)
+    _LAST_ROUTING[(id(wanted), id(tables))] = (wanted, tables, device, keys, result)
     return result
 
 
@@ -187,8 +187,7 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
     batch = JaggedBatch(values, features.offsets(), per_sample_weights, features.stride())
     outs: List[torch.Tensor] = []
     for g, group in enumerate(plan.groups):
-        key_index, reads_each_key_once, names = key_routing(keys, group.features, group.tables,
-                                                            flats[g].device, plan.validate)
+        key_index, reads_each_key_once, names = key_routing(keys, group.features, group.tables, flats[g].device)
         # Every key read by exactly one feature: the lookups are the values (no sync to count them).
         routing = KeyRouting(key_index, names, values.numel() if reads_each_key_once else -1)
         outs.append(pooled_lookup(weights[g], flats[g], metas[g], batch, routing, group, plan, fused, g))

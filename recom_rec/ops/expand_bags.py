@@ -39,7 +39,7 @@ def _(pooled, inverse, col_feature):
 def expand_bags_backward(grad: Tensor, inverse: Tensor, col_feature: Tensor, num_bags: int) -> Tensor:
     """``[num_bags, C]``: each output row's gradient added to its bag's row."""
     if grad.is_cuda and grad.dtype == torch.float32:  # (the kernel adds in fp32 atomics)
-        return _triton().backward(grad.contiguous(), inverse, col_feature, num_bags)
+        return _triton().backward(grad, inverse, col_feature, num_bags)
     out = torch.zeros(num_bags, grad.shape[1], dtype=grad.dtype, device=grad.device)
     return out.scatter_add_(0, _rows(inverse, col_feature), grad)
 

@@ -58,7 +58,7 @@ def _python_quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Te
     per_sample_weights = features.weights_or_none() if is_weighted else None
     if is_weighted and per_sample_weights is None:
         raise ValueError("the EmbeddingBagCollection is weighted but the KeyedJaggedTensor has no weights")
-    key_index, _, names = key_routing(keys, wanted, tables, flat.device, validate)
+    key_index, _, names = key_routing(keys, wanted, tables, flat.device)
     total_dim, max_dim = widths
     out = quantized_lookup(flat, features.values(), features.offsets(), per_sample_weights, meta, key_index,
                            features.stride(), total_dim, max_dim, output_dtype, backend, validate, names, report_id)
