@@ -31,9 +31,12 @@ DENSE_LAYERS = [512, 256, 128]
 OVER_LAYERS = [1024, 1024, 512, 256, 1]
 LR = 0.01
 PROFILED_STEPS = 5
-# Kernel names of the embedding lookups (ours: Triton and csrc/lookup; fbgemm's TBE) and their
-# index sorts; NCCL's kernels that carry the all-to-alls.
-LOOKUP_KERNELS = re.compile(r"embedding|pooled|_pieces|singleton|bounds_check|radix|sort|lookup|bag", re.I)
+# Kernel names of the embedding lookups, forward and backward (ours: Triton's and csrc/lookup's,
+# every one of which a test checks here; fbgemm's TBE: split_embedding_*, linearize_index_*,
+# bounds_check_*) and their index sorts; NCCL's kernels that carry the all-to-alls.
+LOOKUP_KERNELS = re.compile(r"embedding|pooled|piece|plan_kernel|split_row|long_row|singleton|zero_untouched|expand_|moved_features"
+                            r"|_row_key|linearize|bounds_check|radix|sort|lookup|bag", re.I)
+TOP_KERNELS = 12  # the costliest kernels kept per module (rank 0), to check the split against
 ALL_TO_ALL_KERNELS = re.compile(r"nccl.*(sendrecv|alltoall)", re.I)
 
 
@@ -69,7 +72,8 @@ def kernel_category(name: str) -> str:
 
 
 def step_split(step, device: torch.device, steps: int = PROFILED_STEPS) -> Dict[str, float]:
-    """Device ms per step in each kernel_category, from a profile of ``steps`` steps."""
+    """Device ms per step in each kernel_category, from a profile of ``steps`` steps; under the key
+    ``kernels`` the TOP_KERNELS costliest kernels' ms per step (a {name: ms} dict)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -79,9 +83,13 @@ def step_split(step, device: torch.device, steps: int = PROFILED_STEPS) -> Dict[
             step()
         torch.cuda.synchronize(device)
     split = {"lookup": 0.0, "all-to-all": 0.0, "rest": 0.0}
+    kernels: Dict[str, float] = {}
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
-            split[kernel_category(event.name)] += event.time_range.elapsed_us() / 1e3 / steps
+            ms = event.time_range.elapsed_us() / 1e3 / steps
+            split[kernel_category(event.name)] += ms
+            kernels[event.name[:120]] = kernels.get(event.name[:120], 0.0) + ms
+    split["kernels"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS])
     return split
 
 
@@ -187,6 +195,9 @@ def run_sharded_dlrm(worlds: List[int], small: bool, iters: int = 20, warmup: in
         print(f"sharded-dlrm world {world}: {res['ms']} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
         print(f"sharded-dlrm world {world}, the plan (table: rank): "
               + ", ".join(f"{t}: {r}" for t, r in res["plan"].items()), file=sys.stderr)
+        for impl, split in res["split"].items():
+            for name, ms in list((split or {}).get("kernels", {}).items())[:8]:
+                print(f"  world {world} {impl:>9} {ms:7.3f} ms  {kernel_category(name):>10}  {name[:90]}", file=sys.stderr)
         for impl, ms in res["ms"].items():
             rows.append({"workload": "sharded-dlrm", "phase": f"train step, {world} rank(s)", "peer": impl,
                          "world": world, "batch_per_rank": res["batch_per_rank"], "ms": ms,
