@@ -9,8 +9,12 @@
 #    feature-processed wrappers, VBE KJTs, EmbeddingCollection sharding, parameter-server shards;
 # 2. the planner's plans on this host's topology (MLPerf DLRM-DCNv2's tables; a 1,000-table model);
 # 3. python -m recom_rec.bench --workloads sharded-dlrm at worlds 1, 2, 4, 8 up to the GPUs here.
-# Logs under $OUT. Each part has its own time limit (PARITY_TIMEOUT, PLAN_TIMEOUT, DLRM_TIMEOUT).
+# Logs under $OUT. Each part has its own time limit (PARITY_TIMEOUT, PLAN_TIMEOUT, DLRM_TIMEOUT);
+# PARTS picks the parts (default "parity plans dlrm"), so that a run split over two device calls
+# (10 minutes each at most) does "parity" in one and "plans dlrm" in the next.
 set -o pipefail
+PARTS="${PARTS:-parity plans dlrm}"
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 source .gpu/setup.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -19,13 +23,16 @@ STAGES="" bash tools/gpu_session.sh | tail -2  # the CUDA kernels: the carried b
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "== $gpus GPUs ($(( $(date +%s) - t0 )) s)"
 
+if part parity; then
 echo "== parity, checkpoints, wrappers over NCCL ($(( $(date +%s) - t0 )) s)"
 # (RECOM_DIST_STEPS: the parity cases train 20 steps, not the fast suite's 3)
 RECOM_TEST_DEVICE=cuda RECOM_DIST_STEPS=20 timeout -s INT -k 20 ${PARITY_TIMEOUT:-300} python3 -m pytest -v -rfE --tb=short \
   --durations=15 -p no:cacheprovider tests/distributed > "$OUT/parity.log" 2>&1
 tail -3 "$OUT/parity.log"; grep -E " (FAILED|ERROR)( |$)" "$OUT/parity.log" | head -20
 grep -E "^resharded|^checkpoint " "$OUT/parity.log" | head -12
+fi
 
+if part plans; then
 echo "== plans on this host ($(( $(date +%s) - t0 )) s)"
 timeout ${PLAN_TIMEOUT:-240} python3 - "$gpus" > "$OUT/plans.log" 2>&1 <<'EOF'
 import sys, torch
@@ -51,9 +58,13 @@ for name, tables, batch in (("MLPerf DLRM-DCNv2", dcnv2(small=False).tables(), 1
                local_world_size=world)
 EOF
 grep "^==" "$OUT/plans.log"; tail -2 "$OUT/plans.log"
+fi
 
+if part dlrm; then
 echo "== sharded-dlrm ($(( $(date +%s) - t0 )) s)"
 worlds=$(python3 -c "print(' '.join(str(w) for w in (1, 2, 4, 8) if w <= $gpus))")
 timeout ${DLRM_TIMEOUT:-300} python3 -m recom_rec.bench --workloads sharded-dlrm --worlds $worlds --iters 20 \
-  --out "$OUT/dlrm" 2>&1 | grep -v "Warning\|warn\|compat\|^ *$" | tail -14 | tee "$OUT/dlrm.log"
+  --out "$OUT/dlrm" 2>&1 | tee "$OUT/dlrm.full.log" | grep -E "^sharded-dlrm|^ +[0-9]+ +(recom_rec|torchrec)|^  world|^ranks" \
+  | tee "$OUT/dlrm.log"
+fi
 echo "== done ($(( $(date +%s) - t0 )) s)"
