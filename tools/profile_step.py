@@ -5,9 +5,12 @@ sync: is the step host-bound?), and the CUDA kernels of one step from torch.prof
 Usage: python tools/profile_step.py [--workloads ...] [--backends cuda triton] [--optimizer sgd|none]
        python tools/profile_step.py --points dim=1024,ids=50 dim=256,ids=50,zipf=1 --fbgemm
        python tools/profile_step.py --sequence 1024 --fbgemm --timeline
+       python tools/profile_step.py --dcnv2-shards 0/2 1/2 --fbgemm
 (--points: sweep points, recom_rec.bench.sweep.Point fields over its base point; --optimizer none:
 dense gradients, no optimizer; --sequence BATCH: the sequence workload's EmbeddingCollection at that
-batch, recom_rec.bench.sequence's, its step with SGD fused and gradients of ones as the bench's.)
+batch, recom_rec.bench.sequence's, its step with SGD fused and gradients of ones as the bench's;
+--dcnv2-shards RANK/WORLD: the tables that rank holds in the sharded-dlrm benchmark's table-wise plan
+of MLPerf DLRM-DCNv2, at the batch it pools there, world x 16384.)
 """
 import argparse
 import json
@@ -19,7 +22,9 @@ import torch
 
 from recom_rec.bench.peers import make_peer
 from recom_rec.bench.timing import time_ms
-from recom_rec.bench.workloads import get_workload
+from recom_rec.bench.random_layouts import dcnv2
+from recom_rec.bench.sharded_dlrm import table_wise_ranks
+from recom_rec.bench.workloads import Workload, get_workload
 from recom_rec.kernels.pooled_cuda import BACKWARD_PATH_TUNER, FORWARD_ORDER_TUNER
 
 
@@ -38,7 +43,7 @@ def new_launch_orders(seen: set, tuner=FORWARD_ORDER_TUNER) -> str:
     """What a tuner (the CUDA forward's launch order, the backward's path) decided since the last
     call (one per group shape)."""
     new = tuner.decisions_since(seen)
-    return ", ".join(f"{s.num_features} features x {s.batch_size} dim {s.max_dim}: {o}" for s, o in new.items())
+    return ", ".join(f"{s.num_features} features x {s.batch_bucket} (batch bucket) dim {s.max_dim}: {o}" for s, o in new.items())
 
 
 def kernel_times(fn, steps: int = 5) -> dict:
@@ -227,6 +232,18 @@ def report_paths(args, label, name, peer, kjt, grad, dev, seen_orders, seen_path
     BACKWARD_PATH_TUNER.force(None)
 
 
+def dcnv2_shard(spec: str) -> Workload:
+    """``RANK/WORLD``: the tables that rank holds in sharded_dlrm's table-wise plan of MLPerf
+    DLRM-DCNv2, pooled over the world's batch (table-wise: a table's owner pools every rank's bags)."""
+    rank, world = (int(x) for x in spec.split("/"))
+    full = dcnv2(False)
+    ranks = table_wise_ranks(full.rows, world)
+    mine = [t for t in range(full.num_tables) if ranks[t] == rank]
+    return Workload(f"dlrm-dcnv2 rank {rank} of {world} ({len(mine)} tables)", [full.rows[t] for t in mine],
+                    [full.dims[t] for t in mine], full.batch_size * world, [full.pooling_factors[t] for t in mine],
+                    full.zipf_a)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--workloads", nargs="+", default=["many-1000", "dlrm-kaggle", "many-500"])
@@ -237,6 +254,8 @@ def main():
     p.add_argument("--points", nargs="*", default=[], help="sweep points instead of workloads")
     p.add_argument("--sequence", type=int, nargs="*", default=[],
                    help="batch sizes of the sequence workload (EmbeddingCollection) instead of workloads")
+    p.add_argument("--dcnv2-shards", nargs="*", default=[],
+                   help="RANK/WORLD: one rank's tables of the sharded-dlrm plan instead of workloads")
     p.add_argument("--timeline", action="store_true",
                    help="print one step's kernels in start order, with their streams")
     p.add_argument("--backward-paths", nargs="*", default=[None],
@@ -257,8 +276,9 @@ def main():
             report_paths(args, label, name, peer, kjt, None, dev, seen_orders, seen_paths)
         del peers
         torch.cuda.empty_cache()
-    for wname in ([] if args.points or args.sequence else args.workloads):
-        w = get_workload(wname, False)
+    shards = [dcnv2_shard(spec) for spec in args.dcnv2_shards]
+    for w in shards or [get_workload(n, False) for n in ([] if args.points or args.sequence else args.workloads)]:
+        wname = w.name
         kjt = w.make_input(dev)
         grad = torch.ones(w.batch_size, sum(w.dims), device=dev)
         peers = [f"recom_rec:{b}" for b in args.backends] + (["fbgemm"] if args.fbgemm else [])
