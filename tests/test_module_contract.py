@@ -406,4 +406,7 @@ def test_narrow_integer_ids_read_as_int64_ids(backend, dtype):
         out.pow(2).sum().backward()
         results.append((out, *(p.grad for p in module.parameters())))
     for a, b in zip(*results):
-        assert torch.equal(a, b)
+        if backend == "torch" and DEVICE.type == "cuda":  # index_add_'s atomics: a sum's order varies by run
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(a, b)
