@@ -55,7 +55,7 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
     using I = decltype(it);
     using U = typename std::make_unsigned<K>::type;  // keys are non-negative: sort them unsigned
     auto expand = packed ? expand_kernel<I, K, true> : expand_kernel<I, K, false>;
-    expand<<<grid, 256, 0, stream>>>(
+    expand<<<grid, EXPAND_THREADS, 0, stream>>>(
         values.data_ptr<I>(), offsets.data_ptr<I>(), w, meta.data_ptr<int64_t>(), key_index.data_ptr<int64_t>(), fb,
         reinterpret_cast<K*>(row_key.data_ptr()), src.data_ptr<int64_t>(), scale.data_ptr<float>(),
         feature.data_ptr<int32_t>(), index.data_ptr<int32_t>(), bag_scale.data_ptr<float>(), batch_size, total_dim,
