@@ -1,5 +1,7 @@
 """Worker processes for the parameter-server placement test: the planner puts a table that does
-not fit in HBM into the PS tier; the sharded model trains like the unsharded one."""
+not fit in HBM into the PS tier; the sharded model trains like the unsharded one. gloo on the CPU;
+NCCL with one GPU a rank (each rank's row cache in its GPU's memory) when the suite runs with CUDA
+tensors on two GPUs or more."""
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -27,6 +29,7 @@ CAP = 2_000_000  # bytes of device memory per rank: the big table (9.6 MB as fp3
 # A store outside the host's memory budget, as a user's own store would be (the embedded memory://
 # store counts against host memory, which is the CPU's device memory here): in-process for the test.
 REMOTE = "remote"
+DEV = torch.device("cpu")  # this worker's device: cuda:rank under NCCL (set by run)
 
 
 def register_remote_store() -> None:
@@ -74,7 +77,7 @@ def to_kjt(samples) -> KeyedJaggedTensor:
     values = [i for k in keys for s in samples for i in s[k]]
     lengths = [len(s[k]) for k in keys for s in samples]
     return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.tensor(values, dtype=torch.int64),
-                                               lengths=torch.tensor(lengths, dtype=torch.int64))
+                                               lengths=torch.tensor(lengths, dtype=torch.int64)).to(DEV)
 
 
 def loss_of(kt) -> torch.Tensor:
@@ -82,25 +85,28 @@ def loss_of(kt) -> torch.Tensor:
     total = 0.0
     for key in sorted(kt.keys()):
         v = kt[key]
-        total = total + (v * torch.arange(1, v.shape[1] + 1, dtype=torch.float32)).sum() + 0.1 * v.pow(2).sum()
+        total = total + (v * torch.arange(1, v.shape[1] + 1, dtype=torch.float32, device=v.device)).sum() \
+            + 0.1 * v.pow(2).sum()
     return total
 
 
 def _shard(model, rank: int, world: int, placement: str, url: Optional[str] = None):
     if placement == "planner":
+        # the cap on the device's memory: DDR for the CPU, HBM for a GPU
+        cap = {"hbm_cap": CAP} if DEV.type == "cuda" else {"ddr_cap": CAP}
         plan = build_plan(model, [sharder(rank, placement, url)], world_size=world, batch_size=BATCH,
-                          compute_device="cpu", ddr_cap=CAP, print_plan=rank == 0)
+                          compute_device=DEV.type, print_plan=rank == 0, **cap)
     else:  # by hand: the big table's columns in three PS shards, two of them on rank 0
         plan = ShardingPlan({"ebc": construct_module_sharding_plan(
             model.ebc, {"t0": table_wise(rank=0, compute_kernel="fused"),
                         "big": column_wise(ranks=[0, 1 % world, 0], compute_kernel=PS_KERNEL),
                         "t2": table_wise(rank=world - 1, compute_kernel="fused")},
-            sharder=sharder(rank, placement), local_size=world, world_size=world, device_type="cpu")})
+            sharder=sharder(rank, placement), local_size=world, world_size=world, device_type=DEV.type)})
     kernels = {t: p.compute_kernel for t, p in plan.plan["ebc"].items()}
     assert kernels == {"t0": "fused", "big": PS_KERNEL, "t2": "fused"}, kernels
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     return DistributedModelParallel(model, env=env, plan=plan, sharders=[sharder(rank, placement, url)],
-                                    device=torch.device("cpu"))
+                                    device=DEV)
 
 
 def _rank_lookups(dmp):
@@ -123,7 +129,7 @@ def _assert_store_holds_trained_rows(dmp, ref) -> None:
     for lookup in _rank_lookups(dmp):
         for _, table, r0, c0, rows, cols in lookup.ps_shards():
             got = recom_rec.ps.export_table(lookup, shard_table_name(table, r0, c0))
-            torch.testing.assert_close(got, full[r0:r0 + rows, c0:c0 + cols], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got.cpu(), full[r0:r0 + rows, c0:c0 + cols].cpu(), rtol=1e-5, atol=1e-6)
 
 
 def _outage(rank: int, signals: str) -> None:
@@ -147,7 +153,7 @@ def check(rank: int, world: int, placement: str, url: Optional[str] = None, sign
     killed before step 1 and restarted during it (test_ps_placement's cluster test)."""
     torch.manual_seed(0)
     model = Model()
-    ref = Model()
+    ref = Model(DEV)
     ref.load_state_dict(model.state_dict())
     ref.ebc.enable_fused_optimizer("sgd", lr=LR)
     dmp = _shard(model, rank, world, placement, url)
@@ -172,7 +178,7 @@ def check(rank: int, world: int, placement: str, url: Optional[str] = None, sign
     stats = [t.cache.stats for tier in recom_rec.ps.tiers_of(dmp) for t in tier.tables.values()]
     assert sum(s["pushed"] for s in stats) > 0, stats
     if signals is not None:  # the dead master was met, and waited out, by some rank
-        retries = torch.tensor([_store_retries(dmp)])
+        retries = torch.tensor([_store_retries(dmp)], device=DEV)
         dist.all_reduce(retries)
         assert retries.item() > 0, "no store operation met the killed master: the fault was not exercised"
     shards = [s for lookup in _rank_lookups(dmp) for s in lookup.ps_shards()]
@@ -198,14 +204,14 @@ def check_variable_batch(rank: int, world: int, placement: str) -> None:
     rows = {"f1": BIG_ROWS, "f0": 20, "f2": 13}  # keys not in the tables' order
     torch.manual_seed(0)
     model = Model()
-    ref = Model()
+    ref = Model(DEV)
     ref.load_state_dict(model.state_dict())
     ref.ebc.enable_fused_optimizer("sgd", lr=LR)
     dmp = _shard(model, rank, world, placement)
     for step in range(STEPS):
         parts = rank_batches(step, world, rows, BATCH)
-        out = _wait(dmp(to_vbe_kjt(parts[rank:rank + 1], False, "cpu")))
-        want = ref(to_vbe_kjt(parts, False, "cpu"))
+        out = _wait(dmp(to_vbe_kjt(parts[rank:rank + 1], False, DEV)))
+        want = ref(to_vbe_kjt(parts, False, DEV))
         _assert_rank_rows(out, want, rank, f"vbe {placement} step {step}")
         loss_of(out).backward()
         (loss_of(want) / world).backward()
@@ -213,7 +219,11 @@ def check_variable_batch(rank: int, world: int, placement: str) -> None:
 
 
 def run(rank: int, world: int, port: int, placements: List[str], url: Optional[str] = None,
-        signals: Optional[str] = None, variable_batch: bool = False) -> None:
+        signals: Optional[str] = None, variable_batch: bool = False, backend: str = "gloo") -> None:
+    global DEV
+    if backend == "nccl":
+        DEV = torch.device("cuda", rank)
+        torch.cuda.set_device(DEV)
     register_remote_store()
 
     def work() -> None:
@@ -223,4 +233,4 @@ def run(rank: int, world: int, port: int, placements: List[str], url: Optional[s
             else:
                 check(rank, world, placement, url, signals)
 
-    in_process_group(rank, world, port, "gloo", work)
+    in_process_group(rank, world, port, backend, work)

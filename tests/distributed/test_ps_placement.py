@@ -3,6 +3,7 @@ kernel (when the sharder has a store), trains under DistributedModelParallel exa
 unsharded module, stays out of the state_dict (its store holds it) and loads from a checkpoint;
 with every rank's shards in one real Redis cluster, through a master killed and restarted."""
 import pytest
+import torch
 import torch.multiprocessing as mp
 from torch import nn
 from torchrec.distributed.planner.types import PlannerError
@@ -14,6 +15,11 @@ from recom_rec.distributed.planner import build_plan
 from recom_rec.distributed.ps_placement import PS_KERNEL
 from tests.distributed._ps_workers import CAP, REMOTE, run, tables
 from tests.distributed._workers import free_port
+from ebc_cases import DEVICE
+
+# The world of two: NCCL over two GPUs when the suite runs with CUDA tensors on a host that has them
+# (each rank's row cache in its GPU); gloo on the CPU otherwise.
+BACKEND = "nccl" if DEVICE.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
 
 
 class _Meta(nn.Module):
@@ -56,12 +62,12 @@ def test_sharder_rejects_bad_ps_settings():
 def test_world_2_ps_shards_train_like_the_unsharded_module():
     # The planner's row-wise PS shards, then column-wise PS shards placed by hand (two column
     # slices of the table on one rank, each its own cache and store name).
-    mp.spawn(run, args=(2, free_port(), ["planner", "column_wise"]), nprocs=2, join=True)
+    mp.spawn(run, args=(2, free_port(), ["planner", "column_wise"], None, None, False, BACKEND), nprocs=2, join=True)
 
 
 def test_world_2_ps_shards_take_variable_batch_per_feature():
     # VBE KJTs (torchrec's stride_per_key_per_rank and inverse indices) through the same plans
-    mp.spawn(run, args=(2, free_port(), ["planner", "column_wise"], None, None, True), nprocs=2, join=True)
+    mp.spawn(run, args=(2, free_port(), ["planner", "column_wise"], None, None, True, BACKEND), nprocs=2, join=True)
 
 
 def test_world_2_ps_shards_share_one_redis_cluster_through_a_master_restart(tmp_path):
@@ -95,7 +101,7 @@ def test_world_2_ps_shards_share_one_redis_cluster_through_a_master_restart(tmp_
     killer.start()
     try:
         url = cluster.url(prefix="dmp", retry_timeout=30)
-        mp.spawn(run, args=(2, free_port(), ["planner"], url, str(signals)), nprocs=2, join=True)
+        mp.spawn(run, args=(2, free_port(), ["planner"], url, str(signals), False, BACKEND), nprocs=2, join=True)
         killer.join(timeout=60)
         assert not errors and not killer.is_alive(), errors
     finally:
