@@ -21,6 +21,8 @@ import torch
 from torchrec.distributed.embeddingbag import VariableBatchEmbeddingBagCollectionAwaitable, construct_output_kt
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from ..ops.segments import segment_ids
+
 
 def rank_major_positions(stride_per_key_per_rank: List[List[int]], key_dims: List[int], columns: int,
                          device: torch.device) -> torch.Tensor:
@@ -42,7 +44,7 @@ def rank_major_positions(stride_per_key_per_rank: List[List[int]], key_dims: Lis
     total = int(seg_len.sum())
     # one copy to the device (each would wait for the stream)
     seg_len, seg_dim, seg_row, seg_col = torch.stack([seg_len, seg_dim, seg_row, seg_col]).to(device).unbind()
-    seg = torch.repeat_interleave(torch.arange(seg_len.numel(), device=device), seg_len, output_size=total)
+    seg = segment_ids(seg_len, total)
     within = torch.arange(total, device=device) - (torch.cumsum(seg_len, 0) - seg_len)[seg]
     dim = seg_dim[seg]
     return (seg_row[seg] + within // dim) * columns + seg_col[seg] + within % dim

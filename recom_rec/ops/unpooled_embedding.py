@@ -23,6 +23,7 @@ from .backends import resolve_backend
 from .input_check import kernel_report
 from .layout import META_DIM, META_NUM_EMBEDDINGS, META_WIDTH
 from .plan import FusedStep, group_states
+from .segments import segment_ids
 from .pooled_embedding import _eager_ok, _wants_grad
 from .validation import check_device
 
@@ -331,9 +332,8 @@ def _gradient_rows(grads, sizes: List[int], dim: int,
     host = torch.tensor([starts, strides, sizes], dtype=torch.int64, pin_memory=device.type == "cuda")
     table = host.to(device, non_blocking=True)
     row = torch.arange(total, dtype=torch.int64, device=device)
-    start = torch.repeat_interleave(table[0], table[2], output_size=total)
-    stride = torch.repeat_interleave(table[1], table[2], output_size=total)
-    return base, start + row * stride, held
+    piece = segment_ids(table[2], total)
+    return base, table[0][piece] + row * table[1][piece], held
 
 
 class UnpooledBatch(NamedTuple):

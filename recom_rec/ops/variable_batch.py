@@ -16,6 +16,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from . import expand_bags  # noqa: F401 - registers recom_rec::expand_bags
+from .segments import segment_ids
 
 
 def uniform_batch(features: KeyedJaggedTensor, output_features: List[str],
@@ -52,8 +53,7 @@ def pad_to_uniform(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         first += strides[k]
     per_key = _device_ints(strides + shifts, device).view(2, len(strides))
     bags = first
-    position = torch.repeat_interleave(per_key[1], per_key[0], output_size=bags)
-    position = position + torch.arange(bags, device=device)
+    position = per_key[1][segment_ids(per_key[0], bags)] + torch.arange(bags, device=device)
     padded = lengths.new_zeros(len(strides) * width).index_put_([position], lengths)
     return KeyedJaggedTensor(keys=keys, values=features.values(), weights=features.weights_or_none(),
                              lengths=padded, stride=width)

@@ -1,0 +1,19 @@
+"""Which segment each position of back-to-back segments falls in, on any device.
+
+``segment_ids(counts, total)`` equals ``torch.repeat_interleave(torch.arange(len(counts)), counts)``
+(``total`` = ``counts.sum()``, given so that no device-to-host sync is needed). torch's CUDA
+``repeat_interleave`` writes each segment's positions from one thread, so a few segments of
+millions of positions serialise: two of them took 800 us of a 5.2 ms sequence training step at
+batch 1024 (one item feature, 3.2M rows; perf-notes v51). A binary search per position over the
+segments' ends runs every position in parallel. (TorchScript-compatible: the scripted VBE module
+calls it.)
+"""
+import torch
+
+
+def segment_ids(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """[total] int64: for each position, the index of the segment holding it; segments of
+    ``counts[i]`` positions (non-negative, summing to ``total``) lie back to back, empty ones hold
+    none."""
+    ends = torch.cumsum(counts.to(torch.int64), 0)
+    return torch.searchsorted(ends, torch.arange(total, dtype=torch.int64, device=counts.device), right=True)
