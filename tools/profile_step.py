@@ -26,6 +26,7 @@ from recom_rec.bench.random_layouts import dcnv2
 from recom_rec.bench.sharded_dlrm import table_wise_ranks
 from recom_rec.bench.workloads import Workload, get_workload
 from recom_rec.kernels.pooled_cuda import BACKWARD_PATH_TUNER, FORWARD_ORDER_TUNER
+from recom_rec.kernels.selection import force_forward
 
 
 def host_issue_ms(fn, steps: int = 20) -> float:
@@ -224,11 +225,17 @@ def report(label, name, optimizer, peer, kjt, grad, dev, seen_orders, seen_paths
 
 
 def report_paths(args, label, name, peer, kjt, grad, dev, seen_orders, seen_paths):
-    """report() for a peer, once for each backward path --backward-paths forces on ours."""
-    for path in (args.backward_paths if name.startswith("recom_rec") else [None]):
-        BACKWARD_PATH_TUNER.force(path)
-        report(label + (f" [{path}]" if path else ""), name, args.optimizer, peer, kjt, grad, dev,
-               seen_orders, seen_paths, args.host, args.timeline)
+    """report() for a peer, once for each forward choice --forward-choices and each backward path
+    --backward-paths force on ours."""
+    ours = name.startswith("recom_rec")
+    for choice in (args.forward_choices if ours else [None]):
+        force_forward(choice)
+        for path in (args.backward_paths if ours else [None]):
+            BACKWARD_PATH_TUNER.force(path)
+            forced = ", ".join(x for x in (choice, path) if x)
+            report(label + (f" [{forced}]" if forced else ""), name, args.optimizer, peer, kjt, grad, dev,
+                   seen_orders, seen_paths, args.host, args.timeline)
+    force_forward(None)
     BACKWARD_PATH_TUNER.force(None)
 
 
@@ -258,6 +265,9 @@ def main():
                    help="RANK/WORLD: one rank's tables of the sharded-dlrm plan instead of workloads")
     p.add_argument("--timeline", action="store_true",
                    help="print one step's kernels in start order, with their streams")
+    p.add_argument("--forward-choices", nargs="*", default=[None],
+                   help="force each of these forward choices in turn (kernels.selection.CHOICES: the CUDA "
+                   "launch orders and Triton) for recom_rec")
     p.add_argument("--backward-paths", nargs="*", default=[None],
                    help="force each of these backward paths in turn (pooled_cuda.BACKWARD_PATHS names) for "
                    "recom_rec")
