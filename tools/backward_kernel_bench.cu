@@ -52,7 +52,7 @@ void run_plan(Plan& p, const int64_t* values, const int64_t* offsets, const int6
   CHECK(cudaMemsetAsync(p.counts, 0, sizeof(int32_t) * 3));
   const int block_bags = expand_bags(n, features, batch);
   const dim3 grid((unsigned)features, (unsigned)((batch + block_bags - 1) / block_bags));
-  expand_kernel<int64_t, int32_t, true><<<grid, 256>>>(values, offsets, nullptr, meta, key_index, nullptr,
+  expand_kernel<int64_t, int32_t, true><<<grid, EXPAND_THREADS>>>(values, offsets, nullptr, meta, key_index, nullptr,
                                                        p.row_key, nullptr, nullptr, nullptr, p.index, p.bag_scale,
                                                        batch, total_dim, block_bags
 #ifdef RECOM_REC_INPUT_CHECK

@@ -228,15 +228,21 @@ def report_paths(args, label, name, peer, kjt, grad, dev, seen_orders, seen_path
     """report() for a peer, once for each forward choice --forward-choices and each backward path
     --backward-paths force on ours."""
     ours = name.startswith("recom_rec")
-    for choice in (args.forward_choices if ours else [None]):
-        force_forward(choice)
-        for path in (args.backward_paths if ours else [None]):
-            BACKWARD_PATH_TUNER.force(path)
-            forced = ", ".join(x for x in (choice, path) if x)
-            report(label + (f" [{forced}]" if forced else ""), name, args.optimizer, peer, kjt, grad, dev,
-                   seen_orders, seen_paths, args.host, args.timeline)
-    force_forward(None)
-    BACKWARD_PATH_TUNER.force(None)
+    try:
+        for choice in (args.forward_choices if ours else [None]):
+            if choice == "triton" and name != "recom_rec:auto":
+                raise SystemExit("--forward-choices triton needs --backends auto (the cuda backend's forward is CUDA)")
+            force_forward(choice)  # the auto backend's choice; the cuda backend's launch order below
+            FORWARD_ORDER_TUNER.force(choice[len("cuda:"):] if choice and choice.startswith("cuda:") else None)
+            for path in (args.backward_paths if ours else [None]):
+                BACKWARD_PATH_TUNER.force(path)
+                forced = ", ".join(x for x in (choice, path) if x)
+                report(label + (f" [{forced}]" if forced else ""), name, args.optimizer, peer, kjt, grad, dev,
+                       seen_orders, seen_paths, args.host, args.timeline)
+    finally:
+        force_forward(None)
+        FORWARD_ORDER_TUNER.force(None)
+        BACKWARD_PATH_TUNER.force(None)
 
 
 def dcnv2_shard(spec: str) -> Workload:
@@ -246,6 +252,8 @@ def dcnv2_shard(spec: str) -> Workload:
     full = dcnv2(False)
     ranks = table_wise_ranks(full.rows, world)
     mine = [t for t in range(full.num_tables) if ranks[t] == rank]
+    if not mine:
+        raise SystemExit(f"--dcnv2-shards {spec}: rank {rank} holds no table at world {world}")
     return Workload(f"dlrm-dcnv2 rank {rank} of {world} ({len(mine)} tables)", [full.rows[t] for t in mine],
                     [full.dims[t] for t in mine], full.batch_size * world, [full.pooling_factors[t] for t in mine],
                     full.zipf_a)

@@ -71,7 +71,7 @@ def kernel_category(name: str) -> str:
     return "rest"
 
 
-def step_split(step, device: torch.device, steps: int = PROFILED_STEPS) -> Dict[str, float]:
+def step_split(step, device: torch.device, steps: int = PROFILED_STEPS) -> Dict[str, object]:
     """Device ms per step in each kernel_category, from a profile of ``steps`` steps; under the key
     ``kernels`` the TOP_KERNELS costliest kernels' ms per step (a {name: ms} dict)."""
     from torch.autograd import DeviceType
@@ -143,7 +143,7 @@ def _worker(rank: int, world: int, port: int, small: bool, iters: int, warmup: i
         dense = torch.randn(workload.batch_size, DENSE_IN, generator=gen).to(device)
         labels = (torch.rand(workload.batch_size, generator=gen) < 0.25).float().to(device)
         results: Dict[str, float] = {}
-        splits: Dict[str, Optional[Dict[str, float]]] = {}
+        splits: Dict[str, Optional[Dict[str, object]]] = {}
 
         def any_rank(flag: bool) -> bool:  # the warm-up goes on while any rank's tuners are deciding
             t = torch.tensor([int(flag)], device=device)
