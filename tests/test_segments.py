@@ -18,15 +18,16 @@ def test_segment_ids_equal_repeat_interleave(seed):
     counts = counts.to(DEVICE)
     total = int(counts.sum())
     want = torch.repeat_interleave(torch.arange(n, device=DEVICE), counts)
-    assert torch.equal(segment_ids(counts, total), want)
+    assert torch.equal(segment_ids(counts, torch.arange(total, device=DEVICE)), want)
 
 
 def test_no_segments_or_only_empty_ones():
-    assert segment_ids(torch.zeros(0, dtype=torch.int64, device=DEVICE), 0).numel() == 0
-    assert segment_ids(torch.zeros(3, dtype=torch.int64, device=DEVICE), 0).numel() == 0
+    none = torch.arange(0, device=DEVICE)
+    assert segment_ids(torch.zeros(0, dtype=torch.int64, device=DEVICE), none).numel() == 0
+    assert segment_ids(torch.zeros(3, dtype=torch.int64, device=DEVICE), none).numel() == 0
 
 
 def test_scripted():
     scripted = torch.jit.script(segment_ids)
     counts = torch.tensor([2, 0, 3, 1], device=DEVICE)
-    assert scripted(counts, 6).tolist() == [0, 0, 2, 2, 2, 3]
+    assert scripted(counts, torch.arange(6, device=DEVICE)).tolist() == [0, 0, 2, 2, 2, 3]

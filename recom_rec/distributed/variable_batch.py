@@ -44,8 +44,9 @@ def rank_major_positions(stride_per_key_per_rank: List[List[int]], key_dims: Lis
     total = int(seg_len.sum())
     # one copy to the device (each would wait for the stream)
     seg_len, seg_dim, seg_row, seg_col = torch.stack([seg_len, seg_dim, seg_row, seg_col]).to(device).unbind()
-    seg = segment_ids(seg_len, total)
-    within = torch.arange(total, device=device) - (torch.cumsum(seg_len, 0) - seg_len)[seg]
+    position = torch.arange(total, device=device)
+    seg = segment_ids(seg_len, position)
+    within = position - (torch.cumsum(seg_len, 0) - seg_len)[seg]
     dim = seg_dim[seg]
     return (seg_row[seg] + within // dim) * columns + seg_col[seg] + within % dim
 

@@ -332,7 +332,7 @@ def _gradient_rows(grads, sizes: List[int], dim: int,
     host = torch.tensor([starts, strides, sizes], dtype=torch.int64, pin_memory=device.type == "cuda")
     table = host.to(device, non_blocking=True)
     row = torch.arange(total, dtype=torch.int64, device=device)
-    piece = segment_ids(table[2], total)
+    piece = segment_ids(table[2], row)
     return base, table[0][piece] + row * table[1][piece], held
 
 

@@ -113,7 +113,8 @@ def validate_inputs(
     if values.numel() == 0 or feature_meta.shape[0] == 0:
         return
     # Per value: the smallest table size among the features that read its key.
-    key_of_value = segment_ids(offsets[batch_size::batch_size] - offsets[:-1:batch_size], values.numel()) \
+    key_of_value = segment_ids(offsets[batch_size::batch_size] - offsets[:-1:batch_size],
+                               torch.arange(values.numel(), device=values.device)) \
         if batch_size else torch.zeros(0, dtype=torch.int64, device=values.device)
     limit = torch.full((num_keys,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=values.device)
     limit.scatter_reduce_(0, key_index.to(torch.int64), feature_meta[:, META_NUM_EMBEDDINGS], "amin")

@@ -53,7 +53,8 @@ def pad_to_uniform(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         first += strides[k]
     per_key = _device_ints(strides + shifts, device).view(2, len(strides))
     bags = first
-    position = per_key[1][segment_ids(per_key[0], bags)] + torch.arange(bags, device=device)
+    bag = torch.arange(bags, device=device)
+    position = per_key[1][segment_ids(per_key[0], bag)] + bag
     padded = lengths.new_zeros(len(strides) * width).index_put_([position], lengths)
     return KeyedJaggedTensor(keys=keys, values=features.values(), weights=features.weights_or_none(),
                              lengths=padded, stride=width)
