@@ -24,13 +24,13 @@ def _tables():
             EmbeddingBagConfig(name="item_table", embedding_dim=8, num_embeddings=30, feature_names=["items"])]
 
 
-def _module(kind: str, backend: str) -> nn.Module:
+def _module(kind: str, backend: str, weight_dtype: torch.dtype = torch.qint8) -> nn.Module:
     ebc = recom_rec.EmbeddingBagCollection(_tables(), device=DEVICE, backend=backend if kind == "float" else "torch")
     if kind == "float":
         return ebc
     ebc.qconfig = torch.quantization.QConfig(
         activation=torch.quantization.PlaceholderObserver.with_args(dtype=torch.float),
-        weight=torch.quantization.PlaceholderObserver.with_args(dtype=torch.qint8))
+        weight=torch.quantization.PlaceholderObserver.with_args(dtype=weight_dtype))
     return recom_rec.quant.EmbeddingBagCollection.from_float(ebc, backend=backend)
 
 
@@ -244,6 +244,24 @@ def test_a_scripted_module_s_report_is_its_own(backend):
             scripted_a.check_inputs()
         scripted_a(_kjt())
         scripted_a.check_inputs()
+
+
+@pytest.mark.parametrize("kind, backend, weight_dtype",
+                         [("float", b, None) for b in KERNEL_BACKENDS]
+                         + [("quantized", b, w) for b in QUANT_BACKENDS for w in (torch.qint8, torch.quint4x2)])
+def test_a_scripted_module_reports_after_its_eager_module_is_freed(kind, backend, weight_dtype):
+    """torch.jit.script keeps no reference to the module it scripts (INT4 tables script a copy of
+    it): the scripted module's reports must not go with the Python module."""
+    scripted = torch.jit.script(_module(kind, backend, weight_dtype))
+    gc.collect()
+    other = _module("float", backend)  # (its first call makes a slot: freed modules' slots are retired then)
+    with torch.no_grad():
+        with pytest.raises(Exception, match=MESSAGE):
+            scripted(_kjt(50))
+            _handle(other, _kjt())
+            scripted.check_inputs()
+        _handle(scripted, _kjt())
+        _handle(other, _kjt())
 
 
 class _Exportable(nn.Module):

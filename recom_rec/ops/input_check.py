@@ -105,18 +105,30 @@ def new_report_id(owner: object) -> int:
     within a process nor shared with a module saved by another process (TorchScript, export). The
     module's slots are dropped with it."""
     report_id = secrets.randbits(63) or 1
-    weakref.finalize(owner, forget_reports, report_id)
+    _FINALIZERS[report_id] = weakref.finalize(owner, forget_reports, report_id)
     return report_id
+
+
+def keep_reports(report_id: int) -> None:
+    """Module ``report_id`` is being scripted: its slots stay for as long as the process runs, not
+    only as long as the Python module. The scripted module runs under the same id and may outlive
+    it (a module scripted through a copy, as quantized INT4 / INT2 tables are, is not kept alive
+    by its scripted module); a forgotten id's slots are retired, which would lose its reports."""
+    finalizer = _FINALIZERS.pop(report_id, None)
+    if finalizer is not None:
+        finalizer.detach()
 
 
 def forget_reports(report_id: int) -> None:
     """Module ``report_id`` was freed: its slots are retired at the next slot made. Only noted
     here: weakref.finalize runs this inside whatever allocation set off the collection, possibly
     in a thread holding _LOCK."""
+    _FINALIZERS.pop(report_id, None)
     _FORGOTTEN.append(report_id)
 
 
 _FORGOTTEN: "collections.deque[int]" = collections.deque()  # freed modules' report ids (deque: atomic appends)
+_FINALIZERS: Dict[int, "weakref.finalize"] = {}  # live modules' report ids -> what forgets them
 
 
 def _retire_forgotten() -> None:

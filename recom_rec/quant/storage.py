@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
 from ..ops.backends import check_backend
-from ..ops.input_check import new_report_id
+from ..ops.input_check import keep_reports, new_report_id
 from ..ops.quantized_lookup import OUTPUT_DTYPES, load_kernels
 from .layout import QuantTableSlot
 from .rows import SCALE_BIAS_BYTES, RowType, data_bytes
@@ -83,10 +83,13 @@ class QuantizedStorage:
         """``torch.jit.script`` scripts what this returns. ``torch.jit.save`` crashes on torchrec's
         UInt4Tensor / UInt2Tensor buffers (a segmentation fault, torch 2.11-2.13), which TorchScript
         treats as plain tensors anyway: the scripted module's INT4 / INT2 tables are plain uint8
-        views of the same rows. Modules without such tables script as they are."""
+        views of the same rows. Modules without such tables script as they are. Either way the
+        scripted module reports bad input under this module's id, kept for the process."""
+        keep_reports(self._report_id)
         if not any(s.kind in (RowType.INT4, RowType.INT2) for s in self._slots):
             return self
         scripted = copy.copy(self)  # (a new module over the same buffers and settings)
+        scripted._report_id = self._report_id  # (copy.copy's __setstate__ gave it an id of its own)
         scripted._buffers = OrderedDict(self._buffers)
         scripted._modules = OrderedDict(self._modules)
         tables = nn.ModuleDict({name: nn.Module() for name in getattr(self, self._TABLES_ATTR)})
@@ -98,6 +101,7 @@ class QuantizedStorage:
         super().__setstate__(state)
         self._report_id = new_report_id(self)  # a module unpickled twice is two modules
 
+    @torch.jit.export
     def check_inputs(self) -> None:
         """Waits for the kernels this thread queued for this module and raises the input error
         they reported (see ``validate_inputs``), if any; other modules' and threads' reports stay
