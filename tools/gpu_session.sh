@@ -86,7 +86,9 @@ if [[ " $STAGES " == *" tests "* ]]; then
   if [ ${#preload[@]} -gt 0 ]; then export LD_PRELOAD="${preload[*]}${LD_PRELOAD:+ $LD_PRELOAD}"; echo "LD_PRELOAD=$LD_PRELOAD"; fi
   # -v: a line a test as it ends, so that a run the time limit stops still names what failed
   # --durations: the slowest tests, for planning the next call's split
-  args=(-m pytest -v -rfE --tb=short --durations=40 -p no:cacheprovider ${TESTS:-tests} ${TEST_K:+-k "$TEST_K"})
+  # -p no:benchmark: pytest-benchmark (installed on the GPU image, unused here) ends a crashing process
+  # under segv_backtrace.so without faulthandler's Python frames (v52)
+  args=(-m pytest -v -rfE --tb=short --durations=40 -p no:cacheprovider -p no:benchmark ${TESTS:-tests} ${TEST_K:+-k "$TEST_K"})
   if [ -n "${RESOURCE_LOG:-}" ]; then
     mkdir -p "$SUITE"; rm -f "$SUITE"/resources.log*
     export RESOURCE_LOG="$SUITE/resources.log" PYTHONPATH="$PWD/tools:$PYTHONPATH"; args+=(-p pytest_resources)
