@@ -6,9 +6,11 @@ Usage: python tools/profile_step.py [--workloads ...] [--backends cuda triton] [
        python tools/profile_step.py --points dim=1024,ids=50 dim=256,ids=50,zipf=1 --fbgemm
        python tools/profile_step.py --sequence 1024 --fbgemm --timeline
        python tools/profile_step.py --dcnv2-shards 0/2 1/2 --fbgemm
+       python tools/profile_step.py --vbe --fbgemm --host
 (--points: sweep points, recom_rec.bench.sweep.Point fields over its base point; --optimizer none:
 dense gradients, no optimizer; --sequence BATCH: the sequence workload's EmbeddingCollection at that
 batch, recom_rec.bench.sequence's, its step with SGD fused and gradients of ones as the bench's;
+--vbe: recom_rec.bench.vbe's workload, ours against fbgemm's raw VBE TBE, SGD fused;
 --dcnv2-shards RANK/WORLD: the tables that rank holds in the sharded-dlrm benchmark's table-wise plan
 of MLPerf DLRM-DCNv2, at the batch it pools there, world x 16384.)
 """
@@ -170,8 +172,9 @@ def sweep_point_peers(spec: str, dev, optimizer: str, fbgemm: bool):
     return p.label(), kjt, grad, peers
 
 
-class _SequencePeer:
-    """A peer of recom_rec.bench.sequence (its step makes its own gradients) as report() calls it."""
+class _OwnGradientPeer:
+    """A peer of recom_rec.bench.sequence or .vbe (its step takes its own upstream gradient) as
+    report() calls it."""
 
     def __init__(self, peer):
         self.peer = peer
@@ -196,7 +199,25 @@ def sequence_peers(batch: int, dev, fbgemm: bool):
         peers.append(("fbgemm", sequence._Fbgemm(w, dev, True, kjt.keys())))
     for _, peer in peers:
         peer.load(weights)
-    return f"sequence-b{batch} ({kjt.values().numel():,} ids)", kjt, [(n, _SequencePeer(peer)) for n, peer in peers]
+    return f"sequence-b{batch} ({kjt.values().numel():,} ids)", kjt, [(n, _OwnGradientPeer(peer)) for n, peer in peers]
+
+
+def vbe_peers(dev, fbgemm: bool):
+    """(label, kjt, [(name, peer)]) of the vbe workload (recom_rec.bench.vbe's, fused SGD), on one set
+    of weights: ours, and fbgemm's raw VBE TBE (its output not expanded to the batch)."""
+    import recom_rec
+    from recom_rec.bench import vbe
+
+    w = vbe.workloads(False)[0]
+    kjt = w.make_input(dev)
+    torch.manual_seed(0)
+    weights = [torch.empty(w.rows, w.dim, device=dev).uniform_(-0.01, 0.01) for _ in w.tables()]
+    module = recom_rec.EmbeddingBagCollection(w.tables(), device=dev)
+    module.enable_fused_optimizer("sgd", lr=vbe.LR)
+    peers = [("recom_rec", vbe._Module(module))] + ([("fbgemm", vbe._Fbgemm(w, dev))] if fbgemm else [])
+    for _, peer in peers:
+        peer.load(weights)
+    return f"vbe-b{w.batch_size} ({kjt.values().numel():,} ids)", kjt, [(n, _OwnGradientPeer(p)) for n, p in peers]
 
 
 def report(label, name, optimizer, peer, kjt, grad, dev, seen_orders, seen_paths, host_prof, timeline=False):
@@ -269,6 +290,8 @@ def main():
     p.add_argument("--points", nargs="*", default=[], help="sweep points instead of workloads")
     p.add_argument("--sequence", type=int, nargs="*", default=[],
                    help="batch sizes of the sequence workload (EmbeddingCollection) instead of workloads")
+    p.add_argument("--vbe", action="store_true",
+                   help="the vbe workload (a batch size per feature, fused SGD) instead of workloads")
     p.add_argument("--dcnv2-shards", nargs="*", default=[],
                    help="RANK/WORLD: one rank's tables of the sharded-dlrm plan instead of workloads")
     p.add_argument("--timeline", action="store_true",
@@ -294,8 +317,15 @@ def main():
             report_paths(args, label, name, peer, kjt, None, dev, seen_orders, seen_paths)
         del peers
         torch.cuda.empty_cache()
+    if args.vbe:
+        label, kjt, peers = vbe_peers(dev, args.fbgemm)
+        for name, peer in peers:
+            report_paths(args, label, name, peer, kjt, None, dev, seen_orders, seen_paths)
+        del peers
+        torch.cuda.empty_cache()
     shards = [dcnv2_shard(spec) for spec in args.dcnv2_shards]
-    for w in shards or [get_workload(n, False) for n in ([] if args.points or args.sequence else args.workloads)]:
+    named = [] if args.points or args.sequence or args.vbe else args.workloads
+    for w in shards or [get_workload(n, False) for n in named]:
         wname = w.name
         kjt = w.make_input(dev)
         grad = torch.ones(w.batch_size, sum(w.dims), device=dev)

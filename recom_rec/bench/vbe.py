@@ -18,6 +18,7 @@ from typing import Dict, List
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
+from .gradients import upstream_ones
 from .report import format_peers
 from .timing import time_phase
 
@@ -80,7 +81,7 @@ class _Module:
 
     def train_step(self, kjt) -> None:
         out = self.module(kjt).values()
-        out.backward(torch.ones_like(out))
+        out.backward(upstream_ones(self, [out])[0])
 
 
 class _Fbgemm:
@@ -115,7 +116,7 @@ class _Fbgemm:
 
     def train_step(self, kjt) -> None:
         out = self.forward(kjt)
-        out.backward(torch.ones_like(out))
+        out.backward(upstream_ones(self, [out])[0])
 
     def expanded(self, out: torch.Tensor, kjt) -> torch.Tensor:
         """fbgemm's per-feature bags expanded to the batch's rows (to compare with a module's output)."""
