@@ -11,6 +11,7 @@
 #   (the tests stage runs the whole suite, tests/, with CUDA tensors in one process; TESTS="files or
 #   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it;
 #   TEST_DETACH=1 lets it run past the call, and the next call's STAGES=tests-wait awaits it;
+#   SUITE_CPUS=0-15 keeps the suite to those cores (a benchmark beside it on another GPU takes the rest);
 #   NATIVE_BACKTRACE=1 and HEAP_CHECK=1 for a process that crashes: native frames, glibc's checked malloc;
 #   RESOURCE_LOG=1: mappings, threads, files and memory after each test, and the garbage collector's
 #   last state, tools/pytest_resources.py; GC_EACH_TEST=1 (or file) collects after each test (or file))
@@ -84,6 +85,10 @@ if [[ " $STAGES " == *" tests "* ]]; then
     preload+=("$debug_malloc"); export GLIBC_TUNABLES=glibc.malloc.check=3
   fi
   if [ ${#preload[@]} -gt 0 ]; then export LD_PRELOAD="${preload[*]}${LD_PRELOAD:+ $LD_PRELOAD}"; echo "LD_PRELOAD=$LD_PRELOAD"; fi
+  # SUITE_CPUS (a taskset list, e.g. 0-15): the suite keeps to those cores, so that a benchmark run
+  # beside it on another GPU and the other cores does not share its host (v52 shared it)
+  pin=()
+  if [ -n "${SUITE_CPUS:-}" ] && command -v taskset > /dev/null; then pin=(taskset -c "$SUITE_CPUS"); fi
   # -v: a line a test as it ends, so that a run the time limit stops still names what failed
   # --durations: the slowest tests, for planning the next call's split
   # -p no:benchmark: pytest-benchmark (installed on the GPU image, unused here) ends a crashing process
@@ -97,14 +102,14 @@ if [[ " $STAGES " == *" tests "* ]]; then
     # The whole suite outlasts one device call: one process in a session of its own, which the
     # machine keeps while it stays warm; the next call's stage tests-wait awaits it (<30 s apart).
     mkdir -p "$SUITE"
-    RECOM_TEST_DEVICE=cuda setsid python3 "${args[@]}" > "$SUITE/tests.log" 2>&1 < /dev/null &
+    RECOM_TEST_DEVICE=cuda setsid "${pin[@]}" python3 "${args[@]}" > "$SUITE/tests.log" 2>&1 < /dev/null &
     echo $! > "$SUITE/pid"
     suite_wait ${TEST_TIMEOUT:-540}; suite_report
   else
     # SIGINT at the limit: pytest then stops as after Ctrl-C and still prints its summary and durations
     # (the log is written under $OUT as it runs: a call that outruns its own limit still returns it)
     mkdir -p "$SUITE"
-    RECOM_TEST_DEVICE=cuda timeout -s INT -k 20 ${TEST_TIMEOUT:-540} python3 "${args[@]}" 2>&1 | tee "$SUITE/tests.log" > "$OUT/tests.log"
+    RECOM_TEST_DEVICE=cuda timeout -s INT -k 20 ${TEST_TIMEOUT:-540} "${pin[@]}" python3 "${args[@]}" 2>&1 | tee "$SUITE/tests.log" > "$OUT/tests.log"
     suite_report
   fi
 fi
