@@ -193,7 +193,7 @@ def sequence_peers(batch: int, dev, fbgemm: bool):
     w = sequence.SequenceWorkload(batch, 10_000_000, [100_000, 16], (50, 2000))
     kjt = w.make_input(dev)
     torch.manual_seed(0)
-    weights = [torch.empty(t.num_embeddings, sequence.DIM, device=dev).uniform_(-0.01, 0.01) for t in w.tables()]
+    weights = [torch.empty(t.num_embeddings, w.dim, device=dev).uniform_(-0.01, 0.01) for t in w.tables()]
     peers = [("recom_rec", sequence._Ours(w, dev, train=True))]
     if fbgemm:
         peers.append(("fbgemm", sequence._Fbgemm(w, dev, True, kjt.keys())))

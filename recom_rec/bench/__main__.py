@@ -44,7 +44,7 @@ def parse_args(argv=None):
                    "against fbgemm's VBE TBE and torchrec's module; 'serving', a stream of inference requests of batch sizes 1-1024 "
                    "drawn with --seed, answered one at a time (latency p50/p99/p999, throughput, the first 100 requests), "
                    "float and INT8 (recom_rec/bench/serving.py; see --requests, --distributions); 'random', --random-count layouts drawn with --seed "
-                   "(recom_rec/bench/random_layouts.py) and MLPerf DLRM-DCNv2's. Default: " + " ".join(DEFAULT_WORKLOADS) +
+                   "(recom_rec/bench/random_layouts.py) and MLPerf DLRM-DCNv2's, then a quarter as many sequence and variable-batch layouts. Default: " + " ".join(DEFAULT_WORKLOADS) +
                    "; with --phases inference alone: dlrm-kaggle many-500 many-4000")
     p.add_argument("--row-types", nargs="+", default=["int8", "int4", "fp16"],
                    choices=["int8", "int4", "int2", "fp16"], help="row types of --phases inference")
@@ -223,6 +223,30 @@ def _draw_random(args) -> list:
     return names
 
 
+def _run_drawn_unpooled(args, meta: dict) -> list:
+    """The sequence and variable-batch layouts drawn beside the pooled ones (issue 53): each against
+    its peers (bench/sequence.py's, bench/vbe.py's), their tables and summaries."""
+    from .random_layouts import random_unpooled_workloads, summarize
+    from .sequence import format_sequence, run_sequence
+    from .vbe import format_vbe, run_vbe
+
+    device = torch.device(args.device)
+    small = args.small or device.type == "cpu"
+    sequences, vbes = random_unpooled_workloads(args.seed, args.random_count, small)
+    for w in sequences + vbes:
+        meta["workloads"][w.label()] = w.describe()
+        print(f"{w.label()}: {w.describe()}", flush=True)
+    sequence_rows = run_sequence(device, small, iters=args.iters, warmup=args.warmup, drawn=sequences)
+    print(format_sequence(sequence_rows))
+    vbe_rows = run_vbe(device, small, iters=args.iters, warmup=args.warmup, drawn=vbes)
+    print(format_vbe(vbe_rows))
+    print(f"sequence and variable-batch layouts drawn with --seed {args.seed}")
+    print(summarize(sequence_rows, [w.label() for w in sequences], ["fbgemm", "torchrec"], "random sequence layouts"))
+    print(summarize(vbe_rows, [w.label() for w in vbes], ["fbgemm", "fbgemm+expand", "torchrec"],
+                    "random variable-batch layouts"))
+    return sequence_rows + vbe_rows
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.compare:
@@ -292,6 +316,7 @@ def main(argv=None):
         meta["seed"] = args.seed
         print(f"random layouts drawn with --seed {args.seed}")
         print(summarize(results, drawn, [p for p in args.peers if p != "recom_rec"]))
+        results = results + _run_drawn_unpooled(args, meta)
     if "ps" in args.workloads:
         from .ps_workload import format_ps, run_ps_workload
 

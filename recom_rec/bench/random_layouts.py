@@ -16,9 +16,27 @@ version of the same draw):
 Half-precision tables (fp16/bf16) and weighted bags are in the issue's list but not in the
 benchmark's peers' common ground yet (its fbgemm peer trains fp32 tables): not drawn.
 The MLPerf DLRM-DCNv2 configuration (26 tables, its multi-hot sizes, dim 128) is drawn alongside.
+
+Sequence and variable-batch layouts (issue 53; ``random_unpooled_workloads``, a quarter as many
+of each as the pooled ones, at least one, from their own stream of the seed: the pooled draws of a
+seed stay what they were):
+- sequence (``bench/sequence.py``'s EmbeddingCollection: an item table read by a history and the
+  target item, two side tables read by the history): item rows log-uniform 1e4 to 2e7, side tables
+  16 to 1e6 rows, one dim a module (a multiple of 4, log-uniform 16-512: fbgemm's TBE needs it),
+  histories of ``lo`` to ``hi`` ids (``lo`` log-uniform 1-200, ``hi`` log-uniform ``lo``-4000),
+  batch log-uniform 16-2048;
+- variable batch (``bench/vbe.py``: user features at 1/divisor of the batch, item features at the
+  full batch, multi-hot on every other feature): user features 1-16 and item features 1-32
+  (log-uniform), divisor 2-128 (a power of two), rows 1e3-1e7 a table, dim a multiple of 4
+  (log-uniform 8-256), up to 1-100 ids a bag, batch log-uniform 256-65,536;
+- caps: weights ``MAX_UNPOOLED_WEIGHT_BYTES`` (the largest tables shrink), the output
+  ``MAX_OUTPUT_BYTES`` (the batch shrinks: a peer's output and its gradient stay a few GB).
 """
 import math
 from typing import List, Tuple
+
+from .sequence import SequenceWorkload
+from .vbe import VbeWorkload
 
 import numpy as np
 from torchrec import PoolingType
@@ -28,6 +46,8 @@ from .workloads import Workload
 
 MAX_WEIGHT_BYTES = 24 << 30
 MAX_IDS = 64 << 20
+MAX_UNPOOLED_WEIGHT_BYTES = 16 << 30
+MAX_OUTPUT_BYTES = 4 << 30
 SMALL_SCALE = 1000  # the CPU's version: rows / 1000 (at least 100), batch / 64, ids per bag / 10
 
 # MLPerf DLRM-DCNv2 (Criteo 1TB): ids per bag of its 26 multi-hot features
@@ -90,13 +110,65 @@ def random_workloads(seed: int, count: int, small: bool) -> List[Workload]:
     return [draw_layout(rng, i, small) for i in range(count)] + [dcnv2(small)]
 
 
-def summarize(results: List[dict], names: List[str], peers: List[str]) -> str:
+def _dim_multiple_of_4(rng: np.random.Generator, low: int, high: int) -> int:
+    d = int(_log_uniform(rng, low, high))
+    return max(low, d - d % 4)
+
+
+def draw_sequence(rng: np.random.Generator, index: int, small: bool) -> SequenceWorkload:
+    item_rows = int(_log_uniform(rng, 1e4, 2e7))
+    side_rows = [int(_log_uniform(rng, 16, 1e6)) for _ in range(2)]
+    dim = _dim_multiple_of_4(rng, 16, 512)
+    lo = int(_log_uniform(rng, 1, 200))
+    hi = max(lo, int(_log_uniform(rng, lo, 4000)))
+    batch = int(_log_uniform(rng, 16, 2048))
+    while (item_rows + sum(side_rows)) * dim * 4 > MAX_UNPOOLED_WEIGHT_BYTES:
+        item_rows //= 2
+    ids_a_sample = 3 * (lo + hi) / 2 + 1  # the history's three features and the target
+    while batch > 16 and batch * ids_a_sample * dim * 4 > MAX_OUTPUT_BYTES:
+        batch = max(16, batch // 2)
+    if small:
+        item_rows, side_rows = max(100, item_rows // SMALL_SCALE), [max(16, r // SMALL_SCALE) for r in side_rows]
+        lo, hi, batch = max(1, lo // 10), max(1, hi // 10), max(2, batch // 64)
+        dim = min(dim, 64)
+    return SequenceWorkload(batch, item_rows, side_rows, (lo, max(lo, hi)), dim=dim, name=f"random-seq-{index}")
+
+
+def draw_vbe(rng: np.random.Generator, index: int, small: bool) -> VbeWorkload:
+    user_features = int(round(_log_uniform(rng, 1, 16)))
+    item_features = int(round(_log_uniform(rng, 1, 32)))
+    divisor = 2 ** int(rng.integers(1, 8))
+    rows = int(_log_uniform(rng, 1e3, 1e7))
+    dim = _dim_multiple_of_4(rng, 8, 256)
+    multi_hot = int(round(_log_uniform(rng, 1, 100)))
+    batch = int(_log_uniform(rng, 256, 65536))
+    tables = user_features + item_features
+    while tables * rows * dim * 4 > MAX_UNPOOLED_WEIGHT_BYTES:
+        rows //= 2
+    while batch > 256 and batch * tables * dim * 4 > MAX_OUTPUT_BYTES:
+        batch = max(256, batch // 2)
+    if small:
+        rows, batch, multi_hot = max(100, rows // SMALL_SCALE), max(16, batch // 64), max(1, multi_hot // 10)
+        dim = min(dim, 32)
+        user_features, item_features = min(user_features, 4), min(item_features, 4)
+    divisor = min(divisor, batch)
+    return VbeWorkload(batch, rows, dim, user_features, item_features, multi_hot, divisor, name=f"random-vbe-{index}")
+
+
+def random_unpooled_workloads(seed: int, count: int, small: bool) -> Tuple[List[SequenceWorkload], List[VbeWorkload]]:
+    """The sequence and variable-batch layouts drawn beside ``count`` pooled ones (seed ``seed``)."""
+    rng = np.random.default_rng([seed, 53])  # (a stream of its own: the pooled draws stay the seed's)
+    n = max(1, round(count / 4))
+    return [draw_sequence(rng, i, small) for i in range(n)], [draw_vbe(rng, i, small) for i in range(n)]
+
+
+def summarize(results: List[dict], names: List[str], peers: List[str], what: str = "random layouts") -> str:
     """Per peer and phase, over the drawn layouts: the share of layouts where ours is at or above
     1.0x the peer, the geomean and the worst."""
-    return "\n".join(filter(None, (_summary(results, names, peer) for peer in peers)))
+    return "\n".join(filter(None, (_summary(results, names, peer, what) for peer in peers)))
 
 
-def _summary(results: List[dict], names: List[str], peer: str) -> str:
+def _summary(results: List[dict], names: List[str], peer: str, what: str) -> str:
     lines = []
     phases = sorted({r["phase"] for r in results if r["workload"] in names})
     for phase in phases:
@@ -106,7 +178,7 @@ def _summary(results: List[dict], names: List[str], peer: str) -> str:
             if "recom_rec" in by and peer in by:
                 ratios.append((by[peer]["ms"] / by["recom_rec"]["ms"], name))
         if ratios:
-            lines.append(ratio_summary(f"random layouts, {phase} x {peer}", ratios))
+            lines.append(ratio_summary(f"{what}, {phase} x {peer}", ratios))
     return "\n".join(lines)
 
 

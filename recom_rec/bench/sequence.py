@@ -17,7 +17,7 @@ plus the ids.
 """
 import random
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig
@@ -37,14 +37,23 @@ class SequenceWorkload:
     item_rows: int
     side_rows: List[int]  # category, action
     history: tuple  # (shortest, longest) history
+    dim: int = DIM
+    name: str = ""  # (the random layouts' draws name theirs)
+
+    def label(self) -> str:
+        return self.name or f"sequence-b{self.batch_size}"
+
+    def describe(self) -> str:
+        return (f"item table {self.item_rows:,} rows, side tables {self.side_rows[0]:,} and {self.side_rows[1]:,}, "
+                f"D={self.dim}, histories {self.history[0]}-{self.history[1]}, B={self.batch_size}")
 
     def tables(self) -> List[EmbeddingConfig]:
         return [
-            EmbeddingConfig(name="item", embedding_dim=DIM, num_embeddings=self.item_rows,
+            EmbeddingConfig(name="item", embedding_dim=self.dim, num_embeddings=self.item_rows,
                             feature_names=["history_items", "target_item"]),
-            EmbeddingConfig(name="category", embedding_dim=DIM, num_embeddings=self.side_rows[0],
+            EmbeddingConfig(name="category", embedding_dim=self.dim, num_embeddings=self.side_rows[0],
                             feature_names=["history_categories"]),
-            EmbeddingConfig(name="action", embedding_dim=DIM, num_embeddings=self.side_rows[1],
+            EmbeddingConfig(name="action", embedding_dim=self.dim, num_embeddings=self.side_rows[1],
                             feature_names=["history_actions"]),
         ]
 
@@ -68,7 +77,7 @@ class SequenceWorkload:
 
     def forward_bytes(self, kjt: KeyedJaggedTensor) -> int:
         n = kjt.values().numel()
-        return n * DIM * 4 * 2 + n * kjt.values().element_size()
+        return n * self.dim * 4 * 2 + n * kjt.values().element_size()
 
 
 def workloads(small: bool) -> List[SequenceWorkload]:
@@ -169,16 +178,17 @@ def _make(name: str, w: SequenceWorkload, device, train: bool, keys: List[str]):
     return _Torchrec(w, device, train)
 
 
-def run_sequence(device: torch.device, small: bool, iters: int = 20, warmup: int = 5) -> List[Dict]:
-    """Per workload, phase and peer: median ms; forwards also compared element for element with
-    ours (``identical``: bit for bit)."""
+def run_sequence(device: torch.device, small: bool, iters: int = 20, warmup: int = 5,
+                 drawn: Optional[List[SequenceWorkload]] = None) -> List[Dict]:
+    """Per workload (the named ones, or ``drawn``), phase and peer: median ms; forwards also
+    compared element for element with ours (``identical``: bit for bit)."""
     rows: List[Dict] = []
-    for w in workloads(small):
+    for w in drawn if drawn is not None else workloads(small):
         kjt = w.make_input(device)
         keys = kjt.keys()
-        name = f"sequence-b{w.batch_size}"
+        name = w.label()
         torch.manual_seed(0)
-        weights = [torch.empty(t.num_embeddings, DIM, device=device).uniform_(-0.01, 0.01) for t in w.tables()]
+        weights = [torch.empty(t.num_embeddings, w.dim, device=device).uniform_(-0.01, 0.01) for t in w.tables()]
         reference = None
         for phase in ("forward", "sgd"):
             for peer_name in _peers(device):

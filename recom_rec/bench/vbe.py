@@ -13,7 +13,7 @@ EmbeddingBagCollection (a kernel per table, then its expansion; forward only).
 """
 import random
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
@@ -34,6 +34,15 @@ class VbeWorkload:
     item_features: int
     multi_hot: int
     divisor: int = 16
+    name: str = ""  # (the random layouts' draws name theirs)
+
+    def label(self) -> str:
+        return self.name or f"vbe-b{self.batch_size}"
+
+    def describe(self) -> str:
+        return (f"{self.user_features} user features at 1/{self.divisor} of B={self.batch_size}, "
+                f"{self.item_features} item features, {self.rows:,} rows x D={self.dim} each, "
+                f"up to {self.multi_hot} ids a bag")
 
     def keys(self) -> List[str]:
         return [f"user{i}" for i in range(self.user_features)] + [f"item{i}" for i in range(self.item_features)]
@@ -161,7 +170,8 @@ class _FbgemmExpanded(_Fbgemm):
         return out
 
 
-def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5) -> List[Dict]:
+def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5,
+            drawn: Optional[List[VbeWorkload]] = None) -> List[Dict]:
     import torchrec
 
     import recom_rec
@@ -169,9 +179,9 @@ def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5)
     from .peers import fbgemm_available
 
     rows: List[Dict] = []
-    for w in workloads(small):
+    for w in drawn if drawn is not None else workloads(small):
         kjt = w.make_input(device)
-        name = f"vbe-b{w.batch_size}"
+        name = w.label()
         torch.manual_seed(0)
         weights = [torch.empty(w.rows, w.dim, device=device).uniform_(-0.01, 0.01) for _ in w.tables()]
         peers = ["recom_rec", "torchrec"] + (["fbgemm", "fbgemm+expand"] if device.type == "cuda" and fbgemm_available(device) else [])
