@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 from torch import nn
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor
 
 import recom_rec
 from ebc_cases import DEVICE, KERNEL_BACKENDS
@@ -246,22 +246,49 @@ def test_a_scripted_module_s_report_is_its_own(backend):
         scripted_a.check_inputs()
 
 
-@pytest.mark.parametrize("kind, backend, weight_dtype",
-                         [("float", b, None) for b in KERNEL_BACKENDS]
-                         + [("quantized", b, w) for b in QUANT_BACKENDS for w in (torch.qint8, torch.quint4x2)])
-def test_a_scripted_module_reports_after_its_eager_module_is_freed(kind, backend, weight_dtype):
-    """torch.jit.script keeps no reference to the module it scripts (INT4 tables script a copy of
-    it): the scripted module's reports must not go with the Python module."""
-    scripted = torch.jit.script(_module(kind, backend, weight_dtype))
-    gc.collect()
-    other = _module("float", backend)  # (its first call makes a slot: freed modules' slots are retired then)
+def _quantized_collection(backend: str, weight_dtype: torch.dtype) -> nn.Module:
+    tables = [EmbeddingConfig(name=t.name, embedding_dim=8, num_embeddings=t.num_embeddings,
+                              feature_names=t.feature_names) for t in _tables()]
+    ec = recom_rec.EmbeddingCollection(tables=tables, device=DEVICE)
+    ec.qconfig = torch.quantization.QConfig(
+        activation=torch.quantization.PlaceholderObserver.with_args(dtype=torch.float),
+        weight=torch.quantization.PlaceholderObserver.with_args(dtype=weight_dtype))
+    return recom_rec.quant.EmbeddingCollection.from_float(ec, backend=backend)
+
+
+def _graph_of(module: nn.Module, how: str):
+    from torchrec.fx import symbolic_trace
+
+    return torch.jit.script(module) if how == "script" else symbolic_trace(module)
+
+
+_REPORTING_BACKENDS = [b for b in QUANT_BACKENDS if b != "torch"]  # (the torch backend raises in the call)
+
+
+@pytest.mark.parametrize("kind, how", [("quantized collection INT4", "script"), ("quantized collection INT8", "fx"),
+                                       ("float", "fx"), ("float collection", "fx")])
+@pytest.mark.parametrize("backend", _REPORTING_BACKENDS)
+def test_a_graph_reports_after_its_module_is_freed(kind, how, backend):
+    """An fx trace, and a quantized module with INT4 tables scripted (through a copy of it), hold no
+    reference to the module they came from and run under its id: its reports must not go with it."""
+    if kind.startswith("quantized collection"):
+        module = _quantized_collection(backend, torch.quint4x2 if "INT4" in kind else torch.qint8)
+    elif kind == "float collection":
+        module = recom_rec.EmbeddingCollection(
+            tables=[EmbeddingConfig(name=t.name, embedding_dim=8, num_embeddings=t.num_embeddings,
+                                    feature_names=t.feature_names) for t in _tables()], device=DEVICE, backend=backend)
+    else:
+        module = _module(kind, backend)
+    graph = _graph_of(module, how)
     with torch.no_grad():
+        graph(_kjt())  # its report slot made while the module lives
+        del module
+        gc.collect()
         with pytest.raises(Exception, match=MESSAGE):
-            scripted(_kjt(50))
-            _handle(other, _kjt())
-            scripted.check_inputs()
-        _handle(scripted, _kjt())
-        _handle(other, _kjt())
+            graph(_kjt(50))
+            _handle(_module("float", backend), _kjt())  # a new slot: freed modules' slots are retired
+            graph.check_inputs() if how == "script" else graph(_kjt())
+        graph(_kjt())
 
 
 class _Exportable(nn.Module):

@@ -18,14 +18,15 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from ..ops.backends import check_backend
-from ..ops.input_check import new_report_id
+from ..ops.input_check import keep_reports, new_report_id
+from ..ops.tracing import fx_tracing
 from ..ops.layout import FeatureSlot, POOLING_SUM, feature_meta_tensor, pack_tables
 from ..ops.plan import FusedStep, UnpooledGroupPlan, UnpooledPlan
 from ..ops.unpooled_embedding import UnpooledBatch, check_lengths_add_up, load_kernels, segments_for, unpooled_lookup
 from ..ops.validation import encode_names
 from ..optim.spec import FusedOptimizerSpec
 from .embedding_modules import _table_dtype, maybe_td_to_kjt
-from .flat_tables import FlatTables, TableGroup, _fx_tracing
+from .flat_tables import FlatTables, TableGroup
 from .table_size import check_sequence_tables
 from .table_weight import FlatLink, TableEmbedding
 
@@ -174,8 +175,11 @@ class EmbeddingCollection(FlatTables, _TorchrecEmbeddingCollection):
 
     def _lookup_arguments(self):
         self._refresh_flat_tables()
-        if not (torch.compiler.is_compiling() or _fx_tracing()):
-            self._sync_optimizer_in_backward()
+        if not torch.compiler.is_compiling():
+            if fx_tracing():  # the graph takes the module's id and may outlive it: its reports stay
+                keep_reports(self._plan.report_id)
+            else:
+                self._sync_optimizer_in_backward()
         grad = torch.is_grad_enabled()
         flats = self._lookup_flats()
         return (flats,

@@ -33,14 +33,15 @@ from ..ops.layout import (
     pack_tables,
     table_runs,
 )
-from ..ops.input_check import new_report_id
+from ..ops.input_check import keep_reports, new_report_id
+from ..ops.tracing import fx_tracing
 from ..ops.plan import FusedStep, GroupPlan, LookupPlan, group_states
 from ..ops.pooled_embedding import load_kernels
 from ..ops.validation import encode_names
 from ..ops.variable_batch import expand_rows, uniform_batch
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import FusedOptimizerSpec
-from .flat_tables import FlatTables, TableGroup, _fx_tracing
+from .flat_tables import FlatTables, TableGroup
 from .table_size import check_table_size
 from .table_weight import FlatLink, TableEmbeddingBag
 
@@ -444,10 +445,13 @@ class EmbeddingBagCollection(FlatTables, _TorchrecEmbeddingBagCollection):
     def _lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         features = maybe_td_to_kjt(features, None)
         self._refresh_flat_tables()
-        if not (torch.compiler.is_compiling() or _fx_tracing()):
-            self._sync_optimizer_in_backward()
+        if not torch.compiler.is_compiling():
+            if fx_tracing():  # the graph takes the module's id and may outlive it: its reports stay
+                keep_reports(self._plan.report_id)
+            else:
+                self._sync_optimizer_in_backward()
         if getattr(self, "_ps", None) is not None:
-            if _fx_tracing():
+            if fx_tracing():
                 raise ValueError(_NO_PS_GRAPHS.format(what="fx tracing"))
             features = self._ps.prepare(features)  # PS tables' ids -> cache slots
         grad = torch.is_grad_enabled()

@@ -17,23 +17,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.fx import _symbolic_trace as _fx_symbolic_trace
 
 from ..ops.backends import check_backend
 from ..ops.input_check import new_report_id
 from ..ops.layout import TableSlot
 from ..ops.plan import FusedStep
+from ..ops.tracing import fx_tracing
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import spec_from_optimizer
 from .table_weight import watch_parameters
-
-
-# torch >= 2.12 splits symbolic tracing from torch.export's tracing (and warns on the old name).
-_FX_TRACING = getattr(_fx_symbolic_trace, "is_fx_symbolic_tracing", None) or _fx_symbolic_trace.is_fx_tracing
-
-
-def _fx_tracing() -> bool:
-    return _FX_TRACING()
 
 
 class TableGroup:
@@ -126,7 +118,7 @@ class FlatTables:
         """The flat buffers a lookup reads: the groups' own, unless a table's weight was set in its
         parameter dict since the last check (see _flats_of_current_weights)."""
         flats = [self._flat(g) for g in self._groups]
-        if self._flat_link.swapped and not (torch.compiler.is_compiling() or _fx_tracing()):
+        if self._flat_link.swapped and not (torch.compiler.is_compiling() or fx_tracing()):
             flats = self._flats_of_current_weights(flats)
         return flats
 

@@ -103,17 +103,19 @@ MAX_REPORTS = 4096
 def new_report_id(owner: object) -> int:
     """A report id for a new module (or a copy of one): random 63 bits, so that ids are not reused
     within a process nor shared with a module saved by another process (TorchScript, export). The
-    module's slots are dropped with it."""
+    module's slots are dropped with it, unless a graph made from it keeps them (``keep_reports``);
+    such a graph (and a scripted module) reports under the module's id: the module's own
+    ``check_inputs()`` raises the graph's report too."""
     report_id = secrets.randbits(63) or 1
     _FINALIZERS[report_id] = weakref.finalize(owner, forget_reports, report_id)
     return report_id
 
 
 def keep_reports(report_id: int) -> None:
-    """Module ``report_id`` is being scripted: its slots stay for as long as the process runs, not
-    only as long as the Python module. The scripted module runs under the same id and may outlive
-    it (a module scripted through a copy, as quantized INT4 / INT2 tables are, is not kept alive
-    by its scripted module); a forgotten id's slots are retired, which would lose its reports."""
+    """Module ``report_id``'s slots stay for as long as the process runs, not only as long as the
+    Python module: a graph made from it runs under the same id and may outlive it (an fx trace, a
+    module scripted through a copy as quantized INT4 / INT2 tables are: neither holds the module),
+    and a forgotten id's slots are retired, which would lose the graph's reports."""
     finalizer = _FINALIZERS.pop(report_id, None)
     if finalizer is not None:
         finalizer.detach()

@@ -24,8 +24,10 @@ from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
 from ..modules.embedding_collection import _key_index
 from ..modules.table_size import check_sequence_tables
+from ..ops.input_check import keep_reports
 from ..ops.layout import META_NUM_EMBEDDINGS, META_ROW_BASE, META_WIDTH, POOLING_SUM
 from ..ops.quantized_rows import rows_by_key
+from ..ops.tracing import fx_tracing
 from ..ops.unpooled_embedding import check_lengths_add_up, row_keys, segments_for
 from ..ops.validation import encode_names
 from .from_float import quantized_module_args
@@ -160,10 +162,17 @@ class EmbeddingCollection(QuantizedStorage, EmbeddingCollectionInterface):
 
     # ----------------------------------------------------------------------------- torchrec API
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        if not torch.jit.is_scripting():
+            self._keep_reports_when_traced()
         return _quantized_collection_lookup(features, self._flat_rows, self._first_key, self._groups, self._key_meta,
                                             self._virtual_meta,
                                             self._embedding_dim, self._need_indices, self._output_dtype,
                                             self.backend, self.validate_inputs, self._report_id)
+
+    @torch.jit.unused
+    def _keep_reports_when_traced(self) -> None:
+        if not torch.compiler.is_compiling() and fx_tracing():
+            keep_reports(self._report_id)  # the graph takes the module's id and may outlive it: its reports stay
 
     def _get_name(self) -> str:
         return "QuantizedEmbeddingCollection"

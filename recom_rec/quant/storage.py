@@ -83,11 +83,12 @@ class QuantizedStorage:
         """``torch.jit.script`` scripts what this returns. ``torch.jit.save`` crashes on torchrec's
         UInt4Tensor / UInt2Tensor buffers (a segmentation fault, torch 2.11-2.13), which TorchScript
         treats as plain tensors anyway: the scripted module's INT4 / INT2 tables are plain uint8
-        views of the same rows. Modules without such tables script as they are. Either way the
-        scripted module reports bad input under this module's id, kept for the process."""
-        keep_reports(self._report_id)
+        views of the same rows. Modules without such tables script as they are (the scripted module
+        holds this one). The copy reports bad input under this module's id, kept for the process:
+        nothing holds this module for the scripted one, which may outlive it."""
         if not any(s.kind in (RowType.INT4, RowType.INT2) for s in self._slots):
             return self
+        keep_reports(self._report_id)
         scripted = copy.copy(self)  # (a new module over the same buffers and settings)
         scripted._report_id = self._report_id  # (copy.copy's __setstate__ gave it an id of its own)
         scripted._buffers = OrderedDict(self._buffers)
