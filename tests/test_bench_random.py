@@ -98,3 +98,26 @@ def test_small_unpooled_draws_run_through_their_benchmarks():
             ("random-seq-0", "torchrec", "int8"), ("random-vbe-0", "recom_rec", "sgd"),
             ("random-vbe-0", "torchrec", "forward")} <= timed
     assert all(r["identical"] for r in rows if r["phase"] == "forward" and "identical" in r)
+
+
+def test_unpooled_benches_take_the_peer_and_phase_filters():
+    import torch
+
+    from recom_rec.bench.random_layouts import random_unpooled_workloads
+    from recom_rec.bench.sequence import run_sequence
+    from recom_rec.bench.vbe import run_vbe
+
+    sequences, vbes = random_unpooled_workloads(6, 1, small=True)
+    cpu = torch.device("cpu")
+    narrow = dict(iters=1, warmup=1, peers=["recom_rec"], phases=["sgd"])
+    rows = run_sequence(cpu, True, drawn=sequences, **narrow) + run_vbe(cpu, True, drawn=vbes, **narrow)
+    assert {(r["peer"], r["phase"]) for r in rows} == {("recom_rec", "sgd")} and len(rows) == 2
+
+
+def test_a_failed_peer_is_a_row_of_its_own_in_the_table():
+    from recom_rec.bench.report import format_peers
+
+    rows = [{"workload": "random-seq-0", "phase": "forward", "peer": "recom_rec", "ids": 10, "ms": 1.0},
+            {"workload": "random-seq-0", "phase": "forward", "peer": "fbgemm", "ids": 10, "error": "out of memory"}]
+    text = format_peers("sequence", rows)
+    assert "error: random-seq-0 forward fbgemm: out of memory" in text and "1.000" in text

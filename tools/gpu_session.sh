@@ -191,7 +191,7 @@ if [[ " $STAGES " == *" prior "* ]]; then
   timeout ${PRIOR_SWEEP_TIMEOUT:-300} python3 -m recom_rec.bench --workloads sweep --out /tmp/prior-sweep --iters 5 2>&1 \
     | quiet > "$OUT/prior-sweep.log"; tail -2 "$OUT/prior-sweep.log"
   timeout ${PRIOR_RANDOM_TIMEOUT:-300} python3 -m recom_rec.bench --workloads random --random-count ${PRIOR_LAYOUTS:-16} \
-    --peers recom_rec --phases forward sgd --iters 5 --out /tmp/prior-random 2>&1 | quiet > "$OUT/prior-random.log"; tail -4 "$OUT/prior-random.log"
+    --random-kinds pooled --peers recom_rec --phases forward sgd --iters 5 --out /tmp/prior-random 2>&1 | quiet > "$OUT/prior-random.log"; tail -4 "$OUT/prior-random.log"
   arch=$(python3 -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'sm_{m}{n}')")
   python3 -m recom_rec.kernels.decision_prior fit /tmp/prior-cache/decisions.json --arch "$arch" --out "$OUT/$arch.json"
   unset RECOM_REC_CACHE RECOM_REC_PRIOR

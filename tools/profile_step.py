@@ -311,16 +311,17 @@ def main():
             report_paths(args, label, name, peer, kjt, grad, dev, seen_orders, seen_paths)
         del peers
         torch.cuda.empty_cache()
+    sgd_args = argparse.Namespace(**{**vars(args), "optimizer": "sgd"})  # (the sequence and vbe steps fuse SGD)
     for batch in args.sequence:
         label, kjt, peers = sequence_peers(batch, dev, args.fbgemm)
         for name, peer in peers:
-            report_paths(args, label, name, peer, kjt, None, dev, seen_orders, seen_paths)
+            report_paths(sgd_args, label, name, peer, kjt, None, dev, seen_orders, seen_paths)
         del peers
         torch.cuda.empty_cache()
     if args.vbe:
         label, kjt, peers = vbe_peers(dev, args.fbgemm)
         for name, peer in peers:
-            report_paths(args, label, name, peer, kjt, None, dev, seen_orders, seen_paths)
+            report_paths(sgd_args, label, name, peer, kjt, None, dev, seen_orders, seen_paths)
         del peers
         torch.cuda.empty_cache()
     shards = [dcnv2_shard(spec) for spec in args.dcnv2_shards]

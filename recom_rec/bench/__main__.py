@@ -70,6 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None,
                    help="the 'random' workloads' and 'serving''s draws (default: a fresh one, printed)")
     p.add_argument("--random-count", type=int, default=8, help="layouts the 'random' workloads draw")
+    p.add_argument("--random-kinds", nargs="+", default=["pooled", "sequence", "vbe"],
+                   choices=["pooled", "sequence", "vbe"],
+                   help="what 'random' draws: pooled layouts (--random-count and DLRM-DCNv2), sequence and "
+                   "variable-batch layouts (a quarter as many each)")
     p.add_argument("--requests", type=int, default=3000, help="requests a batch-size distribution of 'serving' sends")
     p.add_argument("--distributions", nargs="+", default=None, choices=list(DISTRIBUTIONS),
                    help="the batch-size distributions of 'serving' (recom_rec/bench/batch_sizes.py; default: all)")
@@ -215,7 +219,7 @@ def _draw_random(args) -> list:
 
     small = args.small or args.device == "cpu"
     names = []
-    for w in random_workloads(args.seed, args.random_count, small):
+    for w in random_workloads(args.seed, args.random_count, small) if "pooled" in args.random_kinds else []:
         DRAWN[w.name] = w
         names.append(w.name)
     i = args.workloads.index("random")
@@ -233,13 +237,18 @@ def _run_drawn_unpooled(args, meta: dict) -> list:
     device = torch.device(args.device)
     small = args.small or device.type == "cpu"
     sequences, vbes = random_unpooled_workloads(args.seed, args.random_count, small)
+    sequences = sequences if "sequence" in args.random_kinds else []
+    vbes = vbes if "vbe" in args.random_kinds else []
     for w in sequences + vbes:
         meta["workloads"][w.label()] = w.describe()
         print(f"{w.label()}: {w.describe()}", flush=True)
-    sequence_rows = run_sequence(device, small, iters=args.iters, warmup=args.warmup, drawn=sequences)
-    print(format_sequence(sequence_rows))
-    vbe_rows = run_vbe(device, small, iters=args.iters, warmup=args.warmup, drawn=vbes)
-    print(format_vbe(vbe_rows))
+    narrow = dict(iters=args.iters, warmup=args.warmup, peers=args.peers, phases=args.phases)
+    sequence_rows = run_sequence(device, small, drawn=sequences, **narrow) if sequences else []
+    if sequence_rows:
+        print(format_sequence(sequence_rows))
+    vbe_rows = run_vbe(device, small, drawn=vbes, **narrow) if vbes else []
+    if vbe_rows:
+        print(format_vbe(vbe_rows))
     print(f"sequence and variable-batch layouts drawn with --seed {args.seed}")
     print(summarize(sequence_rows, [w.label() for w in sequences], ["fbgemm", "torchrec"], "random sequence layouts"))
     print(summarize(vbe_rows, [w.label() for w in vbes], ["fbgemm", "fbgemm+expand", "torchrec"],
@@ -277,6 +286,7 @@ def main(argv=None):
         args.seed = int.from_bytes(os.urandom(4), "little")
     if "serving" in args.workloads:
         print(f"serving: batch sizes drawn with --seed {args.seed}", flush=True)  # before a run that may fail
+    random_unpooled = "random" in args.workloads and bool({"sequence", "vbe"} & set(args.random_kinds))
     if "random" in args.workloads:
         drawn = _draw_random(args)
     if "cold" in args.phases:
@@ -316,6 +326,8 @@ def main(argv=None):
         meta["seed"] = args.seed
         print(f"random layouts drawn with --seed {args.seed}")
         print(summarize(results, drawn, [p for p in args.peers if p != "recom_rec"]))
+    if random_unpooled:
+        meta["seed"] = args.seed
         results = results + _run_drawn_unpooled(args, meta)
     if "ps" in args.workloads:
         from .ps_workload import format_ps, run_ps_workload

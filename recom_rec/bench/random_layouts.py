@@ -18,8 +18,8 @@ benchmark's peers' common ground yet (its fbgemm peer trains fp32 tables): not d
 The MLPerf DLRM-DCNv2 configuration (26 tables, its multi-hot sizes, dim 128) is drawn alongside.
 
 Sequence and variable-batch layouts (issue 53; ``random_unpooled_workloads``, a quarter as many
-of each as the pooled ones, at least one, from their own stream of the seed: the pooled draws of a
-seed stay what they were):
+of each as the pooled ones, at least one, each kind from its own stream of the seed: the pooled
+draws of a seed stay what they were):
 - sequence (``bench/sequence.py``'s EmbeddingCollection: an item table read by a history and the
   target item, two side tables read by the history): item rows log-uniform 1e4 to 2e7, side tables
   16 to 1e6 rows, one dim a module (a multiple of 4, log-uniform 16-512: fbgemm's TBE needs it),
@@ -35,13 +35,12 @@ seed stay what they were):
 import math
 from typing import List, Tuple
 
-from .sequence import SequenceWorkload
-from .vbe import VbeWorkload
-
 import numpy as np
 from torchrec import PoolingType
 
 from ..data import CRITEO_KAGGLE_CARDINALITIES
+from .sequence import SequenceWorkload
+from .vbe import VbeWorkload
 from .workloads import Workload
 
 MAX_WEIGHT_BYTES = 24 << 30
@@ -157,9 +156,11 @@ def draw_vbe(rng: np.random.Generator, index: int, small: bool) -> VbeWorkload:
 
 def random_unpooled_workloads(seed: int, count: int, small: bool) -> Tuple[List[SequenceWorkload], List[VbeWorkload]]:
     """The sequence and variable-batch layouts drawn beside ``count`` pooled ones (seed ``seed``)."""
-    rng = np.random.default_rng([seed, 53])  # (a stream of its own: the pooled draws stay the seed's)
+    # (streams of their own: a seed's pooled draws stay what they were, and each kind's layouts do
+    # not depend on how many of the other kind are drawn)
+    sequence_rng, vbe_rng = np.random.default_rng([seed, 53, 0]), np.random.default_rng([seed, 53, 1])
     n = max(1, round(count / 4))
-    return [draw_sequence(rng, i, small) for i in range(n)], [draw_vbe(rng, i, small) for i in range(n)]
+    return [draw_sequence(sequence_rng, i, small) for i in range(n)], [draw_vbe(vbe_rng, i, small) for i in range(n)]
 
 
 def summarize(results: List[dict], names: List[str], peers: List[str], what: str = "random layouts") -> str:

@@ -154,7 +154,7 @@ def format_peers(title: str, rows: List[Dict], peers=("recom_rec", "fbgemm", "to
     lines = [title + ": median ms; ours' speed-up over each peer in this run",
              f"{'workload':<16}{'phase':<9}{'ids':>10}  " + "".join(f"{p:>{width[p]}}" for p in peers)
              + "".join(f"{'x ' + p:>{width[p] + 2}}" for p in others) + f"{'GB/s':>8}  identical"]
-    by = {(r["workload"], r["phase"], r["peer"]): r for r in rows}
+    by = {(r["workload"], r["phase"], r["peer"]): r for r in rows if "ms" in r}
     for workload, phase in dict.fromkeys((r["workload"], r["phase"]) for r in rows):
         ours = by.get((workload, phase, peers[0]))
         if ours is None:
@@ -166,4 +166,5 @@ def format_peers(title: str, rows: List[Dict], peers=("recom_rec", "fbgemm", "to
         same = ",".join(f"{p}={r['identical']}" for p, r in zip(others, found[1:]) if r and "identical" in r)
         gbs = f"{ours['gbs']:>8.0f}" if "gbs" in ours else f"{'':>8}"
         lines.append(f"{workload:<16}{phase:<9}{ours['ids']:>10}  {cells}{ratios}{gbs}  {same}")
+    lines += [f"error: {r['workload']} {r['phase']} {r['peer']}: {r['error']}" for r in rows if "error" in r]
     return "\n".join(lines)

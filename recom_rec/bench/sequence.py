@@ -179,10 +179,14 @@ def _make(name: str, w: SequenceWorkload, device, train: bool, keys: List[str]):
 
 
 def run_sequence(device: torch.device, small: bool, iters: int = 20, warmup: int = 5,
-                 drawn: Optional[List[SequenceWorkload]] = None) -> List[Dict]:
+                 drawn: Optional[List[SequenceWorkload]] = None, peers: Optional[List[str]] = None,
+                 phases: Optional[List[str]] = None) -> List[Dict]:
     """Per workload (the named ones, or ``drawn``), phase and peer: median ms; forwards also
-    compared element for element with ours (``identical``: bit for bit)."""
+    compared element for element with ours (``identical``: bit for bit). ``peers`` and ``phases``
+    narrow the run (ours always runs; the INT8 serving rows come with the forward); a peer that
+    fails gives an ``error`` row."""
     rows: List[Dict] = []
+    names = [n for n in _peers(device) if peers is None or n == "recom_rec" or n in peers]
     for w in drawn if drawn is not None else workloads(small):
         kjt = w.make_input(device)
         keys = kjt.keys()
@@ -191,27 +195,37 @@ def run_sequence(device: torch.device, small: bool, iters: int = 20, warmup: int
         weights = [torch.empty(t.num_embeddings, w.dim, device=device).uniform_(-0.01, 0.01) for t in w.tables()]
         reference = None
         for phase in ("forward", "sgd"):
-            for peer_name in _peers(device):
+            if phases is not None and phase not in phases:
+                continue
+            for peer_name in names:
                 if phase == "sgd" and peer_name == "torchrec":
                     continue
                 row = {"workload": name, "peer": peer_name, "phase": phase, "ids": kjt.values().numel()}
-                peer = _make(peer_name, w, device, phase == "sgd", keys)
-                peer.load(weights)
-                timed, reference = time_phase(peer, kjt, phase, device, warmup, iters, _flat, reference)
-                row.update(timed)
-                if phase == "forward":
-                    row["gbs"] = w.forward_bytes(kjt) / (row["ms"] * 1e-3) / 1e9
+                try:
+                    peer = _make(peer_name, w, device, phase == "sgd", keys)
+                    peer.load(weights)
+                    timed, reference = time_phase(peer, kjt, phase, device, warmup, iters, _flat, reference)
+                    row.update(timed)
+                    if phase == "forward":
+                        row["gbs"] = w.forward_bytes(kjt) / (row["ms"] * 1e-3) / 1e9
+                except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:
+                    row["error"] = str(e)[:200]
                 rows.append(row)
-                del peer
+                peer = None
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         del reference
-        rows.extend(_int8_rows(w, kjt, weights, device, name, iters, warmup))
+        if phases is None or "forward" in phases:
+            try:
+                rows.extend(_int8_rows(w, kjt, weights, device, name, iters, warmup, "torchrec" in names))
+            except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:
+                rows.append({"workload": name, "peer": "recom_rec", "phase": "int8", "error": str(e)[:200]})
         del weights
     return rows
 
 
-def _int8_rows(w: SequenceWorkload, kjt, weights, device, name: str, iters: int, warmup: int) -> List[Dict]:
+def _int8_rows(w: SequenceWorkload, kjt, weights, device, name: str, iters: int, warmup: int,
+               with_torchrec: bool = True) -> List[Dict]:
     """Serving: INT8 rows, ours (recom_rec.quant.EmbeddingCollection) against torchrec's quantized
     EmbeddingCollection (fbgemm's IntN TBE, unpooled), both quantized from the same float tables."""
     from torchrec.modules.embedding_configs import DataType
@@ -225,8 +239,10 @@ def _int8_rows(w: SequenceWorkload, kjt, weights, device, name: str, iters: int,
     for config in configs:
         config.data_type = DataType.INT8
     quantized = {c.name: quantize_rows(weight, RowType.INT8) for c, weight in zip(configs, weights)}
-    peers = {"recom_rec": QuantEC(configs, device=device, table_name_to_quantized_weights=quantized),
-             "torchrec": TorchrecQuantEC(w.tables_as(configs), device=device, table_name_to_quantized_weights=quantized)}
+    peers = {"recom_rec": QuantEC(configs, device=device, table_name_to_quantized_weights=quantized)}
+    if with_torchrec:
+        peers["torchrec"] = TorchrecQuantEC(w.tables_as(configs), device=device,
+                                            table_name_to_quantized_weights=quantized)
     del quantized
     rows, reference = [], None
     for peer_name, module in peers.items():

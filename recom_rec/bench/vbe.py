@@ -171,11 +171,11 @@ class _FbgemmExpanded(_Fbgemm):
 
 
 def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5,
-            drawn: Optional[List[VbeWorkload]] = None) -> List[Dict]:
-    import torchrec
-
-    import recom_rec
-
+            drawn: Optional[List[VbeWorkload]] = None, peers: Optional[List[str]] = None,
+            phases: Optional[List[str]] = None) -> List[Dict]:
+    """Per workload (the named one, or ``drawn``), phase and peer: median ms, forwards compared
+    with ours. ``peers`` and ``phases`` narrow the run (ours always runs; fbgemm+expand with
+    fbgemm); a peer that fails gives an ``error`` row."""
     from .peers import fbgemm_available
 
     rows: List[Dict] = []
@@ -184,36 +184,50 @@ def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5,
         name = w.label()
         torch.manual_seed(0)
         weights = [torch.empty(w.rows, w.dim, device=device).uniform_(-0.01, 0.01) for _ in w.tables()]
-        peers = ["recom_rec", "torchrec"] + (["fbgemm", "fbgemm+expand"] if device.type == "cuda" and fbgemm_available(device) else [])
+        names = ["recom_rec", "torchrec"] + (["fbgemm", "fbgemm+expand"] if device.type == "cuda" and fbgemm_available(device) else [])
+        names = [n for n in names if peers is None or n == "recom_rec" or n.split("+")[0] in peers]
         reference = None
         for phase in ("forward", "sgd"):
-            for peer_name in peers:
+            if phases is not None and phase not in phases:
+                continue
+            for peer_name in names:
                 if phase == "sgd" and peer_name == "torchrec":
                     continue
-                if peer_name == "fbgemm":
-                    peer = _Fbgemm(w, device)
-                elif peer_name == "fbgemm+expand":
-                    peer = _FbgemmExpanded(w, device)
-                elif peer_name == "recom_rec":
-                    module = recom_rec.EmbeddingBagCollection(w.tables(), device=device)
-                    if phase == "sgd":
-                        module.enable_fused_optimizer("sgd", lr=LR)
-                    peer = _Module(module)
-                else:
-                    peer = _Module(torchrec.EmbeddingBagCollection(w.tables(), device=device))
-                peer.load(weights)
                 row = {"workload": name, "peer": peer_name, "phase": phase, "ids": kjt.values().numel()}
-                comparable = (lambda out, peer=peer: peer.expanded(out, kjt)) if peer_name.startswith("fbgemm") else (lambda out: out)
-                timed, reference = time_phase(peer, kjt, phase, device, warmup, iters, comparable, reference)
-                row.update(timed)
-                if peer_name == "fbgemm+expand":
-                    row["expansion"] = peer.expansion
+                try:
+                    peer = _make_peer(peer_name, w, device, phase)
+                    peer.load(weights)
+                    comparable = ((lambda out, peer=peer: peer.expanded(out, kjt)) if peer_name.startswith("fbgemm")
+                                  else (lambda out: out))
+                    timed, reference = time_phase(peer, kjt, phase, device, warmup, iters, comparable, reference)
+                    row.update(timed)
+                    if peer_name == "fbgemm+expand":
+                        row["expansion"] = peer.expansion
+                except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:
+                    row["error"] = str(e)[:200]
                 rows.append(row)
-                del peer
+                peer = None
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         del weights, reference
     return rows
+
+
+def _make_peer(peer_name: str, w: VbeWorkload, device: torch.device, phase: str):
+    import torchrec
+
+    import recom_rec
+
+    if peer_name == "fbgemm":
+        return _Fbgemm(w, device)
+    if peer_name == "fbgemm+expand":
+        return _FbgemmExpanded(w, device)
+    if peer_name == "recom_rec":
+        module = recom_rec.EmbeddingBagCollection(w.tables(), device=device)
+        if phase == "sgd":
+            module.enable_fused_optimizer("sgd", lr=LR)
+        return _Module(module)
+    return _Module(torchrec.EmbeddingBagCollection(w.tables(), device=device))
 
 
 def format_vbe(rows: List[Dict]) -> str:
