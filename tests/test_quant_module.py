@@ -71,6 +71,34 @@ def test_outputs_equal_torchrec_bit_for_bit(weighted, output_dtype):
     assert torch.equal(_bits(a.values()), _bits(b.values()))
 
 
+def test_scripting_a_model_leaves_its_quantized_module_and_checkpoint_alone():
+    """torch.jit.script writes what a submodule's __prepare_scriptable__ returns into the model
+    being scripted: the eager model keeps its module (INT4 and INT2 tables among them), its
+    state_dict (torchrec's UInt4Tensor / UInt2Tensor views) and so its checkpoints."""
+    _, ours = _pair(True, torch.float16)
+    model = torch.nn.Module()
+    model.ebc = ours
+    before = {k: (type(v), v.shape) for k, v in model.state_dict().items()}
+
+    class _Model(torch.nn.Module):
+        def __init__(self, ebc):
+            super().__init__()
+            self.ebc = ebc
+
+        def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+            return self.ebc(kjt).values()
+
+    wrapper = _Model(ours)
+    scripted = torch.jit.script(wrapper)
+    assert wrapper.ebc is ours
+    assert {k: (type(v), v.shape) for k, v in model.state_dict().items()} == before
+    fresh = _pair(True, torch.float16)[1]
+    fresh.load_state_dict({k[len("ebc."):]: v for k, v in model.state_dict().items()})
+    kjt = _kjt(True)
+    assert torch.equal(_bits(fresh(kjt).values()), _bits(ours(kjt).values()))
+    assert torch.equal(_bits(scripted(kjt)), _bits(ours(kjt).values()))
+
+
 def test_fx_and_torchscript_give_the_module_s_outputs():
     """torchrec's inference flow (torchrec.fx's trace, then TorchScript), torch.fx's trace, the
     module scripted, and scripted, saved and loaded (INT4 and INT2 tables among them) give the

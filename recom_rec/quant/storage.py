@@ -10,18 +10,16 @@ from torch import Tensor, nn
 from torchrec.tensor_types import UInt2Tensor, UInt4Tensor
 
 from ..ops.backends import check_backend
-from ..ops.input_check import keep_reports, new_report_id
+from ..ops.input_check import new_report_id
 from ..ops.quantized_lookup import OUTPUT_DTYPES, load_kernels
 from .layout import QuantTableSlot
 from .rows import SCALE_BIAS_BYTES, RowType, data_bytes
 
 
-def bind_table_views(tables: nn.ModuleDict, slots: List[QuantTableSlot], flat: Tensor, split_scale_bias: bool,
-                     wrap_packed: bool = True) -> None:
+def bind_table_views(tables: nn.ModuleDict, slots: List[QuantTableSlot], flat: Tensor, split_scale_bias: bool) -> None:
     """(Re-)registers each table's state_dict buffers (``weight``, and with ``split_scale_bias``
     ``weight_qscale`` / ``weight_qbias``) as views of the flat buffer, as torchrec registers views of
-    its TBEs' buffers; INT4 / INT2 rows wrapped in torchrec's UInt4Tensor / UInt2Tensor unless not
-    ``wrap_packed``."""
+    its TBEs' buffers; INT4 / INT2 rows wrapped in torchrec's UInt4Tensor / UInt2Tensor."""
     for s in slots:
         rows = s.rows_of(flat)
         table = tables[s.name]
@@ -29,9 +27,9 @@ def bind_table_views(tables: nn.ModuleDict, slots: List[QuantTableSlot], flat: T
         if split_scale_bias:
             start = SCALE_BIAS_BYTES if s.kind.has_scale_bias else 0
             weight = rows[:, start:start + data_bytes(s.kind, s.embedding_dim)]
-        if s.kind == RowType.INT4 and wrap_packed:
+        if s.kind == RowType.INT4:
             weight = UInt4Tensor(weight)
-        elif s.kind == RowType.INT2 and wrap_packed:
+        elif s.kind == RowType.INT2:
             weight = UInt2Tensor(weight)
         table.register_buffer("weight", weight)
         if split_scale_bias and s.kind.has_scale_bias:
@@ -80,23 +78,16 @@ class QuantizedStorage:
         return new
 
     def __prepare_scriptable__(self) -> nn.Module:
-        """``torch.jit.script`` scripts what this returns. ``torch.jit.save`` crashes on torchrec's
-        UInt4Tensor / UInt2Tensor buffers (a segmentation fault, torch 2.11-2.13), which TorchScript
-        treats as plain tensors anyway: the scripted module's INT4 / INT2 tables are plain uint8
-        views of the same rows. Modules without such tables script as they are (the scripted module
-        holds this one). The copy reports bad input under this module's id, kept for the process:
-        nothing holds this module for the scripted one, which may outlive it."""
-        if not any(s.kind in (RowType.INT4, RowType.INT2) for s in self._slots):
-            return self
-        keep_reports(self._report_id)
-        scripted = copy.copy(self)  # (a new module over the same buffers and settings)
-        scripted._report_id = self._report_id  # (copy.copy's __setstate__ gave it an id of its own)
-        scripted._buffers = OrderedDict(self._buffers)
-        scripted._modules = OrderedDict(self._modules)
-        tables = nn.ModuleDict({name: nn.Module() for name in getattr(self, self._TABLES_ATTR)})
-        bind_table_views(tables, self._slots, self._flat_rows, self._split_scale_bias, wrap_packed=False)
-        scripted._modules[self._TABLES_ATTR] = tables
-        return scripted
+        """``torch.jit.script`` scripts what this returns: this module. ``torch.jit.save`` crashes
+        on torchrec's UInt4Tensor / UInt2Tensor buffers (a segmentation fault, torch 2.11-2.13): a
+        module with INT4 / INT2 tables is scripted without its tables' views (TorchScript's
+        ``__jit_ignored_attributes__``); its scripted forward reads the flat buffer, which holds the
+        same rows. (A copy with plain uint8 views was scripted before: torch writes what this
+        returns into the parent being scripted, so the user's eager model then held the copy, whose
+        state_dict no longer loaded into a fresh module.)"""
+        if any(s.kind in (RowType.INT4, RowType.INT2) for s in self._slots):
+            self.__jit_ignored_attributes__ = [self._TABLES_ATTR]
+        return self
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
