@@ -205,16 +205,13 @@ def sequence_peers(batch: int, dev, fbgemm: bool):
 def vbe_peers(dev, fbgemm: bool):
     """(label, kjt, [(name, peer)]) of the vbe workload (recom_rec.bench.vbe's, fused SGD), on one set
     of weights: ours, and fbgemm's raw VBE TBE (its output not expanded to the batch)."""
-    import recom_rec
     from recom_rec.bench import vbe
 
     w = vbe.workloads(False)[0]
     kjt = w.make_input(dev)
     torch.manual_seed(0)
     weights = [torch.empty(w.rows, w.dim, device=dev).uniform_(-0.01, 0.01) for _ in w.tables()]
-    module = recom_rec.EmbeddingBagCollection(w.tables(), device=dev)
-    module.enable_fused_optimizer("sgd", lr=vbe.LR)
-    peers = [("recom_rec", vbe._Module(module))] + ([("fbgemm", vbe._Fbgemm(w, dev))] if fbgemm else [])
+    peers = [(n, vbe._make_peer(n, w, dev, "sgd")) for n in ["recom_rec"] + (["fbgemm"] if fbgemm else [])]
     for _, peer in peers:
         peer.load(weights)
     return f"vbe-b{w.batch_size} ({kjt.values().numel():,} ids)", kjt, [(n, _OwnGradientPeer(p)) for n, p in peers]

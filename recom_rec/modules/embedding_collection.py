@@ -18,8 +18,7 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from ..ops.backends import check_backend
-from ..ops.input_check import keep_reports, new_report_id
-from ..ops.tracing import fx_tracing
+from ..ops.input_check import new_report_id
 from ..ops.layout import FeatureSlot, POOLING_SUM, feature_meta_tensor, pack_tables
 from ..ops.plan import FusedStep, UnpooledGroupPlan, UnpooledPlan
 from ..ops.unpooled_embedding import UnpooledBatch, check_lengths_add_up, load_kernels, segments_for, unpooled_lookup
@@ -174,12 +173,7 @@ class EmbeddingCollection(FlatTables, _TorchrecEmbeddingCollection):
         return _group_rows(features, *self._lookup_arguments(), False)[0][0][0]
 
     def _lookup_arguments(self):
-        self._refresh_flat_tables()
-        if not torch.compiler.is_compiling():
-            if fx_tracing():  # the graph takes the module's id and may outlive it: its reports stay
-                keep_reports(self._plan.report_id)
-            else:
-                self._sync_optimizer_in_backward()
+        self._prepare_lookup()
         grad = torch.is_grad_enabled()
         flats = self._lookup_flats()
         return (flats,

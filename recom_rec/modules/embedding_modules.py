@@ -33,7 +33,7 @@ from ..ops.layout import (
     pack_tables,
     table_runs,
 )
-from ..ops.input_check import keep_reports, new_report_id
+from ..ops.input_check import new_report_id
 from ..ops.tracing import fx_tracing
 from ..ops.plan import FusedStep, GroupPlan, LookupPlan, group_states
 from ..ops.pooled_embedding import load_kernels
@@ -444,12 +444,7 @@ class EmbeddingBagCollection(FlatTables, _TorchrecEmbeddingBagCollection):
     @torch.jit.unused
     def _lookup(self, features: KeyedJaggedTensor) -> torch.Tensor:
         features = maybe_td_to_kjt(features, None)
-        self._refresh_flat_tables()
-        if not torch.compiler.is_compiling():
-            if fx_tracing():  # the graph takes the module's id and may outlive it: its reports stay
-                keep_reports(self._plan.report_id)
-            else:
-                self._sync_optimizer_in_backward()
+        self._prepare_lookup()
         if getattr(self, "_ps", None) is not None:
             if fx_tracing():
                 raise ValueError(_NO_PS_GRAPHS.format(what="fx tracing"))

@@ -113,9 +113,9 @@ def new_report_id(owner: object) -> int:
 
 def keep_reports(report_id: int) -> None:
     """Module ``report_id``'s slots stay for as long as the process runs, not only as long as the
-    Python module: a graph made from it runs under the same id and may outlive it (an fx trace, a
-    module scripted through a copy as quantized INT4 / INT2 tables are: neither holds the module),
-    and a forgotten id's slots are retired, which would lose the graph's reports."""
+    Python module: a graph made from it runs under the same id and may outlive it (an fx trace
+    holds no reference to the module), and a forgotten id's slots are retired, which would lose the
+    graph's reports."""
     finalizer = _FINALIZERS.pop(report_id, None)
     if finalizer is not None:
         finalizer.detach()
