@@ -46,7 +46,7 @@ def main() -> None:
     kjt = w.make_input(device)
     optimizer = "none" if args.phase == "forward" else "sgd"
     peer = make_peer(args.peer, w, device, optimizer if not args.peer.startswith("fbgemm") else "sgd", "auto")
-    grad = torch.ones(w.batch_size, sum(w.dims), device=device)
+    grad = torch.ones(w.batch_size, peer.output_width, device=device)
 
     def call():
         if args.phase == "forward":

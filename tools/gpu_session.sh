@@ -178,9 +178,10 @@ if [[ " $STAGES " == *" cold "* ]]; then
   seed=$(( RANDOM * 32768 + RANDOM ))  # one fresh draw for both runs: the second reuses the first's decisions
   for run in 1 2; do
     # (the bench's own default, every training workload with 1000 calls a process, takes far longer
-    # than a call: v49's two runs printed nothing in 150 s each)
+    # than a call: v49's two runs printed nothing in 150 s each; v53's 14 processes, ~12 s each,
+    # outran a 170 s limit: 10 now, without fbgemm_unchecked, and each row printed as it ends)
     timeout ${COLD_TIMEOUT:-200} python3 -m recom_rec.bench --phases cold --out /tmp/cold$run --seed $seed \
-      ${COLD_ARGS:---workloads random --random-count 1 --cold-calls 200} 2>&1 \
+      ${COLD_ARGS:---workloads random --random-count 1 --cold-calls 200 --peers recom_rec fbgemm torchrec} 2>&1 \
       | quiet | tee "$OUT/cold$run.log" | tail -12
   done
   unset RECOM_REC_CACHE

@@ -326,10 +326,10 @@ def main():
     for w in shards or [get_workload(n, False) for n in named]:
         wname = w.name
         kjt = w.make_input(dev)
-        grad = torch.ones(w.batch_size, sum(w.dims), device=dev)
         peers = [f"recom_rec:{b}" for b in args.backends] + (["fbgemm"] if args.fbgemm else [])
         for name in peers:
             peer = make_peer(name, w, dev, args.optimizer)
+            grad = torch.ones(w.batch_size, peer.output_width, device=dev)
             report_paths(args, wname, name, peer, kjt, grad, dev, seen_orders, seen_paths)
             del peer
             torch.cuda.empty_cache()

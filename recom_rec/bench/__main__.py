@@ -123,12 +123,14 @@ def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
     fbgemm_opt = "sgd" if optimizer == "none" else optimizer  # fbgemm always fuses an optimizer
     try:
         peer = make_peer(pname, w, device, fbgemm_opt if pname.startswith("fbgemm") else optimizer, args.backend)
-    # e.g. a peer that does not fit, or fbgemm's TBE asserting on a dim that is not a multiple of 4
+    # e.g. a peer that does not fit on the device
     except (AssertionError, RuntimeError, ValueError, torch.OutOfMemoryError) as e:
         return [{"workload": w.name, "peer": pname, "phase": p, "error": str(e)[:200]} for p in phases]
-    grad = torch.ones(w.batch_size, sum(w.dims), device=device)
+    grad = torch.ones(w.batch_size, peer.output_width, device=device)
     for phase in phases:
         row = {"workload": w.name, "peer": pname, "phase": phase}
+        if getattr(peer, "padded", False):
+            row["padded_dims"] = True
         if phase == "forward":
             def step():
                 with torch.no_grad():

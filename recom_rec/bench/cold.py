@@ -36,7 +36,7 @@ def _child(workload: str, peer_name: str, phase: str, device_name: str, calls: i
     kjt = w.make_input(device)
     optimizer = "none" if phase == "forward" else "sgd"
     peer = make_peer(peer_name, w, device, optimizer if not peer_name.startswith("fbgemm") else "sgd", backend)
-    grad = torch.ones(w.batch_size, sum(w.dims), device=device)
+    grad = torch.ones(w.batch_size, peer.output_width, device=device)
 
     def call():
         if phase == "forward":
@@ -89,6 +89,11 @@ def run_cold(workloads: List[str], peers: List[str], phases: List[str], device: 
         else:
             row["cumulative_ms"] = json.loads(lines[-1])
         rows.append(row)
+        # each row as its process ends: a run stopped by a time limit still shows the ones done
+        ours = next((r.get("cumulative_ms", {}) for r in rows if r["peer"] == "recom_rec"
+                     and (r["workload"], r["phase"]) == (workload, row["phase"])), {})
+        tqdm.write(_row_line(row, ours), file=sys.stdout)
+        sys.stdout.flush()
     return rows
 
 
@@ -97,20 +102,23 @@ def format_cold(rows: List[Dict]) -> str:
     by = {(r["workload"], r["phase"], r["peer"]): r for r in rows}
     for workload, phase in dict.fromkeys((r["workload"], r["phase"]) for r in rows):
         ours = by.get((workload, phase, "recom_rec"), {}).get("cumulative_ms", {})
-        for (w, p, peer), row in by.items():
-            if (w, p) != (workload, phase):
-                continue
-            if "error" in row:
-                lines.append(f"{workload:<14}{phase:<14}{peer:<18}error: {row['error']}")
-                continue
-            cells = []
-            for span, ms in row["cumulative_ms"].items():
-                if span == "calls":
-                    continue
-                ratio = f" ({ms / ours[span]:.2f}x)" if peer != "recom_rec" and ours.get(span) else ""
-                cells.append(f"1-{span}: {ms:.2f}{ratio}")
-            lines.append(f"{workload:<14}{phase:<14}{peer:<18}" + "  ".join(cells))
+        lines += [_row_line(row, ours) for (w, p, _), row in by.items() if (w, p) == (workload, phase)]
     return "\n".join(lines)
+
+
+def _row_line(row: Dict, ours: Dict[str, float]) -> str:
+    """One (workload, phase, peer) row: its summed ms per span, with ours' speed-up where ``ours``
+    (recom_rec's cumulative_ms on that workload and phase) has the span."""
+    head = f"{row['workload']:<14}{row['phase']:<14}{row['peer']:<18}"
+    if "error" in row:
+        return head + f"error: {row['error']}"
+    cells = []
+    for span, ms in row["cumulative_ms"].items():
+        if span == "calls":
+            continue
+        ratio = f" ({ms / ours[span]:.2f}x)" if row["peer"] != "recom_rec" and ours.get(span) else ""
+        cells.append(f"1-{span}: {ms:.2f}{ratio}")
+    return head + "  ".join(cells)
 
 
 def summarize_cold(rows: List[Dict], names: List[str], peers: List[str]) -> str:

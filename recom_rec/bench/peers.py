@@ -31,6 +31,11 @@ class Peer:
     def tables(self) -> List[torch.Tensor]:
         raise NotImplementedError
 
+    @property
+    def output_width(self) -> int:
+        """Columns of this peer's forward output (what a training step's upstream gradient needs)."""
+        return sum(self.workload.dims)
+
 
 class _ModulePeer(Peer):
     """torchrec-style modules (ours, torchrec's): dense gradients, then the optimizer."""
@@ -138,7 +143,13 @@ def fbgemm_bounds_check(checked: bool):
 
 class FbgemmTBE(Peer):
     """fbgemm's table-batched embedding (what sharded torchrec runs), optimizer fused into its
-    backward (it has no plain-gradient mode), with its default bounds check."""
+    backward (it has no plain-gradient mode), with its default bounds check.
+
+    Its kernels need every dim a multiple of 4 (sharded torchrec asserts it too), so a layout with
+    other dims runs here as a user of fbgemm would have to build it: each such table padded up to
+    the next multiple of 4. Its output keeps the padding columns (no narrowing copy is timed: the
+    comparison favours fbgemm); ``tables()`` are the unpadded views, so ``load`` fills the real
+    columns and the padded ones never reach them."""
 
     name = "fbgemm"
     bounds_checked = True
@@ -158,8 +169,9 @@ class FbgemmTBE(Peer):
         compute = ComputeDevice.CUDA if cuda else ComputeDevice.CPU
         opt = {"sgd": OptimType.EXACT_SGD, "none": OptimType.EXACT_SGD,
                "rowwise_adagrad": OptimType.EXACT_ROWWISE_ADAGRAD}[optimizer]
+        self.padded_dims = [-(-d // 4) * 4 for d in workload.dims]
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(n, d, location, compute) for n, d in zip(workload.rows, workload.dims)],
+            embedding_specs=[(n, d, location, compute) for n, d in zip(workload.rows, self.padded_dims)],
             optimizer=opt, learning_rate=0.01, pooling_mode=PoolingMode.SUM,
             weights_precision=SparseType.FP32, output_dtype=SparseType.FP32,
             device=device if cuda else None, bounds_check_mode=fbgemm_bounds_check(self.bounds_checked),
@@ -169,7 +181,15 @@ class FbgemmTBE(Peer):
         return self.tbe(kjt.values(), kjt.offsets())
 
     def tables(self):
-        return self.tbe.split_embedding_weights()
+        return [w[:, :d] for w, d in zip(self.tbe.split_embedding_weights(), self.workload.dims)]
+
+    @property
+    def padded(self) -> bool:
+        return self.padded_dims != list(self.workload.dims)
+
+    @property
+    def output_width(self) -> int:
+        return sum(self.padded_dims)
 
     def train_step(self, kjt, grad):
         self.tbe(kjt.values(), kjt.offsets()).backward(grad)

@@ -60,6 +60,13 @@ def format_table(meta: dict, results: List[dict], peers: List[str]) -> str:
     paths = [f"{r['workload']} {r['phase']} {r['backward_path']}" for r in results if r.get("backward_path")]
     if paths:
         lines.append("CUDA backward path, measured per shape: " + ", ".join(paths))
+    padded = defaultdict(list)
+    for r in results:
+        if r.get("padded_dims") and r["workload"] not in padded[r["peer"]]:
+            padded[r["peer"]].append(r["workload"])
+    for peer, workloads in padded.items():
+        lines.append(f"{peer}: dims padded up to a multiple of 4 (its kernels need it; its output keeps the padding) "
+                     f"in {', '.join(workloads)}")
     errors = [r for r in results if "error" in r]
     for r in errors:
         lines.append(f"error: {r['workload']} {r['phase']} {r['peer']}: {r['error']}")
