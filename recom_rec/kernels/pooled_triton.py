@@ -21,6 +21,13 @@ import triton.language as tl
 from ..ops.layout import META_WIDTH
 from .grid_math import cdiv, next_power_of_2
 
+# Counts that change with every batch (the bag count, the ids', the lookups'): not specialized on.
+# Triton compiles a variant per value class of an integer argument (1, a multiple of 16, other),
+# so ragged batches would compile again at some later step (~1 s inside a user's call) and a
+# server's varied batch sizes in its first requests (v53). They are only compared with and
+# offset by; strides (total_dim, row strides) keep their specialization.
+BATCH_COUNTS = ["batch_size", "num_values", "last_offset"]
+
 
 @triton.jit
 def _bag_block(offsets_ptr, key, pid_b, batch_size, BLOCK_B: tl.constexpr):
@@ -109,7 +116,7 @@ def _report_bad_input(claim_ptr, report_ptr, values_ptr, offsets_ptr, key_index_
                 j += 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_COUNTS)
 def _pooled_forward_kernel(
     flat_ptr, values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, out_ptr,
     batch_size, total_dim, num_values, last_offset, claim_ptr, report_ptr,
@@ -234,7 +241,7 @@ def _fill_uncovered(row_key_ptr, src_ptr, scale_ptr, feature_ptr, lo, hi, row_ba
         c += BLOCK_V
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_COUNTS + ["n"])
 def _expand_kernel(
     values_ptr, offsets_ptr, weights_ptr, meta_ptr, key_index_ptr, feature_base_ptr,
     row_key_ptr, src_ptr, scale_ptr, feature_ptr, batch_size, total_dim, num_values, last_offset, n,
@@ -316,7 +323,7 @@ def _max_combine(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _plan_kernel(
     row_key_ptr, n, piece_ptr, split_row_ptr, counts_ptr,
     PIECE: tl.constexpr, BLOCK: tl.constexpr,
@@ -363,7 +370,7 @@ def _plan_kernel(
     tl.store(split_row_ptr + base + tl.cumsum(rows, axis=0) - 1, p.to(tl.int64), mask=rows != 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _piece_kernel(
     row_key_ptr, order_ptr, src_ptr, scale_ptr, feature_ptr, grad_out_ptr, meta_ptr,
     piece_ptr, counts_ptr, n, partial_ptr, out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,
@@ -412,7 +419,7 @@ def _piece_kernel(
         r0 += tl.num_programs(0) * BLOCK_R
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _split_row_kernel(
     row_key_ptr, order_ptr, feature_ptr, meta_ptr, split_row_ptr, counts_ptr, n, partial_ptr,
     out_ptr, state1_ptr, state2_ptr, hyper_ptr, step_ptr,

@@ -70,7 +70,7 @@ def _report_bad_id(claim_ptr, report_ptr, seg_ptr, offsets_ptr, bad, f, pos, idx
             tl.sum(tl.where(pick, idx, 0), axis=0), tl.sum(tl.where(pick, rows, 0), axis=0), num_values)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_outputs", "num_values"])
 def _unpooled_forward_kernel(
     flat_ptr, values_ptr, seg_ptr, meta_ptr, offsets_ptr, out_ptr, claim_ptr, report_ptr,
     num_outputs, num_features, seg_stride, dim, num_values,
@@ -92,7 +92,7 @@ def _unpooled_forward_kernel(
                                num_values, BLOCK_R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_outputs", "num_values"])
 def _row_key_kernel(
     values_ptr, seg_ptr, meta_ptr, offsets_ptr, row_key_ptr, claim_ptr, report_ptr, num_outputs, num_features,
     seg_stride, num_values,
