@@ -56,3 +56,39 @@ def test_op_gradient():
     pooled, inverse, col_feature = _case(7)
     pooled = pooled.double().requires_grad_()
     torch.autograd.gradcheck(lambda p: expand_bags(p, inverse, col_feature), (pooled,))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_eager_path_gives_the_op_s_bits_forward_and_backward(seed):
+    """expand_rows' eager path (the op's bodies in a plain autograd Function, no custom-op layers)
+    against the registered op, and against gather's gradient."""
+    from recom_rec.ops.expand_bags import eager_expand_bags
+    from recom_rec.ops.variable_batch import expand_rows
+
+    pooled, inverse, col_feature = _case(seed)
+    dims = torch.bincount(col_feature.long().cpu()).tolist()
+    grad = torch.randn(inverse.shape[1], pooled.shape[1], device=pooled.device)
+    results = []
+    for run in (lambda p: expand_bags(p, inverse, col_feature), lambda p: eager_expand_bags(p, inverse, col_feature),
+                lambda p: expand_rows(p, inverse, dims)):
+        p = pooled.clone().requires_grad_()
+        out = run(p)
+        out.backward(grad)
+        results.append((out.detach(), p.grad))
+    for out, g in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(g, results[0][1])
+    rows = inverse.index_select(0, col_feature.long()).t()
+    torch.testing.assert_close(results[0][1], torch.zeros_like(pooled).scatter_add_(0, rows, grad))
+
+
+def test_the_eager_path_skips_the_registered_op():
+    """(the host time the eager path saves is the op's layers: a plain call must not reach them,
+    a compiled one must)"""
+    from recom_rec.ops.variable_batch import expand_rows
+
+    pooled, inverse, col_feature = _case(1)
+    dims = torch.bincount(col_feature.long().cpu()).tolist()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        expand_rows(pooled.clone().requires_grad_(), inverse, dims).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert not any(n.startswith("recom_rec::expand_bags") for n in names), sorted(names)

@@ -21,13 +21,24 @@ def _rows(inverse: Tensor, col_feature: Tensor) -> Tensor:
     return inverse.index_select(0, col_feature.to(torch.int64)).t()
 
 
+def _expand(pooled: Tensor, inverse: Tensor, col_feature: Tensor) -> Tensor:
+    if pooled.is_cuda and pooled.dtype != torch.float64:
+        return _triton().forward(pooled, inverse, col_feature)
+    return pooled.gather(0, _rows(inverse, col_feature))
+
+
+def _expand_backward(grad: Tensor, inverse: Tensor, col_feature: Tensor, num_bags: int) -> Tensor:
+    if grad.is_cuda and grad.dtype == torch.float32:  # (the kernel adds in fp32 atomics)
+        return _triton().backward(grad, inverse, col_feature, num_bags)
+    out = torch.zeros(num_bags, grad.shape[1], dtype=grad.dtype, device=grad.device)
+    return out.scatter_add_(0, _rows(inverse, col_feature), grad)
+
+
 @torch.library.custom_op("recom_rec::expand_bags", mutates_args=())
 def expand_bags(pooled: Tensor, inverse: Tensor, col_feature: Tensor) -> Tensor:
     """``[B, C]`` from ``pooled [S, C]``: ``inverse [F, B]`` (int64) is each feature's bag of each
     output row, ``col_feature [C]`` each column's feature."""
-    if pooled.is_cuda and pooled.dtype != torch.float64:
-        return _triton().forward(pooled, inverse, col_feature)
-    return pooled.gather(0, _rows(inverse, col_feature))
+    return _expand(pooled, inverse, col_feature)
 
 
 @expand_bags.register_fake
@@ -38,10 +49,7 @@ def _(pooled, inverse, col_feature):
 @torch.library.custom_op("recom_rec::expand_bags_backward", mutates_args=())
 def expand_bags_backward(grad: Tensor, inverse: Tensor, col_feature: Tensor, num_bags: int) -> Tensor:
     """``[num_bags, C]``: each output row's gradient added to its bag's row."""
-    if grad.is_cuda and grad.dtype == torch.float32:  # (the kernel adds in fp32 atomics)
-        return _triton().backward(grad, inverse, col_feature, num_bags)
-    out = torch.zeros(num_bags, grad.shape[1], dtype=grad.dtype, device=grad.device)
-    return out.scatter_add_(0, _rows(inverse, col_feature), grad)
+    return _expand_backward(grad, inverse, col_feature, num_bags)
 
 
 @expand_bags_backward.register_fake
@@ -61,3 +69,26 @@ def _backward(ctx, grad):
 
 
 expand_bags.register_autograd(_backward, setup_context=_setup)
+
+
+# ---- eager fast path ----------------------------------------------------------------------------
+# The custom ops' Python layers (pytree, alias checks, redispatch, the generated autograd node) cost
+# the VBE step ~0.4 ms of host time on the H200 machine, more than the expansion's kernels
+# (perf-notes v53: the step was host-bound). Plain eager calls run the same bodies through a
+# torch.autograd.Function, as the lookup does (pooled_embedding._EagerLookup); compiled, traced,
+# scripted, fake and dispatch-mode code keeps the registered ops.
+class _EagerExpandBags(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pooled, inverse, col_feature):
+        ctx.save_for_backward(inverse, col_feature)
+        ctx.num_bags = pooled.shape[0]
+        return _expand(pooled, inverse, col_feature)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, col_feature = ctx.saved_tensors
+        return _expand_backward(grad, inverse, col_feature, ctx.num_bags), None, None
+
+
+# (the C apply, as the lookup's: _eager_ok has ruled out functorch's wrappers)
+eager_expand_bags = super(torch.autograd.Function, _EagerExpandBags).apply

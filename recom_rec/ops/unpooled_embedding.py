@@ -345,6 +345,9 @@ class UnpooledBatch(NamedTuple):
     num_outputs: int
 
 
+_eager_apply = super(torch.autograd.Function, _EagerLookup).apply
+
+
 def unpooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, batch: UnpooledBatch, dim: int,
                     backend: str, validate: bool, names: str, report_id: int, fused: Optional[FusedStep] = None,
                     group_index: int = 0, split_sizes: Optional[List[int]] = None) -> List[Tensor]:
@@ -358,9 +361,12 @@ def unpooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, b
     row_state = fused.state1_is_row if fused is not None else False
     sizes = split_sizes if split_sizes is not None else [batch.num_outputs]
     if _eager_ok(weights, flat, batch.values, batch.offsets, batch.segments, feature_meta, state1, state2, hyper, step):
-        return list(_EagerLookup.apply(flat, batch.values, batch.offsets, batch.segments, feature_meta,
-                                       batch.num_outputs, dim, backend, validate, names, kind, state1, state2,
-                                       row_state, hyper, step, report_id, sizes, *weights))
+        # (the C apply, as the pooled lookup's: only the batch's ids and offsets can be a finished
+        # functorch transform's dead wrappers; Function.apply's Python layer checks all 18+ arguments)
+        unwrap = torch._C._functorch.unwrap_if_dead
+        return list(_eager_apply(flat, unwrap(batch.values), unwrap(batch.offsets), batch.segments, feature_meta,
+                                 batch.num_outputs, dim, backend, validate, names, kind, state1, state2,
+                                 row_state, hyper, step, report_id, sizes, *weights))
     out = unpooled_embedding_forward(weights, flat, batch.values, batch.offsets, batch.segments, feature_meta,
                                      batch.num_outputs, dim, backend, validate, names, kind, state1, state2,
                                      row_state, hyper, step, report_id)

@@ -15,7 +15,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from . import expand_bags  # noqa: F401 - registers recom_rec::expand_bags
+from .expand_bags import eager_expand_bags  # (and registers recom_rec::expand_bags)
+from .pooled_embedding import _eager_ok
 from .segments import segment_ids
 
 
@@ -87,13 +88,16 @@ def output_rows(features: KeyedJaggedTensor, output_features: List[str]) -> Opti
 
 def expand_rows(pooled: torch.Tensor, inverse: torch.Tensor, output_dims: List[int]) -> torch.Tensor:
     """Each output element from its bag's row, ``pooled[inverse[feature(c), b], c]`` (ops/expand_bags.py)."""
+    inverse = inverse.to(pooled.device)
     if torch.jit.is_scripting():
         col_feature = _column_features(output_dims, pooled.device)
     elif torch.compiler.is_compiling():
         col_feature = _column_features(output_dims, pooled.device)
     else:
         col_feature = _cached_column_features(output_dims, pooled.device)
-    return torch.ops.recom_rec.expand_bags(pooled, inverse.to(pooled.device), col_feature)
+        if _eager_ok([], pooled, inverse, col_feature):  # the same bodies without the op's layers
+            return eager_expand_bags(pooled, inverse, col_feature)
+    return torch.ops.recom_rec.expand_bags(pooled, inverse, col_feature)
 
 
 def _column_features(output_dims: List[int], device: torch.device) -> torch.Tensor:
