@@ -9,7 +9,7 @@ import torch
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import make_backend  # noqa: E402
-from triton.runtime.jit import create_function_from_signature  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 from recom_rec.kernels.compile_check import _variants  # noqa: E402
 
@@ -40,7 +40,14 @@ def _first_variant_of_each_kernel():
 VARIANTS = _first_variant_of_each_kernel()
 
 
+def _jitted(kernel) -> JITFunction:
+    """The kernel as compiled for a GPU: under TRITON_INTERPRET (the CPU suite) the decorator made
+    an interpreted function, which keeps the decorator's arguments to build it from."""
+    return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+
+
 def _specialization(kernel, signature, constexprs, ints):
+    kernel = _jitted(kernel)
     binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
     args = {}
     for name, kind in signature.items():

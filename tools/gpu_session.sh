@@ -7,7 +7,7 @@
 # folder, so the next machine loads it instead of building while the source is unchanged.
 # Likewise SAVE_TRITON_CACHE=1 returns Triton's kernel cache as $OUT/triton_cache.tar.xz: carried
 # in .triton_cache_xz/ (git-ignored), it spares the next machine the suite's first compiles.
-#   STAGES="tests asan soak nccl dlrm bench sequence serving cold prior sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   STAGES="tests asan soak nccl dlrm bench sequence random serving cold prior sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
 #   (the tests stage runs the whole suite, tests/, with CUDA tensors in one process; TESTS="files or
 #   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it;
 #   TEST_DETACH=1 lets it run past the call, and the next call's STAGES=tests-wait awaits it;
@@ -166,6 +166,18 @@ if [[ " $STAGES " == *" sequence "* ]]; then
   stage sequence  # EmbeddingCollection (and VBE): ours vs fbgemm's unpooled (VBE) TBE and torchrec's modules
   timeout ${SEQ_TIMEOUT:-300} python3 -m recom_rec.bench --workloads sequence vbe --out /tmp/sequence ${SEQ_ARGS:-} 2>&1 \
     | quiet | tee "$OUT/sequence.log" | tail -14; cp /tmp/sequence.json "$OUT/" 2>/dev/null
+fi
+if [[ " $STAGES " == *" random "* ]]; then
+  # layouts drawn from one fresh seed (pooled, sequence, VBE), in two processes one after the
+  # other: steady-state ratios against fbgemm and how far a second process moves them (issue 51)
+  seed=$(( RANDOM * 32768 + RANDOM ))
+  for run in 1 2; do
+    stage "random $run (seed $seed)"
+    timeout ${RANDOM_TIMEOUT:-240} python3 -m recom_rec.bench --workloads random --random-count ${RANDOM_LAYOUTS:-8} \
+      --seed $seed --peers recom_rec fbgemm --phases forward sgd --out "$OUT/random$run" 2>&1 \
+      | quiet > "$OUT/random$run.log"
+    grep "at or above\|padded" "$OUT/random$run.log"
+  done
 fi
 if [[ " $STAGES " == *" serving "* ]]; then
   stage serving  # request streams of batch sizes 1-1024 (issue 51): latency percentiles, throughput, first 100 requests
