@@ -52,8 +52,8 @@ def test_a_layout_of_multiples_of_4_runs_unpadded():
 def test_the_report_names_the_layouts_fbgemm_ran_padded():
     meta = {"device": "cpu", "torch": "x", "copy_gbs": 1.0, "backend": "auto", "small": True}
     results = [{"workload": "random-0", "phase": "forward", "peer": "recom_rec", "ms": 1.0},
-               {"workload": "random-0", "phase": "forward", "peer": "fbgemm", "ms": 2.0, "padded_dims": True},
-               {"workload": "random-0", "phase": "sgd", "peer": "fbgemm", "ms": 3.0, "padded_dims": True},
+               {"workload": "random-0", "phase": "forward", "peer": "fbgemm", "ms": 2.0, "padded": True},
+               {"workload": "random-0", "phase": "sgd", "peer": "fbgemm", "ms": 3.0, "padded": True},
                {"workload": "random-1", "phase": "forward", "peer": "fbgemm", "ms": 2.0}]
     text = format_table(meta, results, ["recom_rec", "fbgemm"])
     assert "fbgemm: dims padded up to a multiple of 4" in text and text.rstrip().endswith("in random-0")

@@ -92,3 +92,17 @@ def test_the_eager_path_skips_the_registered_op():
         expand_rows(pooled.clone().requires_grad_(), inverse, dims).sum().backward()
     names = {e.name for e in prof.events()}
     assert not any(n.startswith("recom_rec::expand_bags") for n in names), sorted(names)
+
+
+def test_a_second_derivative_raises_on_both_paths():
+    """The expansion has no double backward: asked for one, the op and the eager path both raise
+    (the CUDA kernel's gradient carries no graph; a silent zero would be a wrong answer)."""
+    from recom_rec.ops.expand_bags import eager_expand_bags
+
+    pooled, inverse, col_feature = _case(3)
+    for expand in (expand_bags, eager_expand_bags):
+        p = pooled.double().requires_grad_()
+        out = expand(p, inverse, col_feature)
+        (g,) = torch.autograd.grad((out * out).sum(), p, create_graph=True)
+        with pytest.raises(RuntimeError):
+            g.sum().backward()

@@ -24,6 +24,9 @@ BATCH_COUNTS = {
     "_unpooled_forward_kernel": ("num_outputs", "num_values"),
     "_row_key_kernel": ("num_outputs", "num_values"),
     "_quantized_forward_kernel": ("batch_size", "num_values", "last_offset"),
+    "_expand_forward_kernel": ("batch", "inverse_stride"),
+    "_moved_features_kernel": ("batch", "inverse_stride"),
+    "_expand_backward_kernel": ("batch", "inverse_stride"),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "i32": torch.int32,
           "i64": torch.int64, "u8": torch.uint8}
@@ -38,6 +41,11 @@ def _first_variant_of_each_kernel():
 
 
 VARIANTS = _first_variant_of_each_kernel()
+
+
+def test_every_kernel_the_package_compiles_is_listed():
+    """(a new kernel states which of its arguments change with a batch)"""
+    assert set(VARIANTS) == set(BATCH_COUNTS)
 
 
 def _jitted(kernel) -> JITFunction:

@@ -130,7 +130,7 @@ def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
     for phase in phases:
         row = {"workload": w.name, "peer": pname, "phase": phase}
         if getattr(peer, "padded", False):
-            row["padded_dims"] = True
+            row["padded"] = True
         if phase == "forward":
             def step():
                 with torch.no_grad():

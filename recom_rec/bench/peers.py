@@ -148,8 +148,9 @@ class FbgemmTBE(Peer):
     Its kernels need every dim a multiple of 4 (sharded torchrec asserts it too), so a layout with
     other dims runs here as a user of fbgemm would have to build it: each such table padded up to
     the next multiple of 4. Its output keeps the padding columns (no narrowing copy is timed: the
-    comparison favours fbgemm); ``tables()`` are the unpadded views, so ``load`` fills the real
-    columns and the padded ones never reach them."""
+    comparison favours fbgemm); the padding starts at zero, and ``tables()`` are the unpadded
+    views, so ``load`` fills the real columns. One TBE pools every table by sum: a layout's mean
+    tables cost it a sum's work (sharded torchrec runs a TBE per pooling), also in its favour."""
 
     name = "fbgemm"
     bounds_checked = True
@@ -176,6 +177,9 @@ class FbgemmTBE(Peer):
             weights_precision=SparseType.FP32, output_dtype=SparseType.FP32,
             device=device if cuda else None, bounds_check_mode=fbgemm_bounds_check(self.bounds_checked),
         )
+        with torch.no_grad():
+            for weight, d in zip(self.tbe.split_embedding_weights(), workload.dims):
+                weight[:, d:].zero_()
 
     def forward(self, kjt):
         return self.tbe(kjt.values(), kjt.offsets())

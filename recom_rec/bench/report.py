@@ -62,7 +62,7 @@ def format_table(meta: dict, results: List[dict], peers: List[str]) -> str:
         lines.append("CUDA backward path, measured per shape: " + ", ".join(paths))
     padded = defaultdict(list)
     for r in results:
-        if r.get("padded_dims") and r["workload"] not in padded[r["peer"]]:
+        if r.get("padded") and r["workload"] not in padded[r["peer"]]:
             padded[r["peer"]].append(r["workload"])
     for peer, workloads in padded.items():
         lines.append(f"{peer}: dims padded up to a multiple of 4 (its kernels need it; its output keeps the padding) "

@@ -31,7 +31,9 @@ def _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B: tl
     return b, c, mask, f, bag
 
 
-@triton.jit
+# The batch and the inverse indices' row stride (the batch too) change with every batch: not
+# specialized on (pooled_triton.BATCH_COUNTS says why), so a stream of batch sizes compiles one variant.
+@triton.jit(do_not_specialize=["batch", "inverse_stride"])
 def _expand_forward_kernel(pooled_ptr, inverse_ptr, col_feature_ptr, out_ptr, batch, cols, inverse_stride,
                            BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
     b, c, mask, _, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B, BLOCK_C)
@@ -39,7 +41,7 @@ def _expand_forward_kernel(pooled_ptr, inverse_ptr, col_feature_ptr, out_ptr, ba
     tl.store(out_ptr + b[:, None] * cols + c[None, :], v, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "inverse_stride"])
 def _moved_features_kernel(inverse_ptr, moved_ptr, batch, inverse_stride, BLOCK: tl.constexpr):
     """moved[f] = 1 where some row b of feature f takes a bag other than b (moved starts at 0)."""
     f = tl.program_id(1)
@@ -50,7 +52,7 @@ def _moved_features_kernel(inverse_ptr, moved_ptr, batch, inverse_stride, BLOCK:
     tl.store(moved_ptr + f, moved, mask=moved > 0)  # every writer writes 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "inverse_stride"])
 def _expand_backward_kernel(grad_ptr, inverse_ptr, col_feature_ptr, moved_ptr, grad_pooled_ptr, batch, cols,
                             inverse_stride, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
     b, c, mask, f, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B, BLOCK_C)

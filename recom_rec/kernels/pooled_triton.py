@@ -63,7 +63,8 @@ def _checked_bag_block(offsets_ptr, key, pid_b, batch_size, num_values, last_off
 def _report(claim_ptr, report_ptr, kind, feature, bag, a, b, num_values):
     """The input check's report (ops/input_check.py; csrc/lookup/kernels.cuh: report_bad): written
     by the program that takes the claim, the kind last. The store casts each value to int64: a
-    value can be a plain int (a launch passing 1, say one id in all, makes that argument a constexpr)."""
+    value can be a plain int (a kernel that specializes an argument makes it a constexpr when a
+    launch passes 1)."""
     if tl.atomic_cas(claim_ptr, 0, 1) == 0:
         tl.store(report_ptr + 1, feature)
         tl.store(report_ptr + 2, bag)

@@ -85,10 +85,17 @@ class _EagerExpandBags(torch.autograd.Function):
         return _expand(pooled, inverse, col_feature)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # (the op has no double backward either)
     def backward(ctx, grad):
         inverse, col_feature = ctx.saved_tensors
         return _expand_backward(grad, inverse, col_feature, ctx.num_bags), None, None
 
 
-# (the C apply, as the lookup's: _eager_ok has ruled out functorch's wrappers)
-eager_expand_bags = super(torch.autograd.Function, _EagerExpandBags).apply
+_apply = super(torch.autograd.Function, _EagerExpandBags).apply
+
+
+def eager_expand_bags(pooled: Tensor, inverse: Tensor, col_feature: Tensor) -> Tensor:
+    """``expand_bags`` through the C apply (Function.apply's Python layer unwraps every argument);
+    only ``inverse``, from the user's KJT, can be a finished functorch transform's dead wrapper:
+    ``pooled`` is the lookup's output and ``col_feature`` the module's."""
+    return _apply(pooled, torch._C._functorch.unwrap_if_dead(inverse), col_feature)
