@@ -269,8 +269,9 @@ _REPORTING_BACKENDS = [b for b in QUANT_BACKENDS if b != "torch"]  # (the torch 
                                        ("float", "fx"), ("float collection", "fx")])
 @pytest.mark.parametrize("backend", _REPORTING_BACKENDS)
 def test_a_graph_reports_after_its_module_is_freed(kind, how, backend):
-    """An fx trace, and a quantized module with INT4 tables scripted (through a copy of it), hold no
-    reference to the module they came from and run under its id: its reports must not go with it."""
+    """A graph made from a module runs under the module's id: an fx trace holds no reference to
+    the module, and a quantized module with INT4 tables was once scripted through a copy of it.
+    The module's reports must not go with the Python module."""
     if kind.startswith("quantized collection"):
         module = _quantized_collection(backend, torch.quint4x2 if "INT4" in kind else torch.qint8)
     elif kind == "float collection":

@@ -24,8 +24,9 @@ from .grid_math import cdiv, next_power_of_2
 # Counts that change with every batch (the bag count, the ids', the lookups'): not specialized on.
 # Triton compiles a variant per value class of an integer argument (1, a multiple of 16, other),
 # so ragged batches would compile again at some later step (~1 s inside a user's call) and a
-# server's varied batch sizes in its first requests (v53). They are only compared with and
-# offset by; strides (total_dim, row strides) keep their specialization.
+# server's varied batch sizes in its first requests (v53). They are compared with and offset by;
+# batch_size is also the offsets' row stride, whose loads so lose an alignment hint (a few int64
+# loads a program, perf-notes v53). Model-fixed strides (total_dim, row strides) stay specialized.
 BATCH_COUNTS = ["batch_size", "num_values", "last_offset"]
 
 
