@@ -27,6 +27,7 @@ BATCH_COUNTS = {
     "_expand_forward_kernel": ("batch", "inverse_stride"),
     "_moved_features_kernel": ("batch", "inverse_stride"),
     "_expand_backward_kernel": ("batch", "inverse_stride"),
+    "_pad_offsets_kernel": ("width", "bags", "n"),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "i32": torch.int32,
           "i64": torch.int64, "u8": torch.uint8}

@@ -62,8 +62,9 @@ def _variants():
 
 
 def _unpooled_variants(ptr):
-    """The EmbeddingCollection's gather and row keys, and the variable-batch expansion."""
+    """The EmbeddingCollection's gather and row keys, and the variable-batch expansion and padding."""
     from . import expand_triton as e
+    from . import pad_offsets_triton as p
     from . import unpooled_triton as u
 
     for wdtype, idx, dim, report in itertools.product(("fp32", "fp16", "bf16"), ("i32", "i64"), (8, 64, 256, 1024),
@@ -94,6 +95,11 @@ def _unpooled_variants(ptr):
         "grad_ptr": "*fp32", "inverse_ptr": "*i64", "col_feature_ptr": "*i32", "moved_ptr": "*i32",
         "grad_pooled_ptr": "*fp32", "batch": "i32", "cols": "i32", "inverse_stride": "i32",
     }, {"BLOCK_B": e.BLOCK_B, "BLOCK_C": e.BLOCK_C}, {"num_warps": 4}
+    for idx in ("i32", "i64"):
+        yield p._pad_offsets_kernel, {
+            "offsets_ptr": ptr[idx], "per_key_ptr": "*i64", "out_ptr": ptr[idx], "num_keys": "i32", "width": "i32",
+            "bags": "i32", "n": "i32",
+        }, {"BLOCK": p.BLOCK}, {"num_warps": 4}
 
 
 def _quantized_variants(ptr):
