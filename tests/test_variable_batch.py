@@ -2,7 +2,8 @@
 inverse indices that expand each key's bags to the output's rows) through the fused lookup, against
 torchrec's EmbeddingBagCollection: the same outputs (bit for bit in fp32 unweighted sum pooling), the same gradients, and
 fused training equal to torchrec's module trained by a torch optimizer; the quantized module pools a
-VBE batch as it pools the same bags spelled out row by row."""
+VBE batch as it pools the same bags spelled out row by row. The padding's offsets (the Triton kernel,
+under the interpreter on the CPU, and the torch version) against padded lengths summed."""
 import random
 
 import pytest
@@ -13,6 +14,8 @@ from torchrec.modules.embedding_configs import DataType
 
 import recom_rec
 from ebc_cases import DEVICE, KERNEL_BACKENDS
+from recom_rec.kernels import pad_offsets_triton
+from recom_rec.ops.variable_batch import pad_to_uniform, padded_offsets
 
 
 def _tables(seed: int, dtype=DataType.FP32):
@@ -247,3 +250,40 @@ def test_vbe_forward_and_fused_training_step_do_not_synchronize(backend):
     ebc.check_inputs()
     with torch.no_grad():  # the new strides were copied right: the same rows as the batch spelled out
         torch.testing.assert_close(out, ebc(_spelled_out(new)).values())
+
+
+def _padded_by_lengths(lengths: torch.Tensor, strides) -> torch.Tensor:
+    """The padding as first defined: each key's lengths at the start of its ``width`` bags, the
+    others 0, summed into offsets."""
+    width = max(strides, default=0)
+    padded = lengths.new_zeros(len(strides) * width)
+    for k, part in enumerate(lengths.split(strides)):
+        padded[k * width:k * width + part.numel()] = part
+    return torch.cat([padded.new_zeros(1), padded.cumsum(0).to(lengths.dtype)])
+
+
+# a key without bags, two at the largest count, width 1, every key empty, more than one kernel block
+PAD_STRIDES = [[3, 0, 5, 5, 1], [1], [1, 1, 1], [0, 0], [0, 4], [1500, 3, 0, 1500]] + [
+    [r.choice([0, 1, 2, r.randint(1, 40)]) for _ in range(r.randint(1, 8))]
+    for r in (random.Random(seed) for seed in range(6))]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("strides", PAD_STRIDES, ids=str)
+def test_padded_offsets_are_the_padded_lengths_summed(strides, dtype):
+    g = torch.Generator().manual_seed(len(strides) + sum(strides))
+    lengths = torch.randint(0, 4, (sum(strides),), generator=g).to(dtype)  # empty bags among them
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0).to(dtype)]).to(DEVICE)
+    expected = _padded_by_lengths(lengths, strides).to(DEVICE)
+    first = [sum(strides[:k]) for k in range(len(strides))]
+    per_key = torch.tensor(first + strides, device=DEVICE)
+    width, bags = max(strides), sum(strides)
+    for got in (pad_offsets_triton.pad_offsets(offsets, per_key, width, bags),
+                padded_offsets(offsets, per_key, width, bags)):
+        assert got.dtype == dtype and torch.equal(got, expected)
+    # the module's path (on a GPU the kernel), from the VBE KJT
+    kjt = KeyedJaggedTensor(keys=[f"f{k}" for k in range(len(strides))], values=torch.arange(int(offsets[-1]),
+                            device=DEVICE), offsets=offsets, stride_per_key_per_rank=[[s] for s in strides])
+    uniform = pad_to_uniform(kjt)
+    assert uniform.stride() == width and torch.equal(uniform.offsets(), expected)
+    assert torch.equal(uniform.values(), kjt.values())

@@ -6,8 +6,7 @@ the caller, so that no device-to-host sync is needed; the callers use the positi
 ``repeat_interleave`` writes each segment's positions from one thread, so a few segments of
 millions of positions serialise: two of them took 800 us of a 5.2 ms sequence training step at
 batch 1024 (one item feature, 3.2M rows; perf-notes v51). A binary search per position over the
-segments' ends runs every position in parallel. (TorchScript-compatible: the scripted VBE module
-calls it.)
+segments' ends runs every position in parallel. (TorchScript-compatible.)
 """
 import torch
 

@@ -3,13 +3,15 @@ through the fused lookup.
 
 A VBE KJT gives each key its own number of bags ``s_f``; its ``inverse_indices`` ``[F, B]`` say
 which of key f's bags each of the B output rows takes. The fused kernel pools a uniform batch, so
-each key's bags are padded with empty bags up to ``S = max s_f`` (only the lengths change: the
-values, weights and so the rows read stay the KJT's), the kernel pools ``[S, total_dim]``, and
+each key's bags are padded with empty bags up to ``S = max s_f`` (only the offsets change, one
+gather from the KJT's own, kernels/pad_offsets_triton.py: the values, weights and so the rows read
+stay the KJT's), the kernel pools ``[S, total_dim]``, and
 each feature's columns take their rows by ``inverse_indices`` (one kernel, ops/expand_bags.py, as
 torchrec's module does with fbgemm's ``group_index_select_dim0``). The gather's backward adds each output row's
 gradient to its bag, which the kernel's backward then spreads to the bag's ids; padded bags are
 empty and take nothing. (Written for TorchScript too: the scripted module calls these.)
 """
+from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -17,7 +19,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .expand_bags import eager_expand_bags  # (and registers recom_rec::expand_bags)
 from .pooled_embedding import _eager_ok
-from .segments import segment_ids
 
 
 def uniform_batch(features: KeyedJaggedTensor, output_features: List[str],
@@ -40,25 +41,44 @@ def uniform_batch(features: KeyedJaggedTensor, output_features: List[str],
 def pad_to_uniform(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
     """``features`` with every key's bags padded (empty bags at its end) to the largest key's count."""
     strides: List[int] = features.stride_per_key()
-    keys = features.keys()
     width = max(strides) if strides else 0
-    lengths = features.lengths()
-    device = lengths.device
-    # Bag j (of all keys' bags) of key k moves to k * width + (j - key k's first bag): j plus its
-    # key's shift. The shifts are worked out here from the host's strides, so the device gets one
-    # small int64 tensor, [strides; shifts] (_device_ints: no sync), and two ops make the positions.
-    shifts: List[int] = []
-    first = 0
-    for k in range(len(strides)):
-        shifts.append(k * width - first)
-        first += strides[k]
-    per_key = _device_ints(strides + shifts, device).view(2, len(strides))
-    bags = first
-    bag = torch.arange(bags, device=device)
-    position = per_key[1][segment_ids(per_key[0], bag)] + bag
-    padded = lengths.new_zeros(len(strides) * width).index_put_([position], lengths)
-    return KeyedJaggedTensor(keys=keys, values=features.values(), weights=features.weights_or_none(),
-                             lengths=padded, stride=width)
+    offsets = features.offsets()
+    # Each key's first bag and bag count from the host's strides: the device gets one small int64
+    # tensor, [first; strides] (_device_ints: no sync), and the padded offsets are one gather.
+    first: List[int] = []
+    bags = 0
+    for s in strides:
+        first.append(bags)
+        bags += s
+    per_key = _device_ints(first + strides, offsets.device)
+    if torch.jit.is_scripting():
+        padded = padded_offsets(offsets, per_key, width, bags)
+    elif torch.compiler.is_compiling():
+        padded = padded_offsets(offsets, per_key, width, bags)
+    elif offsets.is_cuda and _eager_ok([], offsets, per_key):  # one launch, not the torch version's five
+        padded = _pad_offsets_triton().pad_offsets(offsets, per_key, width, bags)
+    else:
+        padded = padded_offsets(offsets, per_key, width, bags)
+    return KeyedJaggedTensor(keys=features.keys(), values=features.values(), weights=features.weights_or_none(),
+                             offsets=padded, stride=width)
+
+
+def padded_offsets(offsets: torch.Tensor, per_key: torch.Tensor, width: int, bags: int) -> torch.Tensor:
+    """The padded offsets, ``[K * width + 1]`` in ``offsets``' dtype: position ``k * width + i`` is
+    ``offsets[first[k] + min(i, s_k)]`` (key k's bags end at its last bag's end), the last one
+    ``offsets[bags]``; ``per_key``: int64 ``[first; strides]`` (``2 * K``). (torch ops: the CPU,
+    TorchScript and torch.compile; eager CUDA runs the same in kernels/pad_offsets_triton.py.)"""
+    per_key = per_key.view(2, per_key.shape[0] // 2)
+    i = torch.arange(width, dtype=torch.int64, device=offsets.device)
+    source = per_key[0].unsqueeze(1) + torch.minimum(i.unsqueeze(0), per_key[1].unsqueeze(1))
+    return torch.cat([offsets.index_select(0, source.reshape(-1)), offsets.narrow(0, bags, 1)])
+
+
+@lru_cache(maxsize=None)
+def _pad_offsets_triton():
+    from ..kernels import pad_offsets_triton
+
+    return pad_offsets_triton
 
 
 def output_rows(features: KeyedJaggedTensor, output_features: List[str]) -> Optional[torch.Tensor]:
@@ -134,7 +154,7 @@ def _device_ints(values: List[int], device: torch.device) -> torch.Tensor:
     return out
 
 
-# Small index tensors of the VBE path (a batch's strides and shifts, the inverse indices' feature
+# Small index tensors of the VBE path (a batch's first bags and strides, the inverse indices' feature
 # order) on the device, per (values, device, stream). ``torch.tensor(values, device=cuda)`` copies
 # from pageable memory and then waits for the stream (torch's blocking copy ends in a
 # cudaStreamSynchronize): every VBE forward waited for all earlier GPU work. A value list seen
