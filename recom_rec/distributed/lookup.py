@@ -278,7 +278,7 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
         if variable_batch:
             # each key's bags (rank after rank) padded with empty bags to the largest key's count
             uniform = pad_to_uniform(sparse_features)
-            lengths, offsets, stride = uniform.lengths(), None, uniform.stride()
+            lengths, offsets, stride = None, uniform.offsets(), uniform.stride()  # (the padding makes offsets)
         else:
             lengths, offsets = sparse_features.lengths_or_none(), sparse_features.offsets_or_none()
             stride = sparse_features.stride()
