@@ -43,6 +43,7 @@ LOOKUP_SOURCES = [
     "forward.cu",
     "plan.cu",
     "zeros.cu",
+    "expand.cu",
     "backward.cu",
     "backward_none.cu",
     "backward_sgd.cu",

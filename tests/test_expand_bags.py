@@ -106,3 +106,36 @@ def test_a_second_derivative_raises_on_both_paths():
         (g,) = torch.autograd.grad((out * out).sum(), p, create_graph=True)
         with pytest.raises(RuntimeError):
             g.sum().backward()
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA kernels run on a GPU (CI compiles them: test_kernels_compile)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dims", [[4, 8, 16], [128, 128, 64, 32], [3, 5, 1], [8, 24, 6], [2, 2, 2, 2]])
+def test_cuda_extension_kernels_match_gather_and_scatter_add(dims, dtype):
+    """csrc/lookup/expand.cu (the eager path where the lookup runs on the CUDA kernels): each dims'
+    greatest common divisor takes a path (16-byte units or single elements), against torch; the
+    gradient in fp32 with identity, permuted and shared-bag features mixed."""
+    from recom_rec.ops.variable_batch import expand_rows
+
+    g = torch.Generator().manual_seed(sum(dims))
+    batch = 37
+    bags = batch
+    inverse = torch.randint(0, bags, (len(dims), batch), generator=g)
+    inverse[0] = torch.arange(batch)
+    if len(dims) > 1:
+        inverse[1] = torch.randperm(batch, generator=g)
+    inverse = inverse.to(DEVICE)
+    pooled = torch.randn(bags, sum(dims), generator=g).to(DEVICE, dtype)
+    col_feature = torch.repeat_interleave(torch.arange(len(dims), dtype=torch.int32), torch.tensor(dims)).to(DEVICE)
+    rows = inverse.index_select(0, col_feature.long()).t()
+    p = pooled.clone().requires_grad_()
+    out = expand_rows(p, inverse, dims, "cuda")
+    assert torch.equal(out, pooled.gather(0, rows))
+    if dtype == torch.float32:
+        grad = torch.randn(batch, sum(dims), generator=g).to(DEVICE)
+        out.backward(grad)
+        expected = torch.zeros_like(pooled).scatter_add_(0, rows, grad)
+        torch.testing.assert_close(p.grad, expected)
+        assert torch.equal(p.grad[:, :dims[0]], grad[:, :dims[0]])  # the identity feature's rows stored
+    # an empty batch
+    assert expand_rows(pooled, inverse[:, :0], dims, "cuda").shape == (0, sum(dims))

@@ -36,6 +36,14 @@ void singleton_update(const at::Tensor& values, const at::Tensor& offsets, const
                       const at::Tensor& state2, const at::Tensor& hyper, const at::Tensor& step, int64_t opt,
                       int64_t max_dim, const c10::optional<at::Tensor>& grad_rows);
 
+// The variable-batch expansion (expand.cu; recom_rec/ops/expand_bags.py): out[b, c] =
+// pooled[inverse[col_feature[c], b], c], and its gradient back to the bags in fp32. `whole_chunks`:
+// every feature's columns split into whole 16-byte units (the caller knows the dims).
+at::Tensor expand_rows_forward(const at::Tensor& pooled, const at::Tensor& inverse, const at::Tensor& col_feature,
+                               bool whole_chunks);
+at::Tensor expand_rows_backward(const at::Tensor& grad, const at::Tensor& inverse, const at::Tensor& col_feature,
+                                int64_t num_bags, bool whole_chunks);
+
 // One optimizer's backward updates (backward_<optimizer>.cu): piece_update and singleton_update
 // with the kernels of that optimizer only.
 struct BackwardKernels {

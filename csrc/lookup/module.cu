@@ -21,5 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("piece_update", &piece_update, "backward piece and split-row kernels with the fused optimizer (CUDA)");
   m.def("plan_backward", &plan_backward, "backward plan: expand, sort, pieces (CUDA)");
   m.def("zero_untouched_rows", &zero_untouched_rows, "dense backward: zeros outside the touched rows (CUDA)");
+  m.def("expand_rows_forward", &expand_rows_forward, "variable batch: pooled bags to output rows (CUDA)");
+  m.def("expand_rows_backward", &expand_rows_backward, "variable batch: output rows' gradients to bags (CUDA)");
   m.def("singleton_update", &singleton_update, "backward of the rows of one lookup, in bag order (CUDA)");
 }

@@ -193,7 +193,7 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
         routing = KeyRouting(key_index, names, values.numel() if reads_each_key_once else -1)
         outs.append(pooled_lookup(weights[g], flats[g], metas[g], batch, routing, group, plan, fused, g))
     out = _concat_groups(outs, output_columns)
-    return out if rows is None else expand_rows(out, rows, plan.output_dims)
+    return out if rows is None else expand_rows(out, rows, plan.output_dims, plan.backend)
 
 
 def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights: List[List[torch.Tensor]],

@@ -1,7 +1,8 @@
 """The variable-batch expansion as torch custom ops: ``recom_rec::expand_bags`` gives each output row
 its bag's pooled row by the KJT's inverse indices, feature by feature
 (``out[b, c] = pooled[inverse[feature(c), b], c]``); its backward adds each row's gradient to its
-bag (``expand_bags_backward``). On CUDA the Triton kernels (kernels/expand_triton.py), elsewhere
+bag (``expand_bags_backward``). On CUDA the Triton kernels (kernels/expand_triton.py; eagerly the
+CUDA extension's where the lookup runs on it, csrc/lookup/expand.cu), elsewhere
 torch's gather and scatter-add, which are also their reference.
 """
 from functools import lru_cache
@@ -76,26 +77,45 @@ expand_bags.register_autograd(_backward, setup_context=_setup)
 # the VBE step ~0.4 ms of host time on the H200 machine, more than the expansion's kernels
 # (perf-notes v53: the step was host-bound). Plain eager calls run the same bodies through a
 # torch.autograd.Function, as the lookup does (pooled_embedding._EagerLookup); compiled, traced,
-# scripted, fake and dispatch-mode code keeps the registered ops.
+# scripted, fake and dispatch-mode code keeps the registered ops. With ``dims_gcd`` > 0 (the
+# output's dims' greatest common divisor) the CUDA extension's kernels run it (csrc/lookup/expand.cu):
+# one C++ call each way instead of Triton's Python launches and torch's fills (perf-notes v54).
 class _EagerExpandBags(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, pooled, inverse, col_feature):
+    def forward(ctx, pooled, inverse, col_feature, dims_gcd):
         ctx.save_for_backward(inverse, col_feature)
         ctx.num_bags = pooled.shape[0]
+        ctx.dims_gcd = dims_gcd
+        if dims_gcd:
+            whole = dims_gcd * pooled.element_size() % 16 == 0
+            return _cuda_ext().expand_rows_forward(pooled.contiguous(), inverse.contiguous(), col_feature, whole)
         return _expand(pooled, inverse, col_feature)
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # (the op has no double backward either)
     def backward(ctx, grad):
         inverse, col_feature = ctx.saved_tensors
-        return _expand_backward(grad, inverse, col_feature, ctx.num_bags), None, None
+        if ctx.dims_gcd and grad.dtype == torch.float32:
+            grad_pooled = _cuda_ext().expand_rows_backward(grad.contiguous(), inverse.contiguous(), col_feature,
+                                                           ctx.num_bags, ctx.dims_gcd % 4 == 0)
+        else:
+            grad_pooled = _expand_backward(grad, inverse, col_feature, ctx.num_bags)
+        return grad_pooled, None, None, None
 
 
 _apply = super(torch.autograd.Function, _EagerExpandBags).apply
 
 
-def eager_expand_bags(pooled: Tensor, inverse: Tensor, col_feature: Tensor) -> Tensor:
+@lru_cache(maxsize=None)
+def _cuda_ext():
+    from ..kernels import cuda_ext
+
+    return cuda_ext.extension()
+
+
+def eager_expand_bags(pooled: Tensor, inverse: Tensor, col_feature: Tensor, dims_gcd: int = 0) -> Tensor:
     """``expand_bags`` through the C apply (Function.apply's Python layer unwraps every argument);
     only ``inverse``, from the user's KJT, can be a finished functorch transform's dead wrapper:
-    ``pooled`` is the lookup's output and ``col_feature`` the module's."""
-    return _apply(pooled, torch._C._functorch.unwrap_if_dead(inverse), col_feature)
+    ``pooled`` is the lookup's output and ``col_feature`` the module's. ``dims_gcd`` > 0: on the
+    CUDA extension's kernels (the caller has checked that it builds)."""
+    return _apply(pooled, torch._C._functorch.unwrap_if_dead(inverse), col_feature, dims_gcd)

@@ -11,6 +11,7 @@ torchrec's module does with fbgemm's ``group_index_select_dim0``). The gather's 
 gradient to its bag, which the kernel's backward then spreads to the bag's ids; padded bags are
 empty and take nothing. (Written for TorchScript too: the scripted module calls these.)
 """
+import math
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
@@ -18,7 +19,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .expand_bags import eager_expand_bags  # (and registers recom_rec::expand_bags)
-from .pooled_embedding import _eager_ok
+from .pooled_embedding import _cuda_builds, _eager_ok
 
 
 def uniform_batch(features: KeyedJaggedTensor, output_features: List[str],
@@ -106,17 +107,21 @@ def output_rows(features: KeyedJaggedTensor, output_features: List[str]) -> Opti
     return indices.index_select(0, _device_ints(order_list, indices.device)).to(torch.int64)
 
 
-def expand_rows(pooled: torch.Tensor, inverse: torch.Tensor, output_dims: List[int]) -> torch.Tensor:
-    """Each output element from its bag's row, ``pooled[inverse[feature(c), b], c]`` (ops/expand_bags.py)."""
+def expand_rows(pooled: torch.Tensor, inverse: torch.Tensor, output_dims: List[int],
+                backend: str = "triton") -> torch.Tensor:
+    """Each output element from its bag's row, ``pooled[inverse[feature(c), b], c]`` (ops/expand_bags.py).
+    Eagerly on a GPU with ``backend`` "auto" or "cuda", where the CUDA extension builds, its kernels
+    run it (a C++ launch instead of Triton's Python one: the VBE step is host-bound)."""
     inverse = inverse.to(pooled.device)
     if torch.jit.is_scripting():
         col_feature = _column_features(output_dims, pooled.device)
     elif torch.compiler.is_compiling():
         col_feature = _column_features(output_dims, pooled.device)
     else:
-        col_feature = _cached_column_features(output_dims, pooled.device)
+        col_feature, dims_gcd = _cached_column_features(output_dims, pooled.device)
         if _eager_ok([], pooled, inverse, col_feature):  # the same bodies without the op's layers
-            return eager_expand_bags(pooled, inverse, col_feature)
+            cuda = pooled.is_cuda and backend in ("auto", "cuda") and _cuda_builds()
+            return eager_expand_bags(pooled, inverse, col_feature, dims_gcd if cuda else 0)
     return torch.ops.recom_rec.expand_bags(pooled, inverse, col_feature)
 
 
@@ -127,18 +132,20 @@ def _column_features(output_dims: List[int], device: torch.device) -> torch.Tens
 
 
 # Per module plan's dims list (its identity, held so that the id is not reused) and device: the
-# columns' features on the device, so that an eager VBE batch does not copy them there each call.
-_COLUMN_FEATURES: Dict[Tuple[int, torch.device], Tuple[List[int], torch.Tensor]] = {}
+# columns' features on the device, so that an eager VBE batch does not copy them there each call,
+# and the dims' greatest common divisor (the CUDA kernels' 16-byte units need whole ones a feature).
+_COLUMN_FEATURES: Dict[Tuple[int, torch.device], Tuple[List[int], torch.Tensor, int]] = {}
 
 
-def _cached_column_features(output_dims: List[int], device: torch.device) -> torch.Tensor:
+def _cached_column_features(output_dims: List[int], device: torch.device) -> Tuple[torch.Tensor, int]:
     key = (id(output_dims), device)
     hit = _COLUMN_FEATURES.get(key)
     if hit is None or hit[0] is not output_dims:
         if len(_COLUMN_FEATURES) >= 1024:
             _COLUMN_FEATURES.clear()
-        hit = _COLUMN_FEATURES[key] = (output_dims, _column_features(output_dims, device))
-    return hit[1]
+        hit = _COLUMN_FEATURES[key] = (output_dims, _column_features(output_dims, device),
+                                       math.gcd(*output_dims) if output_dims else 0)
+    return hit[1], hit[2]
 
 
 def _device_ints(values: List[int], device: torch.device) -> torch.Tensor:

@@ -62,7 +62,7 @@ def _python_quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Te
     total_dim, max_dim = widths
     out = quantized_lookup(flat, features.values(), features.offsets(), per_sample_weights, meta, key_index,
                            features.stride(), total_dim, max_dim, output_dtype, backend, validate, names, report_id)
-    return out if rows is None else expand_rows(out, rows, dims)
+    return out if rows is None else expand_rows(out, rows, dims, backend)
 
 
 def _scripted_quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, wanted: List[str],

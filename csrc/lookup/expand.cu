@@ -1,0 +1,167 @@
+// The variable-batch expansion (recom_rec/ops/expand_bags.py) on the CUDA extension: each output
+// element from its bag's pooled row, out[b, c] = pooled[inverse[feature(c), b], c], and the
+// gradient's way back. The same contract and bits as the Triton kernels (expand_triton.py); here
+// because a Triton launch costs ~20-40 us of Python on the host and the VBE training step is
+// host-bound (perf-notes v54): two C++ calls replace three Triton launches and two torch fills.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "lookup.h"
+
+namespace {
+
+constexpr int EXPAND_ROW_THREADS = 256;
+constexpr int MOVED_THREADS = 1024;
+
+// One unit (16 bytes where every feature's columns split into whole 16-byte units, else one
+// element) of the output a thread: its row b, its feature from its first column, its bag from the
+// feature's inverse indices. A bag outside [0, num_bags) reads bag 0 (the module's check reports
+// bad inverse indices; the kernel only stays in bounds).
+template <typename U>
+__global__ void __launch_bounds__(EXPAND_ROW_THREADS) expand_forward_kernel(
+    const U* __restrict__ pooled, const int64_t* __restrict__ inverse, const int32_t* __restrict__ col_feature,
+    U* __restrict__ out, int64_t batch, int64_t units, int per_unit, int64_t num_bags) {
+  const int64_t total = batch * units;
+  for (int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t b = q / units, u = q - b * units;
+    const int64_t f = col_feature[u * per_unit];
+    int64_t bag = inverse[f * batch + b];
+    bag = bag >= 0 && bag < num_bags ? bag : 0;
+    out[q] = pooled[bag * units + u];
+  }
+}
+
+// moved[f] = 1 where some row b of feature f takes a bag other than b, else 0 (every flag written:
+// no memset). A block a feature: a warp's vote per 32 rows, then the block's.
+__global__ void __launch_bounds__(MOVED_THREADS) moved_features_kernel(const int64_t* __restrict__ inverse,
+                                                                       int32_t* __restrict__ moved, int64_t batch) {
+  __shared__ int any;
+  if (threadIdx.x == 0) any = 0;
+  __syncthreads();
+  const int64_t* row = inverse + (int64_t)blockIdx.x * batch;
+  bool mine = false;
+  for (int64_t b = threadIdx.x; b < batch && !mine; b += blockDim.x) mine = row[b] != b;
+  if (__any_sync(0xffffffffu, mine) && (threadIdx.x & 31) == 0) any = 1;
+  __syncthreads();
+  if (threadIdx.x == 0) moved[blockIdx.x] = any;
+}
+
+// The gradient's way back, in fp32: a feature whose inverse indices are the identity (a feature at
+// the full batch: torchrec's VBE gives it arange(B)) stores its rows (its bag b takes row b alone:
+// a store's cost, the same bits); the others add theirs by atomics into the zeroed bags. V floats
+// a thread (4 where every feature's columns split into whole float4s).
+template <int V>
+__global__ void __launch_bounds__(EXPAND_ROW_THREADS) expand_backward_kernel(
+    const float* __restrict__ grad, const int64_t* __restrict__ inverse, const int32_t* __restrict__ col_feature,
+    const int32_t* __restrict__ moved, float* __restrict__ grad_pooled, int64_t batch, int64_t units,
+    int64_t num_bags) {
+  const int64_t total = batch * units;
+  for (int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t b = q / units, u = q - b * units;
+    const int64_t f = col_feature[u * V];
+    int64_t bag = inverse[f * batch + b];
+    bag = bag >= 0 && bag < num_bags ? bag : 0;
+    float* to = grad_pooled + (bag * units + u) * V;
+    if (V == 4) {
+      const float4 g = __ldg(reinterpret_cast<const float4*>(grad) + q);
+      if (moved[f]) {
+        atomicAdd(to, g.x); atomicAdd(to + 1, g.y); atomicAdd(to + 2, g.z); atomicAdd(to + 3, g.w);
+      } else {
+        *reinterpret_cast<float4*>(to) = g;
+      }
+    } else {
+      const float g = grad[q];
+      if (moved[f]) atomicAdd(to, g); else *to = g;
+    }
+  }
+}
+
+// Blocks for a grid-stride loop over `total` items: enough to fill the GPU a few times over.
+unsigned grid_for(int64_t total) {
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t wanted = (total + EXPAND_ROW_THREADS - 1) / EXPAND_ROW_THREADS;
+  return (unsigned)std::max<int64_t>(1, std::min<int64_t>(wanted, sms * 16));
+}
+
+void check_expand_args(const at::Tensor& inverse, const at::Tensor& col_feature, int64_t cols) {
+  TORCH_CHECK(inverse.dim() == 2 && inverse.scalar_type() == at::kLong && inverse.is_contiguous(),
+              "recom_rec cuda backend: the expansion's inverse indices are a contiguous int64 [F, B]");
+  TORCH_CHECK(col_feature.dim() == 1 && col_feature.scalar_type() == at::kInt && col_feature.is_contiguous() &&
+                  col_feature.size(0) == cols,
+              "recom_rec cuda backend: the expansion takes an int32 feature per column");
+}
+
+}  // namespace
+
+at::Tensor expand_rows_forward(const at::Tensor& pooled, const at::Tensor& inverse, const at::Tensor& col_feature,
+                               bool whole_chunks) {
+  c10::cuda::CUDAGuard guard(pooled.device());
+  TORCH_CHECK(pooled.dim() == 2 && pooled.is_contiguous(), "recom_rec cuda backend: the expansion's pooled rows are "
+              "a contiguous [S, C]");
+  const int64_t cols = pooled.size(1), batch = inverse.size(1), num_bags = pooled.size(0);
+  check_expand_args(inverse, col_feature, cols);
+  auto out = at::empty({batch, cols}, pooled.options());
+  if (batch == 0 || cols == 0) return out;
+  TORCH_CHECK(num_bags > 0, "recom_rec cuda backend: output rows but no bags to expand");
+  const int64_t esize = pooled.element_size();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto launch = [&](auto unit) {
+    using U = decltype(unit);
+    const int per_unit = (int)(sizeof(U) / esize);
+    const int64_t units = cols / per_unit;
+    expand_forward_kernel<U><<<grid_for(batch * units), EXPAND_ROW_THREADS, 0, stream>>>(
+        reinterpret_cast<const U*>(pooled.data_ptr()), inverse.data_ptr<int64_t>(), col_feature.data_ptr<int32_t>(),
+        reinterpret_cast<U*>(out.data_ptr()), batch, units, per_unit, num_bags);
+  };
+  // 16-byte units where the caller saw every feature's columns split into them (whole_chunks: the
+  // dims, and so the column starts, multiples of 16 bytes) and the buffers are aligned
+  const bool aligned = reinterpret_cast<uintptr_t>(pooled.data_ptr()) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+  if (whole_chunks && aligned && (cols * esize) % 16 == 0) launch(uint4{});
+  else if (esize == 8) launch(0ULL);
+  else if (esize == 4) launch(uint32_t{});
+  else if (esize == 2) launch(uint16_t{});
+  else TORCH_CHECK(false, "recom_rec cuda backend: the expansion copies 2-, 4- or 8-byte elements");
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor expand_rows_backward(const at::Tensor& grad, const at::Tensor& inverse, const at::Tensor& col_feature,
+                                int64_t num_bags, bool whole_chunks) {
+  c10::cuda::CUDAGuard guard(grad.device());
+  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous() && grad.scalar_type() == at::kFloat,
+              "recom_rec cuda backend: the expansion's gradient is a contiguous fp32 [B, C]");
+  const int64_t batch = grad.size(0), cols = grad.size(1);
+  check_expand_args(inverse, col_feature, cols);
+  TORCH_CHECK(inverse.size(1) == batch, "recom_rec cuda backend: the gradient's rows and the inverse indices differ");
+  auto grad_pooled = at::empty({num_bags, cols}, grad.options());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (grad_pooled.numel() > 0) {
+    C10_CUDA_CHECK(cudaMemsetAsync(grad_pooled.data_ptr(), 0, grad_pooled.numel() * sizeof(float), stream));
+  }
+  if (batch == 0 || cols == 0) return grad_pooled;
+  TORCH_CHECK(num_bags > 0, "recom_rec cuda backend: output rows but no bags to add them to");
+  const int64_t features = inverse.size(0);
+  TORCH_CHECK(features < (int64_t)INT32_MAX, "recom_rec cuda backend: too many features");
+  auto moved = at::empty({features}, grad.options().dtype(at::kInt));
+  moved_features_kernel<<<(unsigned)features, MOVED_THREADS, 0, stream>>>(inverse.data_ptr<int64_t>(),
+                                                                           moved.data_ptr<int32_t>(), batch);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool vec = whole_chunks && cols % 4 == 0 && reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(grad_pooled.data_ptr()) % 16 == 0;
+  auto launch = [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    const int64_t units = cols / V;
+    expand_backward_kernel<V><<<grid_for(batch * units), EXPAND_ROW_THREADS, 0, stream>>>(
+        grad.data_ptr<float>(), inverse.data_ptr<int64_t>(), col_feature.data_ptr<int32_t>(),
+        moved.data_ptr<int32_t>(), grad_pooled.data_ptr<float>(), batch, units, num_bags);
+  };
+  if (vec) launch(std::integral_constant<int, 4>{});
+  else launch(std::integral_constant<int, 1>{});
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return grad_pooled;
+}
