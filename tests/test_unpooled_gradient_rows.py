@@ -2,7 +2,8 @@
 (ops/unpooled_embedding._gradient_rows). Where the gradient pieces are the group's features, the
 row-key kernel writes where each row's gradient starts (unpooled_triton.backward_rows) from each
 feature's start and stride: the same rows as the torch ops of the general path (piece_rows), and
-they hold each feature's gradient (a zero row for a feature without one)."""
+they hold each feature's gradient (a zero row for a feature without one). Also the cached arange
+that gives the backward's one-id bags their offsets."""
 import random
 
 import pytest
@@ -16,7 +17,7 @@ from recom_rec.kernels import unpooled_triton
 from recom_rec.ops import unpooled_torch
 from recom_rec.ops.backends import triton_interpreting
 from recom_rec.ops.layout import META_NUM_EMBEDDINGS, META_ROW_BASE, META_WIDTH
-from recom_rec.ops.unpooled_embedding import _gradient_rows, piece_rows, segments_for
+from recom_rec.ops.unpooled_embedding import _ARANGES, _arange_prefix, _gradient_rows, piece_rows, segments_for
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cuda" and not triton_interpreting(),
                                 reason="the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
@@ -120,3 +121,25 @@ def test_the_module_backward_takes_the_kernel_rows(monkeypatch):
     out = module(kjt)
     sum(jt.values().sum() for name, jt in out.items() if name != "g0").backward()  # g0 without a gradient
     assert calls == [1]
+
+
+def test_cached_arange_slices_equal_arange():
+    for dtype in (torch.int64, torch.int32):
+        for n in (0, 1, 5, 3, 1000, 17, 4097, 2, 4097):
+            got = _arange_prefix(n, DEVICE, dtype)
+            assert got.dtype == dtype and torch.equal(got, torch.arange(n, dtype=dtype, device=DEVICE))
+    shorter, longer = _arange_prefix(10, DEVICE, torch.int64), _arange_prefix(4000, DEVICE, torch.int64)
+    assert shorter.data_ptr() == longer.data_ptr()  # one buffer until a longer one is asked for
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a CUDA graph capture")
+def test_no_cached_arange_while_capturing():
+    """(a replay would read the cached buffer after a growth had dropped it)"""
+    before = dict(_ARANGES)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = _arange_prefix(1 << 22, DEVICE, torch.int64)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, torch.arange(1 << 22, device=DEVICE))
+    assert _ARANGES.keys() == before.keys() and all(_ARANGES[k] is v for k, v in before.items())

@@ -13,7 +13,7 @@ values, rows 2-3 its key's first bag and number of bags in the KJT's offsets (fo
 of an input error).
 """
 from functools import lru_cache
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -154,21 +154,52 @@ class GradientRows(NamedTuple):
 
 
 def _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
-               grad_rows: Optional[GradientRows] = None):
+               grad_rows: Optional[GradientRows] = None, eager: bool = False):
     """The unpooled backward as the pooled lookup's: each output row a bag of one id, its row key,
     looked up in one virtual table that is the group's whole buffer (all its tables share ``dim``,
     so row key k starts at element k * dim, and row-wise optimizer state is indexed by k too). The
     pooled backward's kernels (CUDA where built, with their measured paths, else Triton) then
     sum duplicate rows and apply the optimizer. Returns (values, offsets, meta, key_index, the rows
-    of ``grad_rows`` or None)."""
+    of ``grad_rows`` or None). ``eager``: called from _EagerLookup, not from a registered op."""
     if grad_rows is not None and grad_rows.table is not None:
         keys, rows = _triton().backward_rows(values, segments, feature_meta, num_outputs, grad_rows.table)
     else:
         keys = _triton().row_keys(values, segments, feature_meta, num_outputs)
         rows = grad_rows.rows if grad_rows is not None else None
     device = values.device
-    offsets = torch.arange(num_outputs + 1, dtype=torch.int64, device=device)
+    offsets = (_arange_prefix(num_outputs + 1, device, torch.int64) if eager
+               else torch.arange(num_outputs + 1, dtype=torch.int64, device=device))
     return keys, offsets, _whole_buffer_meta(device, dim, num_rows), _first_key(device), rows
+
+
+# Eager aranges (the one-id bags' offsets 0..n of every backward) as slices of one cached arange
+# per (device, dtype, stream): an allocation and a launch fewer a step. The slices are only read.
+# A longer one replaces the entry (doubling: a few growths in all, at most twice the longest batch's
+# ids held) and drops the old buffer, which torch's caching allocator reuses only after the work
+# queued so far on the stream it was made on; the stream is in the key so that no other stream
+# reads it (as variable_batch._cached_device_ints). While a CUDA graph is being captured: a fresh
+# arange, as a replay would read a buffer after a growth had dropped it.
+_ARANGES: Dict[Tuple[torch.device, torch.dtype, int], Tensor] = {}
+MAX_ARANGES = 16
+
+
+def _arange_prefix(n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``torch.arange(n)`` on ``device``, in eager code, as a read-only view of a cached one."""
+    stream = 0
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.arange(n, dtype=dtype, device=device)
+        stream = torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
+                                                    torch.cuda.current_device())
+    key = (device, dtype, stream)
+    cached = _ARANGES.get(key)
+    if cached is None or cached.numel() < n:
+        if cached is None and len(_ARANGES) >= MAX_ARANGES:
+            _ARANGES.clear()  # (each entry only read on its own stream: freed safely there)
+        size = 1 << (max(n, 2 * cached.numel() if cached is not None else 1) - 1).bit_length()  # a power of 2
+        with torch.inference_mode(False):  # (a normal tensor, whatever mode the first call runs in)
+            cached = _ARANGES[key] = torch.arange(size, dtype=dtype, device=device)
+    return cached[:n]
 
 
 @lru_cache(maxsize=64)
@@ -184,16 +215,16 @@ def _first_key(device: torch.device) -> Tensor:
 
 
 def _backward_impl(grad_output, values, segments, feature_meta, total_numel, dim, dtype, backend,
-                   grad_rows: Optional[GradientRows] = None):
+                   grad_rows: Optional[GradientRows] = None, eager: bool = False):
     """``grad_rows`` (the kernel backends only): where each output row's gradient starts, in
     elements from ``grad_output``'s start (see _gradient_rows); without it ``grad_output`` is
-    ``[num_outputs, dim]``."""
+    ``[num_outputs, dim]``. ``eager``: see _as_pooled."""
     num_outputs = grad_output.shape[0] if grad_rows is None else grad_rows.num_outputs
     if not _on_kernels(backend, grad_output.device) or num_outputs == 0:
         return unpooled_torch.backward(grad_output, values, segments, feature_meta, total_numel, dim, dtype)
     num_rows = total_numel // dim
     keys, offsets, meta, key_index, rows = _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
-                                                      grad_rows)
+                                                      grad_rows, eager)
     return pooled_embedding._backward_impl(grad_output, keys, offsets, None, meta, key_index, num_outputs, total_numel,
                                            dim, dtype, backend, num_outputs, num_rows, grad_rows=rows)
 
@@ -211,8 +242,8 @@ def _(grad_output, values, segments, feature_meta, total_numel, dim, dtype, back
 
 
 def _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, segments, feature_meta,
-                       dim, optimizer, backend, grad_rows: Optional[GradientRows] = None):
-    # (grad_rows: _backward_impl's)
+                       dim, optimizer, backend, grad_rows: Optional[GradientRows] = None, eager: bool = False):
+    # (grad_rows and eager: _backward_impl's)
     num_outputs = grad_output.shape[0] if grad_rows is None else grad_rows.num_outputs
     if not _on_kernels(backend, flat.device) or num_outputs == 0:
         states = [t for t in (state1, state2) if t is not None]
@@ -221,7 +252,7 @@ def _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, 
         return
     num_rows = flat.numel() // dim
     keys, offsets, meta, key_index, rows = _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
-                                                      grad_rows)
+                                                      grad_rows, eager)
     pooled_embedding._fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, keys, offsets,
                                         None, meta, key_index, num_outputs, dim, optimizer, backend, num_outputs,
                                         num_rows, grad_rows=rows)
@@ -268,11 +299,12 @@ def _weight_grads(ctx, grad_output: Tensor, wants_weights: bool, as_ops: bool,
         if as_ops:
             fused_unpooled_update(*args)
         else:
-            _fused_update_impl(*args, grad_rows=grad_rows)
+            _fused_update_impl(*args, grad_rows=grad_rows, eager=True)
             torch.autograd.graph.increment_version([t for t in (flat, state1, state2) if t is not None])
         return None
     args = (grad_output, values, segments, feature_meta, flat.shape[0], ctx.dim, flat.dtype, ctx.backend)
-    grad_flat = unpooled_embedding_backward(*args) if as_ops else _backward_impl(*args, grad_rows=grad_rows)
+    grad_flat = unpooled_embedding_backward(*args) if as_ops else _backward_impl(*args, grad_rows=grad_rows,
+                                                                                   eager=True)
     return list(torch._C._nn.unflatten_dense_tensors(grad_flat, ctx.tables))
 
 
