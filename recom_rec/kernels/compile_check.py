@@ -77,12 +77,15 @@ def _unpooled_variants(ptr):
             "seg_stride": "i32", "dim": "i32", "num_values": "i32",
         }, {"META_W": 8, "BLOCK_R": block_r, "BLOCK_D": block_d, "SEARCH_STEPS": 3, "REPORT": report}, \
             {"num_warps": num_warps}
-    for idx, report in itertools.product(("i32", "i64"), (False, True)):
+    # (the backward's gradient rows come without a report)
+    for idx, (report, grad_rows) in itertools.product(("i32", "i64"), ((False, False), (True, False), (False, True))):
         yield u._row_key_kernel, {
             "values_ptr": ptr[idx], "seg_ptr": "*i64", "meta_ptr": "*i64", "offsets_ptr": ptr[idx],
             "row_key_ptr": "*i64", "claim_ptr": "*i32" if report else "*i64", "report_ptr": "*i64",
+            "grad_table_ptr": "*i64", "grad_row_ptr": "*i64",
             "num_outputs": "i32", "num_features": "i32", "seg_stride": "i32", "num_values": "i32",
-        }, {"META_W": 8, "BLOCK_R": 1024, "SEARCH_STEPS": 5, "REPORT": report}, {"num_warps": 4}
+        }, {"META_W": 8, "BLOCK_R": 1024, "SEARCH_STEPS": 5, "REPORT": report, "GRAD_ROWS": grad_rows}, \
+            {"num_warps": 4}
     for dtype in ("fp32", "fp16", "bf16"):
         yield e._expand_forward_kernel, {
             "pooled_ptr": ptr[dtype], "inverse_ptr": "*i64", "col_feature_ptr": "*i32", "out_ptr": ptr[dtype],

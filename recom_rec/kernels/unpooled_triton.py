@@ -8,7 +8,9 @@ BLOCK_R output rows and BLOCK_D columns; a row finds its feature by a binary sea
 ``out_start`` (F + 1 words, in L1).
 
 The backward needs only each output row's row key (``row_keys``): ops/unpooled_embedding.py runs
-it as the pooled lookup's backward of one-id bags over the group's whole buffer.
+it as the pooled lookup's backward of one-id bags over the group's whole buffer. The eager backward
+also has the same kernel write where each row's gradient starts (``backward_rows``), from each
+feature's start and stride: no torch ops of their own.
 """
 import torch
 import triton
@@ -94,17 +96,24 @@ def _unpooled_forward_kernel(
 
 @triton.jit(do_not_specialize=["num_outputs", "num_values"])
 def _row_key_kernel(
-    values_ptr, seg_ptr, meta_ptr, offsets_ptr, row_key_ptr, claim_ptr, report_ptr, num_outputs, num_features,
-    seg_stride, num_values,
+    values_ptr, seg_ptr, meta_ptr, offsets_ptr, row_key_ptr, claim_ptr, report_ptr, grad_table_ptr, grad_row_ptr,
+    num_outputs, num_features, seg_stride, num_values,
     META_W: tl.constexpr, BLOCK_R: tl.constexpr, SEARCH_STEPS: tl.constexpr, REPORT: tl.constexpr,
+    GRAD_ROWS: tl.constexpr,
 ):
     """Each output row's row key (its table's row base + id; row 0 of the table for a bad id,
-    reported with REPORT as the forward reports it)."""
+    reported with REPORT as the forward reports it). With GRAD_ROWS also where its gradient row
+    starts: ``start[f] + r * stride[f]`` for row r of feature f, from ``grad_table`` (int64
+    ``[2, num_features]``, rows start and stride; see backward_rows)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = r < num_outputs
     f, pos, idx, rows, key, bad = _row_lookup(values_ptr, seg_ptr, meta_ptr, r, live, num_features, seg_stride,
                                               META_W, SEARCH_STEPS)
     tl.store(row_key_ptr + r, key, mask=live)
+    if GRAD_ROWS:
+        start = tl.load(grad_table_ptr + f, mask=live, other=0)
+        stride = tl.load(grad_table_ptr + num_features + f, mask=live, other=0)
+        tl.store(grad_row_ptr + r, start + r * stride, mask=live)
     if REPORT:
         if tl.max(bad.to(tl.int32), axis=0) > 0:
             _report_bad_id(claim_ptr, report_ptr, seg_ptr, offsets_ptr, bad, f, pos, idx, rows, seg_stride,
@@ -141,10 +150,9 @@ def forward(flat, values, segments, feature_meta, offsets, num_outputs, dim, che
     return out
 
 
-def row_keys(values, segments, feature_meta, num_outputs, offsets=None, check=None):
-    """int64 ``[num_outputs]``: the row key each output reads (``feature_meta``'s row base + id).
-    With ``check`` (an input_check.KernelReport, and the KJT's ``offsets``) bad ids are reported."""
+def _launch_row_keys(values, segments, feature_meta, num_outputs, offsets, check, grad_table):
     keys = torch.empty(num_outputs, dtype=torch.int64, device=values.device)
+    grad_rows = None if grad_table is None else torch.empty_like(keys)
     if num_outputs and feature_meta.shape[0]:
         block_r = 1024
         report = check is not None
@@ -153,7 +161,22 @@ def row_keys(values, segments, feature_meta, num_outputs, offsets=None, check=No
         _row_key_kernel[(cdiv(num_outputs, block_r),)](
             values, segments, feature_meta, offsets if report else values, keys,
             check.claim if report else keys, check.words if report else keys,
+            keys if grad_table is None else grad_table, keys if grad_rows is None else grad_rows,
             num_outputs, feature_meta.shape[0], segments.shape[1], values.numel(),
             META_W=META_WIDTH, BLOCK_R=block_r, SEARCH_STEPS=_search_steps(feature_meta.shape[0]), REPORT=report,
-            num_warps=4)
-    return keys
+            GRAD_ROWS=grad_table is not None, num_warps=4)
+    return keys, grad_rows
+
+
+def row_keys(values, segments, feature_meta, num_outputs, offsets=None, check=None):
+    """int64 ``[num_outputs]``: the row key each output reads (``feature_meta``'s row base + id).
+    With ``check`` (an input_check.KernelReport, and the KJT's ``offsets``) bad ids are reported."""
+    return _launch_row_keys(values, segments, feature_meta, num_outputs, offsets, check, None)[0]
+
+
+def backward_rows(values, segments, feature_meta, num_outputs, grad_table):
+    """(row keys, gradient rows), both int64 ``[num_outputs]`` from one launch: ``row_keys``, and
+    where output row r of feature f has its gradient, ``grad_table[0, f] + r * grad_table[1, f]``
+    (``grad_table``: int64 ``[2, F]`` on the device, each feature's start and stride; see
+    ops/unpooled_embedding._gradient_rows)."""
+    return _launch_row_keys(values, segments, feature_meta, num_outputs, None, None, grad_table)

@@ -13,7 +13,7 @@ values, rows 2-3 its key's first bag and number of bags in the KJT's offsets (fo
 of an input error).
 """
 from functools import lru_cache
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -142,16 +142,64 @@ def _(weights, flat, values, offsets, segments, feature_meta, num_outputs, dim, 
     return flat.new_empty((num_outputs, dim), dtype=torch.float32)
 
 
-def _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows):
+class GradientRows(NamedTuple):
+    """Where each of the eager backward's ``num_outputs`` rows has its gradient, in elements from
+    the first gradient tensor's start (_gradient_rows): ``rows`` (int64, one per output row), or,
+    where the gradient pieces are the group's features, ``table`` (int64 ``[2, F]``, each feature's
+    start and stride), from which the row-key kernel writes the rows (unpooled_triton.backward_rows)."""
+
+    num_outputs: int
+    rows: Optional[Tensor]
+    table: Optional[Tensor]
+
+
+def _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
+               grad_rows: Optional[GradientRows] = None, eager: bool = False):
     """The unpooled backward as the pooled lookup's: each output row a bag of one id, its row key,
     looked up in one virtual table that is the group's whole buffer (all its tables share ``dim``,
     so row key k starts at element k * dim, and row-wise optimizer state is indexed by k too). The
     pooled backward's kernels (CUDA where built, with their measured paths, else Triton) then
-    sum duplicate rows and apply the optimizer. Returns (values, offsets, meta, key_index)."""
-    keys = _triton().row_keys(values, segments, feature_meta, num_outputs)
+    sum duplicate rows and apply the optimizer. Returns (values, offsets, meta, key_index, the rows
+    of ``grad_rows`` or None). ``eager``: called from _EagerLookup, not from a registered op."""
+    if grad_rows is not None and grad_rows.table is not None:
+        keys, rows = _triton().backward_rows(values, segments, feature_meta, num_outputs, grad_rows.table)
+    else:
+        keys = _triton().row_keys(values, segments, feature_meta, num_outputs)
+        rows = grad_rows.rows if grad_rows is not None else None
     device = values.device
-    offsets = torch.arange(num_outputs + 1, dtype=torch.int64, device=device)
-    return keys, offsets, _whole_buffer_meta(device, dim, num_rows), _first_key(device)
+    offsets = (_arange_prefix(num_outputs + 1, device, torch.int64) if eager
+               else torch.arange(num_outputs + 1, dtype=torch.int64, device=device))
+    return keys, offsets, _whole_buffer_meta(device, dim, num_rows), _first_key(device), rows
+
+
+# Eager aranges (the one-id bags' offsets 0..n of every backward) as slices of one cached arange
+# per (device, dtype, stream): an allocation and a launch fewer a step. The slices are only read.
+# A longer one replaces the entry (doubling: a few growths in all, at most twice the longest batch's
+# ids held) and drops the old buffer, which torch's caching allocator reuses only after the work
+# queued so far on the stream it was made on; the stream is in the key so that no other stream
+# reads it (as variable_batch._cached_device_ints). While a CUDA graph is being captured: a fresh
+# arange, as a replay would read a buffer after a growth had dropped it.
+_ARANGES: Dict[Tuple[torch.device, torch.dtype, int], Tensor] = {}
+MAX_ARANGES = 16
+
+
+def _arange_prefix(n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``torch.arange(n)`` on ``device``, in eager code, as a read-only view of a cached one."""
+    stream = 0
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.arange(n, dtype=dtype, device=device)
+        stream = torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
+                                                    torch.cuda.current_device())
+    key = (device, dtype, stream)
+    cached = _ARANGES.get(key)
+    if cached is None or cached.numel() < n:
+        if cached is None and len(_ARANGES) >= MAX_ARANGES:
+            _ARANGES.clear()  # (each entry only read on its own stream: freed safely there)
+        size = 1 << (max(n, 2 * cached.numel() if cached is not None else 1) - 1).bit_length()  # a power of 2
+        with torch.inference_mode(False):  # (a normal tensor, whatever mode the first call runs in)
+            cached = _ARANGES[key] = torch.arange(size, dtype=dtype, device=device)
+    return cached[:n]
 
 
 @lru_cache(maxsize=64)
@@ -166,16 +214,19 @@ def _first_key(device: torch.device) -> Tensor:
     return torch.zeros(1, dtype=torch.int64, device=device)
 
 
-def _backward_impl(grad_output, values, segments, feature_meta, total_numel, dim, dtype, backend, grad_rows=None):
-    """``grad_rows`` (the kernel backends only): each output row's gradient row, in elements from
-    ``grad_output``'s start (see _gradient_rows); without it ``grad_output`` is ``[num_outputs, dim]``."""
-    num_outputs = grad_output.shape[0] if grad_rows is None else grad_rows.numel()
+def _backward_impl(grad_output, values, segments, feature_meta, total_numel, dim, dtype, backend,
+                   grad_rows: Optional[GradientRows] = None, eager: bool = False):
+    """``grad_rows`` (the kernel backends only): where each output row's gradient starts, in
+    elements from ``grad_output``'s start (see _gradient_rows); without it ``grad_output`` is
+    ``[num_outputs, dim]``. ``eager``: see _as_pooled."""
+    num_outputs = grad_output.shape[0] if grad_rows is None else grad_rows.num_outputs
     if not _on_kernels(backend, grad_output.device) or num_outputs == 0:
         return unpooled_torch.backward(grad_output, values, segments, feature_meta, total_numel, dim, dtype)
     num_rows = total_numel // dim
-    keys, offsets, meta, key_index = _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows)
+    keys, offsets, meta, key_index, rows = _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
+                                                      grad_rows, eager)
     return pooled_embedding._backward_impl(grad_output, keys, offsets, None, meta, key_index, num_outputs, total_numel,
-                                           dim, dtype, backend, num_outputs, num_rows, grad_rows=grad_rows)
+                                           dim, dtype, backend, num_outputs, num_rows, grad_rows=rows)
 
 
 @torch.library.custom_op("recom_rec::unpooled_embedding_backward", mutates_args=())
@@ -191,18 +242,20 @@ def _(grad_output, values, segments, feature_meta, total_numel, dim, dtype, back
 
 
 def _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, values, segments, feature_meta,
-                       dim, optimizer, backend, grad_rows=None):
-    num_outputs = grad_output.shape[0] if grad_rows is None else grad_rows.numel()  # (grad_rows: _backward_impl's)
+                       dim, optimizer, backend, grad_rows: Optional[GradientRows] = None, eager: bool = False):
+    # (grad_rows and eager: _backward_impl's)
+    num_outputs = grad_output.shape[0] if grad_rows is None else grad_rows.num_outputs
     if not _on_kernels(backend, flat.device) or num_outputs == 0:
         states = [t for t in (state1, state2) if t is not None]
         unpooled_torch.fused_update(grad_output, flat, states, [state1_is_row, False][:len(states)], hyper, step,
                                     values, segments, feature_meta, dim, optimizer)
         return
     num_rows = flat.numel() // dim
-    keys, offsets, meta, key_index = _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows)
+    keys, offsets, meta, key_index, rows = _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
+                                                      grad_rows, eager)
     pooled_embedding._fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, keys, offsets,
                                         None, meta, key_index, num_outputs, dim, optimizer, backend, num_outputs,
-                                        num_rows, grad_rows=grad_rows)
+                                        num_rows, grad_rows=rows)
 
 
 @torch.library.custom_op("recom_rec::fused_unpooled_update", mutates_args=("flat", "state1", "state2"))
@@ -233,7 +286,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _weight_grads(ctx, grad_output: Tensor, wants_weights: bool, as_ops: bool,
-                  grad_rows: Optional[Tensor] = None) -> Optional[List[Tensor]]:
+                  grad_rows: Optional[GradientRows] = None) -> Optional[List[Tensor]]:
     """``grad_rows``: eager only (``as_ops`` False), see _backward_impl."""
     values, segments, feature_meta = ctx.saved_tensors
     if not (ctx.tables and wants_weights):
@@ -246,11 +299,12 @@ def _weight_grads(ctx, grad_output: Tensor, wants_weights: bool, as_ops: bool,
         if as_ops:
             fused_unpooled_update(*args)
         else:
-            _fused_update_impl(*args, grad_rows=grad_rows)
+            _fused_update_impl(*args, grad_rows=grad_rows, eager=True)
             torch.autograd.graph.increment_version([t for t in (flat, state1, state2) if t is not None])
         return None
     args = (grad_output, values, segments, feature_meta, flat.shape[0], ctx.dim, flat.dtype, ctx.backend)
-    grad_flat = unpooled_embedding_backward(*args) if as_ops else _backward_impl(*args, grad_rows=grad_rows)
+    grad_flat = unpooled_embedding_backward(*args) if as_ops else _backward_impl(*args, grad_rows=grad_rows,
+                                                                                   eager=True)
     return list(torch._C._nn.unflatten_dense_tensors(grad_flat, ctx.tables))
 
 
@@ -278,6 +332,9 @@ class _EagerLookup(torch.autograd.Function):
         _setup_context(ctx, (list(weights), flat, values, offsets, segments, feature_meta, num_outputs, dim, backend,
                              validate, names, optimizer, state1, state2, state1_is_row, hyper, step, report_id), out)
         ctx.split_sizes = split_sizes
+        # the pieces are the features (unpooled_lookup's split_sizes): the row-key kernel, which
+        # finds each row's feature, can then write where its gradient is (_gradient_rows)
+        ctx.by_feature = len(split_sizes) == feature_meta.shape[0]
         ctx.set_materialize_grads(False)  # a feature whose output has no gradient reads one zero row
         return tuple(out.split(split_sizes))
 
@@ -286,7 +343,7 @@ class _EagerLookup(torch.autograd.Function):
         wants = any(ctx.needs_input_grad[18:])
         device = ctx.flat.device
         whole = len(grads) == 1 and grads[0] is not None  # one piece: its gradient is the block
-        rows = (_gradient_rows(grads, ctx.split_sizes, ctx.dim, device)
+        rows = (_gradient_rows(grads, ctx.split_sizes, ctx.dim, device, ctx.by_feature)
                 if _on_kernels(ctx.backend, device) and not whole else None)
         if rows is not None:
             base, grad_rows, _held = rows  # (held until the kernels are queued: copies and the zero row)
@@ -298,13 +355,15 @@ class _EagerLookup(torch.autograd.Function):
         return (None,) * 18 + tuple(weight_grads if weight_grads is not None else [None] * len(ctx.tables))
 
 
-def _gradient_rows(grads, sizes: List[int], dim: int,
-                   device: torch.device) -> Optional[Tuple[Tensor, Tensor, List[Tensor]]]:
-    """(base, rows, held): ``rows`` (int64, one per output row) says where each output row's
-    gradient starts, in elements from ``base``'s first, among the features' gradients ``grads``
-    (None: a feature without one, which reads a zero row); ``held``, the tensors read there, which
-    the caller keeps until the kernels are queued. None where the kernels cannot read them so: a
-    gradient that is not fp32, or not 16-byte aligned where the rows are read 16 bytes at a time."""
+def _gradient_rows(grads, sizes: List[int], dim: int, device: torch.device,
+                   by_feature: bool) -> Optional[Tuple[Tensor, GradientRows, List[Tensor]]]:
+    """(base, rows, held): ``rows`` says where each output row's gradient starts, in elements from
+    ``base``'s first, among the gradient pieces ``grads`` (None: a piece without one, which reads a
+    zero row) of ``sizes`` rows; ``held``, the tensors read there, which the caller keeps until the
+    kernels are queued. ``by_feature``: the pieces are the group's features (``sizes`` their id
+    counts), so that the row-key kernel writes the rows from each piece's start and stride; else
+    torch ops do (piece_rows). None where the kernels cannot read them so: a gradient that is not
+    fp32, or not 16-byte aligned where the rows are read 16 bytes at a time."""
     total = sum(sizes)
     present = [g for g, n in zip(grads, sizes) if g is not None and n > 0]
     if total == 0 or any(g.dtype != torch.float32 for g in present):
@@ -329,11 +388,22 @@ def _gradient_rows(grads, sizes: List[int], dim: int,
         first += n
     # From pinned memory: a copy from pageable memory waits for the stream's earlier work first
     # (CUDA's rule), which stalled the host behind the forward (v49: +0.9 ms a step at batch 128).
-    host = torch.tensor([starts, strides, sizes], dtype=torch.int64, pin_memory=device.type == "cuda")
-    table = host.to(device, non_blocking=True)
-    row = torch.arange(total, dtype=torch.int64, device=device)
+    pinned = device.type == "cuda"
+    if by_feature:
+        table = torch.tensor([starts, strides], dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
+        return base, GradientRows(total, None, table), held
+    table = torch.tensor([starts, strides, sizes], dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
+    return base, GradientRows(total, piece_rows(table, total), None), held
+
+
+def piece_rows(table: Tensor, total: int) -> Tensor:
+    """Where each of ``total`` output rows has its gradient, from ``table`` (int64 ``[3, P]``: each
+    piece's start and stride as _gradient_rows makes them, and its rows): row r of piece p at
+    ``start[p] + r * stride[p]``, as unpooled_triton.backward_rows writes it for pieces that are
+    the features."""
+    row = torch.arange(total, dtype=torch.int64, device=table.device)
     piece = segment_ids(table[2], row)
-    return base, table[0][piece] + row * table[1][piece], held
+    return table[0][piece] + row * table[1][piece]
 
 
 class UnpooledBatch(NamedTuple):
@@ -353,7 +423,8 @@ def unpooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, b
                     group_index: int = 0, split_sizes: Optional[List[int]] = None) -> List[Tensor]:
     """``unpooled_embedding_forward`` with its autograd formula for one group: the registered op
     when traced or compiled, else the same bodies at eager cost. The output rows split by
-    ``split_sizes`` (None: one piece, the whole block)."""
+    ``split_sizes``: None (one piece, the whole block) or the features' id counts (``segments``' row
+    0 steps), which the eager backward relies on (_EagerLookup.forward's ``by_feature``)."""
     state1, state2 = group_states(fused, group_index)
     kind = fused.kind if fused is not None else -1
     hyper = fused.hyper if fused is not None else None
