@@ -24,7 +24,7 @@ import torch
 
 from recom_rec.bench.peers import make_peer
 from recom_rec.bench.timing import time_ms
-from recom_rec.bench.random_layouts import dcnv2
+from recom_rec.bench.random_layouts import dcnv2, random_workloads
 from recom_rec.bench.sharded_dlrm import table_wise_ranks
 from recom_rec.bench.workloads import Workload, get_workload
 from recom_rec.kernels.pooled_cuda import BACKWARD_PATH_TUNER, FORWARD_ORDER_TUNER
@@ -289,6 +289,9 @@ def main():
                    help="batch sizes of the sequence workload (EmbeddingCollection) instead of workloads")
     p.add_argument("--vbe", action="store_true",
                    help="the vbe workload (a batch size per feature, fused SGD) instead of workloads")
+    p.add_argument("--random", nargs="*", default=[], metavar="SEED:INDEX",
+                   help="the pooled layout random-INDEX that `bench --workloads random --seed SEED` draws, "
+                   "instead of workloads")
     p.add_argument("--dcnv2-shards", nargs="*", default=[],
                    help="RANK/WORLD: one rank's tables of the sharded-dlrm plan instead of workloads")
     p.add_argument("--timeline", action="store_true",
@@ -322,8 +325,10 @@ def main():
         del peers
         torch.cuda.empty_cache()
     shards = [dcnv2_shard(spec) for spec in args.dcnv2_shards]
-    named = [] if args.points or args.sequence or args.vbe else args.workloads
-    for w in shards or [get_workload(n, False) for n in named]:
+    drawn = [random_workloads(int(seed), int(index) + 1, False)[int(index)]
+             for seed, index in (spec.split(":") for spec in args.random)]
+    named = [] if args.points or args.sequence or args.vbe or args.random else args.workloads
+    for w in shards or drawn or [get_workload(n, False) for n in named]:
         wname = w.name
         kjt = w.make_input(dev)
         peers = [f"recom_rec:{b}" for b in args.backends] + (["fbgemm"] if args.fbgemm else [])
