@@ -13,6 +13,7 @@ from subprocess_env import child_env
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # (~10-15 s of a 2-core machine: make test-slow; make test stays under 10 min)
 def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
     env = child_env(CUDA_VISIBLE_DEVICES="")
     out = tmp_path / "bench"
@@ -129,6 +130,7 @@ def test_sweep_small_runs_every_kind_of_point_and_checks_agreement(tmp_path):
     assert f"median 0.0%, max 0.0%, within 5%: {n} of {n}" in same.stdout, same.stdout
 
 
+@pytest.mark.slow  # (~10-15 s of a 2-core machine: make test-slow; make test stays under 10 min)
 def test_bench_inference_phase_on_the_cpu(tmp_path):
     """``--phases inference``: quantized rows, ours vs fbgemm's IntN TBE vs torchrec's quantized
     EBC, at the workload's batch and at batches 1/16/64 (eager on the CPU); identical outputs."""

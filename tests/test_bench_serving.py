@@ -104,6 +104,7 @@ def test_output_check_fails_loudly_on_a_differing_peer():
         serving.compare_outputs({"recom_rec": ours, "torchrec": [ours[0], torch.rand(1, 4)]}, 1e-5, "probe")
 
 
+@pytest.mark.slow  # (~10-15 s of a 2-core machine: make test-slow; make test stays under 10 min)
 def test_serving_cli_writes_latency_percentiles_for_every_peer(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run(

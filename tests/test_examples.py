@@ -129,6 +129,7 @@ def test_deepfm_movielens_reads_an_ml1m_directory(tmp_path):
     _png(tmp_path / "out" / "deepfm_movielens.png")
 
 
+@pytest.mark.slow  # (~10-15 s of a 2-core machine: make test-slow; make test stays under 10 min)
 def test_many_columns_inference_table(tmp_path):
     out = _run("many_columns_inference.py", "--columns", "120", "--batch-size", "16", "--iters", "3",
                "--warmup", "1", "--out", str(tmp_path))

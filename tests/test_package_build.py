@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +22,7 @@ def _clean_copy(dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.slow  # (~10-15 s of a 2-core machine: make test-slow; make test stays under 10 min)
 def test_pip_install_builds_the_ps_library_and_the_package_loads_it(tmp_path):
     src, site = _clean_copy(tmp_path / "src"), tmp_path / "site"
     install = subprocess.run(

@@ -1,4 +1,5 @@
 """The planner plugin: estimates that describe our kernel, and plans built with them."""
+import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
@@ -147,6 +148,7 @@ def test_dlrm_dcnv2_plan_for_two_hosts_of_eight_gpus():
     assert big, "the 20-40M-row tables must be sharded, not replicated"
 
 
+@pytest.mark.slow  # (~10-15 s of a 2-core machine: make test-slow; make test stays under 10 min)
 def test_a_hundred_table_plan_for_two_hosts_of_eight_gpus():
     """(torchrec's planner takes over 14 minutes of this machine's CPU for 1,000 tables on 16 ranks:
     the fast suite plans 100.)"""
