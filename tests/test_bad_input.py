@@ -296,3 +296,30 @@ def test_a_batch_on_another_device_is_refused_and_the_module_still_works(module)
     out = ours(KeyedJaggedTensor(keys=keys, values=values, lengths=lengths).to(DEVICE))
     values = torch.cat([jt.values() for jt in out.values()]) if isinstance(out, dict) else out.values()
     assert values.device.type == DEVICE.type and torch.isfinite(values.float()).all()
+
+
+def _vbe_kjt(user_bags):
+    """user_id at 2 bags, item_id and shared at 3; output row 2 takes user bag ``user_bags[2]``."""
+    keys = ["user_id", "item_id", "shared"]
+    inverse = torch.tensor([user_bags, [0, 1, 2], [0, 1, 2]])
+    return KeyedJaggedTensor(keys=keys, values=torch.tensor([1, 2, 0, 1, 2, 3, 4, 5]), lengths=torch.ones(8, dtype=torch.int64),
+                             stride_per_key_per_rank=[[2], [3], [3]], inverse_indices=(keys, inverse)).to(DEVICE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bag", [2, 7, -1])  # a padded bag (another key has 3), past every bag, negative
+def test_inverse_indices_outside_the_feature_s_bags(backend, bag):
+    """A VBE batch's inverse indices must name bags the feature has. Eagerly on the CPU the module
+    raises, naming the feature; on a GPU (no sync to read them) the expansion stays in bounds: the
+    other rows are right and the bad row reads a bag of the batch (docs: the README's limits)."""
+    module = _module(backend)
+    if DEVICE.type != "cuda":
+        with pytest.raises(ValueError, match=rf"inverse_indices of feature 'user_id' send output row 2 to bag {bag}, "
+                                             r"but the feature has 2 bags in this batch: each must lie in \[0, 2\)"):
+            module(_vbe_kjt([0, 1, bag]))
+        return
+    out = module(_vbe_kjt([0, 1, bag])).values()
+    good = module(_vbe_kjt([0, 1, 0])).values()
+    torch.cuda.synchronize()
+    assert torch.equal(out[:2], good[:2]) and torch.equal(out[2, 4:], good[2, 4:])
+    assert bool(torch.isfinite(out).all())

@@ -139,3 +139,17 @@ def test_cuda_extension_kernels_match_gather_and_scatter_add(dims, dtype):
         assert torch.equal(p.grad[:, :dims[0]], grad[:, :dims[0]])  # the identity feature's rows stored
     # an empty batch
     assert expand_rows(pooled, inverse[:, :0], dims, "cuda").shape == (0, sum(dims))
+
+
+def test_kernels_stay_in_bounds_with_bad_inverse_indices():
+    """An inverse index outside the pooled bags reads bag 0 and adds nothing out of bounds (the
+    module checks them on the CPU; on a GPU the kernels cannot raise without a sync)."""
+    pooled, inverse, col_feature = _case(2)
+    bad = inverse.clone()
+    bad[0, 0], bad[-1, -1] = pooled.shape[0] + 5, -3
+    rows = bad.clamp(0, pooled.shape[0] - 1).index_select(0, col_feature.long()).t()
+    rows = torch.where(bad.index_select(0, col_feature.long()).t() == rows, rows, torch.zeros_like(rows))
+    assert torch.equal(expand_triton.forward(pooled, bad, col_feature), pooled.gather(0, rows))
+    grad = torch.randn(bad.shape[1], pooled.shape[1], device=pooled.device)
+    expected = torch.zeros_like(pooled).scatter_add_(0, rows, grad)
+    torch.testing.assert_close(expand_triton.backward(grad, bad, col_feature, pooled.shape[0]), expected)

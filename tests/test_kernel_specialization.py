@@ -24,9 +24,9 @@ BATCH_COUNTS = {
     "_unpooled_forward_kernel": ("num_outputs", "num_values"),
     "_row_key_kernel": ("num_outputs", "num_values"),
     "_quantized_forward_kernel": ("batch_size", "num_values", "last_offset"),
-    "_expand_forward_kernel": ("batch", "inverse_stride"),
+    "_expand_forward_kernel": ("batch", "inverse_stride", "num_bags"),
     "_moved_features_kernel": ("batch", "inverse_stride"),
-    "_expand_backward_kernel": ("batch", "inverse_stride"),
+    "_expand_backward_kernel": ("batch", "inverse_stride", "num_bags"),
     "_pad_offsets_kernel": ("width", "bags", "n"),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "i32": torch.int32,

@@ -185,6 +185,29 @@ def test_quantized_module_pools_a_vbe_batch_as_its_rows_spelled_out(backend, see
         assert torch.equal(float_ebc(kjt).values(), float_ebc(_spelled_out(kjt)).values())
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the check reads the inverse indices on the host: the eager CPU "
+                    "path (on a GPU the kernels stay in bounds without a sync: test_bad_input)")
+@pytest.mark.parametrize("backend", QUANT_BACKENDS)
+def test_quantized_module_names_a_feature_whose_inverse_indices_leave_its_bags(backend):
+    tables = [EmbeddingBagConfig(**{**vars(t), "embedding_dim": 4 * max(1, t.embedding_dim // 4)})
+              for t in _tables(0)]
+    float_ebc = recom_rec.EmbeddingBagCollection(tables, device=DEVICE)
+    float_ebc.qconfig = torch.quantization.QConfig(
+        activation=torch.quantization.PlaceholderObserver.with_args(dtype=torch.float),
+        weight=torch.quantization.PlaceholderObserver.with_args(dtype=torch.qint8))
+    quant = recom_rec.quant.EmbeddingBagCollection.from_float(float_ebc, backend=backend)
+    kjt = _vbe_kjt(tables, 0)
+    keys, inverse = kjt.inverse_indices()
+    strides = kjt.stride_per_key()
+    bad = inverse.clone()
+    bad[0, 1] = strides[0]  # one past the first key's bags
+    kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+                            stride_per_key_per_rank=kjt.stride_per_key_per_rank(), inverse_indices=(keys, bad))
+    with pytest.raises(ValueError, match=rf"inverse_indices of feature '{keys[0]}' send output row 1 to bag "
+                                         rf"{strides[0]}, but the feature has {strides[0]} bags"):
+        quant(kjt)
+
+
 def test_scripted_module_pools_variable_batches_as_eager():
     """TorchScript (torch.jit.script of the module, and of its fx trace) takes VBE KJTs too."""
     from torchrec.fx import symbolic_trace

@@ -19,8 +19,8 @@ constexpr int MOVED_THREADS = 1024;
 
 // One unit (16 bytes where every feature's columns split into whole 16-byte units, else one
 // element) of the output a thread: its row b, its feature from its first column, its bag from the
-// feature's inverse indices. A bag outside [0, num_bags) reads bag 0 (the module's check reports
-// bad inverse indices; the kernel only stays in bounds).
+// feature's inverse indices. A bag outside [0, num_bags) reads bag 0: the kernel stays in bounds
+// (eagerly on the CPU the module checks the inverse indices, variable_batch.check_inverse_indices).
 template <typename U>
 __global__ void __launch_bounds__(EXPAND_ROW_THREADS) expand_forward_kernel(
     const U* __restrict__ pooled, const int64_t* __restrict__ inverse, const int32_t* __restrict__ col_feature,
@@ -106,7 +106,7 @@ at::Tensor expand_rows_forward(const at::Tensor& pooled, const at::Tensor& inver
   check_expand_args(inverse, col_feature, cols);
   auto out = at::empty({batch, cols}, pooled.options());
   if (batch == 0 || cols == 0) return out;
-  TORCH_CHECK(num_bags > 0, "recom_rec cuda backend: output rows but no bags to expand");
+  if (num_bags == 0) return out.zero_();  // (no bags at all: every row reads nothing)
   const int64_t esize = pooled.element_size();
   auto stream = at::cuda::getCurrentCUDAStream();
   auto launch = [&](auto unit) {
@@ -143,8 +143,7 @@ at::Tensor expand_rows_backward(const at::Tensor& grad, const at::Tensor& invers
   if (grad_pooled.numel() > 0) {
     C10_CUDA_CHECK(cudaMemsetAsync(grad_pooled.data_ptr(), 0, grad_pooled.numel() * sizeof(float), stream));
   }
-  if (batch == 0 || cols == 0) return grad_pooled;
-  TORCH_CHECK(num_bags > 0, "recom_rec cuda backend: output rows but no bags to add them to");
+  if (batch == 0 || cols == 0 || num_bags == 0) return grad_pooled;
   const int64_t features = inverse.size(0);
   TORCH_CHECK(features < (int64_t)INT32_MAX, "recom_rec cuda backend: too many features");
   auto moved = at::empty({features}, grad.options().dtype(at::kInt));

@@ -89,14 +89,14 @@ def _unpooled_variants(ptr):
     for dtype in ("fp32", "fp16", "bf16"):
         yield e._expand_forward_kernel, {
             "pooled_ptr": ptr[dtype], "inverse_ptr": "*i64", "col_feature_ptr": "*i32", "out_ptr": ptr[dtype],
-            "batch": "i32", "cols": "i32", "inverse_stride": "i32",
+            "batch": "i32", "cols": "i32", "inverse_stride": "i32", "num_bags": "i32",
         }, {"BLOCK_B": e.BLOCK_B, "BLOCK_C": e.BLOCK_C}, {"num_warps": 4}
     yield e._moved_features_kernel, {
         "inverse_ptr": "*i64", "moved_ptr": "*i32", "batch": "i32", "inverse_stride": "i32",
     }, {"BLOCK": e.MOVED_BLOCK}, {"num_warps": 4}
     yield e._expand_backward_kernel, {
         "grad_ptr": "*fp32", "inverse_ptr": "*i64", "col_feature_ptr": "*i32", "moved_ptr": "*i32",
-        "grad_pooled_ptr": "*fp32", "batch": "i32", "cols": "i32", "inverse_stride": "i32",
+        "grad_pooled_ptr": "*fp32", "batch": "i32", "cols": "i32", "inverse_stride": "i32", "num_bags": "i32",
     }, {"BLOCK_B": e.BLOCK_B, "BLOCK_C": e.BLOCK_C}, {"num_warps": 4}
     for idx in ("i32", "i64"):
         yield p._pad_offsets_kernel, {

@@ -21,22 +21,26 @@ MOVED_BLOCK = 1024
 
 
 @triton.jit
-def _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The program's rows b, columns c, mask, each column's feature f and each element's bag."""
+def _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, num_bags, BLOCK_B: tl.constexpr,
+          BLOCK_C: tl.constexpr):
+    """The program's rows b, columns c, mask, each column's feature f and each element's bag (a bag
+    outside [0, num_bags) reads bag 0: the reads stay in bounds whatever the inverse indices hold)."""
     b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (b < batch)[:, None] & (c < cols)[None, :]
     f = tl.load(col_feature_ptr + c, mask=c < cols, other=0).to(tl.int64)
     bag = tl.load(inverse_ptr + f[None, :] * inverse_stride + b[:, None], mask=mask, other=0).to(tl.int64)
-    return b, c, mask, f, bag
+    return b, c, mask, f, tl.where((bag >= 0) & (bag < num_bags), bag, 0)
 
 
-# The batch and the inverse indices' row stride (the batch too) change with every batch: not
-# specialized on (pooled_triton.BATCH_COUNTS says why), so a stream of batch sizes compiles one variant.
-@triton.jit(do_not_specialize=["batch", "inverse_stride"])
-def _expand_forward_kernel(pooled_ptr, inverse_ptr, col_feature_ptr, out_ptr, batch, cols, inverse_stride,
+# The batch, the inverse indices' row stride (the batch too) and the bags change with every batch:
+# not specialized on (pooled_triton.BATCH_COUNTS says why), so a stream of batch sizes compiles one
+# variant.
+@triton.jit(do_not_specialize=["batch", "inverse_stride", "num_bags"])
+def _expand_forward_kernel(pooled_ptr, inverse_ptr, col_feature_ptr, out_ptr, batch, cols, inverse_stride, num_bags,
                            BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    b, c, mask, _, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B, BLOCK_C)
+    b, c, mask, _, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, num_bags, BLOCK_B,
+                               BLOCK_C)
     v = tl.load(pooled_ptr + src * cols + c[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + b[:, None] * cols + c[None, :], v, mask=mask)
 
@@ -52,10 +56,11 @@ def _moved_features_kernel(inverse_ptr, moved_ptr, batch, inverse_stride, BLOCK:
     tl.store(moved_ptr + f, moved, mask=moved > 0)  # every writer writes 1
 
 
-@triton.jit(do_not_specialize=["batch", "inverse_stride"])
+@triton.jit(do_not_specialize=["batch", "inverse_stride", "num_bags"])
 def _expand_backward_kernel(grad_ptr, inverse_ptr, col_feature_ptr, moved_ptr, grad_pooled_ptr, batch, cols,
-                            inverse_stride, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    b, c, mask, f, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, BLOCK_B, BLOCK_C)
+                            inverse_stride, num_bags, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+    b, c, mask, f, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, num_bags, BLOCK_B,
+                               BLOCK_C)
     g = tl.load(grad_ptr + b[:, None] * cols + c[None, :], mask=mask, other=0.0)
     summed = (tl.load(moved_ptr + f, mask=c < cols, other=1) != 0)[None, :]
     # an identity feature's row b is its bag b and no other row adds to it: a store, same bits
@@ -68,10 +73,12 @@ def forward(pooled, inverse, col_feature):
     pooled, inverse, col_feature = pooled.contiguous(), inverse.contiguous(), col_feature.contiguous()
     batch, cols = inverse.shape[1], pooled.shape[1]
     out = torch.empty(batch, cols, dtype=pooled.dtype, device=pooled.device)
-    if batch and cols:
+    if batch and cols and pooled.shape[0]:
         _expand_forward_kernel[(cdiv(batch, BLOCK_B), cdiv(cols, BLOCK_C))](
-            pooled, inverse, col_feature, out, batch, cols, inverse.stride(0), BLOCK_B=BLOCK_B, BLOCK_C=BLOCK_C,
-            num_warps=4)
+            pooled, inverse, col_feature, out, batch, cols, inverse.stride(0), pooled.shape[0], BLOCK_B=BLOCK_B,
+            BLOCK_C=BLOCK_C, num_warps=4)
+    elif batch and cols:  # (no bags at all: every row reads nothing)
+        out.zero_()
     return out
 
 
@@ -80,11 +87,11 @@ def backward(grad, inverse, col_feature, num_bags):
     batch, cols = grad.shape
     grad, inverse, col_feature = grad.contiguous(), inverse.contiguous(), col_feature.contiguous()
     grad_pooled = torch.zeros(num_bags, cols, dtype=torch.float32, device=grad.device)
-    if batch and cols:
+    if batch and cols and num_bags:
         moved = torch.zeros(inverse.shape[0], dtype=torch.int32, device=grad.device)
         _moved_features_kernel[(cdiv(batch, MOVED_BLOCK), inverse.shape[0])](
             inverse, moved, batch, inverse.stride(0), BLOCK=MOVED_BLOCK, num_warps=4)
         _expand_backward_kernel[(cdiv(batch, BLOCK_B), cdiv(cols, BLOCK_C))](
-            grad, inverse, col_feature, moved, grad_pooled, batch, cols, inverse.stride(0),
+            grad, inverse, col_feature, moved, grad_pooled, batch, cols, inverse.stride(0), num_bags,
             BLOCK_B=BLOCK_B, BLOCK_C=BLOCK_C, num_warps=4)
     return grad_pooled

@@ -38,7 +38,7 @@ from ..ops.tracing import fx_tracing
 from ..ops.plan import FusedStep, GroupPlan, LookupPlan, group_states
 from ..ops.pooled_embedding import load_kernels
 from ..ops.validation import encode_names
-from ..ops.variable_batch import expand_rows, uniform_batch
+from ..ops.variable_batch import check_inverse_indices, expand_rows, uniform_batch
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import FusedOptimizerSpec
 from .flat_tables import FlatTables, TableGroup
@@ -179,7 +179,10 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
     """Eager and compiled: key plans cached per key order (torch.compile folds them). A KJT with
     variable batch per feature is padded to a uniform one, its rows expanded by its inverse
     indices after the lookup (ops/variable_batch.py)."""
+    unpadded = features
     features, rows = uniform_batch(features, plan.output_features)
+    if rows is not None and plan.validate and not rows.is_cuda and not torch.compiler.is_compiling():
+        check_inverse_indices(unpadded, rows, plan.output_features)
     keys = tuple(features.keys())
     values = features.values()
     per_sample_weights = features.weights_or_none() if plan.is_weighted else None

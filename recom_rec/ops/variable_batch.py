@@ -107,6 +107,27 @@ def output_rows(features: KeyedJaggedTensor, output_features: List[str]) -> Opti
     return indices.index_select(0, _device_ints(order_list, indices.device)).to(torch.int64)
 
 
+def check_inverse_indices(features: KeyedJaggedTensor, rows: torch.Tensor, output_features: List[str]) -> None:
+    """Raises a ValueError naming the first output feature whose inverse indices (``rows``,
+    output_rows') send an output row to a bag its key does not have in this batch: each must lie in
+    ``[0, s_f)``. (Reads them on the host: the eager CPU path calls it; on a GPU the expansion's
+    kernels read bag 0 instead, without a sync.)"""
+    keys = features.keys()
+    strides = features.stride_per_key() if features.variable_stride_per_key() else [features.stride()] * len(keys)
+    stride_of = dict(zip(keys, strides))
+    for f, name in enumerate(output_features):
+        key = name.split("@")[0]
+        if key not in stride_of:
+            continue  # (the lookup names a missing key itself)
+        bags = stride_of[key]
+        bad = ((rows[f] < 0) | (rows[f] >= bags)).nonzero()
+        if bad.numel():
+            b = int(bad[0])
+            raise ValueError(f"KeyedJaggedTensor inverse_indices of feature {key!r} send output row {b} to bag "
+                             f"{int(rows[f, b])}, but the feature has {bags} bags in this batch: each must lie in "
+                             f"[0, {bags})")
+
+
 def expand_rows(pooled: torch.Tensor, inverse: torch.Tensor, output_dims: List[int],
                 backend: str = "triton") -> torch.Tensor:
     """Each output element from its bag's row, ``pooled[inverse[feature(c), b], c]`` (ops/expand_bags.py).

@@ -22,7 +22,7 @@ from ..modules.table_size import check_table_size
 from ..ops.layout import POOLING_MEAN, POOLING_SUM
 from ..ops.quantized_lookup import quantized_lookup
 from ..ops.validation import encode_names
-from ..ops.variable_batch import expand_rows, uniform_batch
+from ..ops.variable_batch import check_inverse_indices, expand_rows, uniform_batch
 from .from_float import quantized_module_args
 from .layout import QuantTableSlot, buffer_bytes, pack_quant_tables, quant_feature_meta
 from .rows import DEFAULT_ROW_ALIGNMENT, check_dim, pack_rows, row_type
@@ -53,7 +53,10 @@ def _python_quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Te
                              tables: List[str], widths: List[int], dims: List[int], is_weighted: bool,
                              output_dtype: torch.dtype, backend: str, validate: bool, report_id: int) -> Tensor:
     """Eager and compiled: the key plan cached per key order (key_routing)."""
+    unpadded = features
     features, rows = uniform_batch(features, wanted, expand_uniform=False)
+    if rows is not None and validate and not rows.is_cuda and not torch.compiler.is_compiling():
+        check_inverse_indices(unpadded, rows, wanted)
     keys = tuple(features.keys())
     per_sample_weights = features.weights_or_none() if is_weighted else None
     if is_weighted and per_sample_weights is None:
