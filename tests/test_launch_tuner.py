@@ -220,9 +220,12 @@ def test_force_runs_one_order_unmeasured(value, order):
     tuner.force(value)
     launch(tuner, stream, 8)
     assert stream.launches == [order] * 8 and stream.events == 0 and stream.holds() == []
-    # Bag-major cannot take more than 65535 features: a forced "bags" runs those feature-major.
+    assert tuner.forced_fallbacks == 0
+    # Bag-major cannot take more than 65535 features: a forced "bags" runs those feature-major,
+    # and says so (a tool timing the forced choice would otherwise time the default under its name)
     launch(tuner, stream, 1, shape(num_features=70000))
     assert stream.launches[-1] == F
+    assert tuner.forced_fallbacks == (1 if order == B else 0)
 
 
 @pytest.mark.parametrize("value", [None, "auto"])

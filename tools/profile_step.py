@@ -255,8 +255,11 @@ def report_paths(args, label, name, peer, kjt, grad, dev, seen_orders, seen_path
             for path in (args.backward_paths if ours else [None]):
                 BACKWARD_PATH_TUNER.force(path)
                 forced = ", ".join(x for x in (choice, path) if x)
+                fallbacks = (FORWARD_ORDER_TUNER.forced_fallbacks, BACKWARD_PATH_TUNER.forced_fallbacks)
                 report(label + (f" [{forced}]" if forced else ""), name, args.optimizer, peer, kjt, grad, dev,
                        seen_orders, seen_paths, args.host, args.timeline)
+                if (FORWARD_ORDER_TUNER.forced_fallbacks, BACKWARD_PATH_TUNER.forced_fallbacks) != fallbacks:
+                    print(f"    ({forced}: not offered for this shape; the rows above ran the default)", flush=True)
     finally:
         force_forward(None)
         FORWARD_ORDER_TUNER.force(None)

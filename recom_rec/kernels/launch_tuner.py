@@ -288,6 +288,9 @@ class LaunchOrderTuner:
         # device time); None: all are.
         self.host_path = host_path
         self.forced_order = None  # a choice every shape runs, unmeasured (force)
+        # Launches of a forced choice that their shape could not take, which ran the default
+        # instead (a tool timing a forced choice checks it did run)
+        self.forced_fallbacks = 0
         self._record_event = record_event
         self._capturing = capturing
         self._hold = hold
@@ -319,7 +322,7 @@ class LaunchOrderTuner:
     def force(self, name: Optional[str]) -> None:
         """Tests and tools: run every shape with the choice called ``name`` (one of ``names``'
         values), unmeasured; None or "auto" measures again. A choice a shape cannot take (bag-major
-        beyond 65535 features) runs the default there."""
+        beyond 65535 features) runs the default there, counted in ``forced_fallbacks``."""
         self.forced_order = parse_forced_order(name, self.names)
 
     def launch(self, shape: ForwardLaunchShape, run: Callable[[bool], Result], device: torch.device) -> Result:
@@ -329,7 +332,10 @@ class LaunchOrderTuner:
             return run(decided)
         candidates = self._candidates(shape)
         if self.forced_order is not None:
-            return run(self.forced_order if self.forced_order in candidates else self.default)
+            if self.forced_order in candidates:
+                return run(self.forced_order)
+            self.forced_fallbacks += 1
+            return run(self.default)
         if len(candidates) == 1:
             with self._lock:
                 self._decided[shape] = candidates[0]
