@@ -17,21 +17,31 @@ namespace {
 constexpr int EXPAND_ROW_THREADS = 256;
 constexpr int MOVED_THREADS = 1024;
 
+// Output unit q of a row of `units` (one thread's): its column unit u, its feature f from the
+// unit's first column (`per_unit` columns a unit), and its bag from the feature's inverse indices.
+// A bag outside [0, num_bags) is bag 0: both kernels stay in bounds (eagerly on the CPU the module
+// checks the inverse indices, variable_batch.check_inverse_indices).
+struct UnitBag {
+  int64_t u, f, bag;
+};
+__device__ __forceinline__ UnitBag unit_bag(int64_t q, int64_t units, int per_unit, const int32_t* col_feature,
+                                            const int64_t* inverse, int64_t batch, int64_t num_bags) {
+  const int64_t b = q / units, u = q - b * units;
+  const int64_t f = col_feature[u * per_unit];
+  const int64_t bag = inverse[f * batch + b];
+  return {u, f, bag >= 0 && bag < num_bags ? bag : 0};
+}
+
 // One unit (16 bytes where every feature's columns split into whole 16-byte units, else one
-// element) of the output a thread: its row b, its feature from its first column, its bag from the
-// feature's inverse indices. A bag outside [0, num_bags) reads bag 0: the kernel stays in bounds
-// (eagerly on the CPU the module checks the inverse indices, variable_batch.check_inverse_indices).
+// element) of the output a thread, from its bag's pooled row.
 template <typename U>
 __global__ void __launch_bounds__(EXPAND_ROW_THREADS) expand_forward_kernel(
     const U* __restrict__ pooled, const int64_t* __restrict__ inverse, const int32_t* __restrict__ col_feature,
     U* __restrict__ out, int64_t batch, int64_t units, int per_unit, int64_t num_bags) {
   const int64_t total = batch * units;
   for (int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t b = q / units, u = q - b * units;
-    const int64_t f = col_feature[u * per_unit];
-    int64_t bag = inverse[f * batch + b];
-    bag = bag >= 0 && bag < num_bags ? bag : 0;
-    out[q] = pooled[bag * units + u];
+    const UnitBag at = unit_bag(q, units, per_unit, col_feature, inverse, batch, num_bags);
+    out[q] = pooled[at.bag * units + at.u];
   }
 }
 
@@ -61,21 +71,18 @@ __global__ void __launch_bounds__(EXPAND_ROW_THREADS) expand_backward_kernel(
     int64_t num_bags) {
   const int64_t total = batch * units;
   for (int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t b = q / units, u = q - b * units;
-    const int64_t f = col_feature[u * V];
-    int64_t bag = inverse[f * batch + b];
-    bag = bag >= 0 && bag < num_bags ? bag : 0;
-    float* to = grad_pooled + (bag * units + u) * V;
+    const UnitBag at = unit_bag(q, units, V, col_feature, inverse, batch, num_bags);
+    float* to = grad_pooled + (at.bag * units + at.u) * V;
     if (V == 4) {
       const float4 g = __ldg(reinterpret_cast<const float4*>(grad) + q);
-      if (moved[f]) {
+      if (moved[at.f]) {
         atomicAdd(to, g.x); atomicAdd(to + 1, g.y); atomicAdd(to + 2, g.z); atomicAdd(to + 3, g.w);
       } else {
         *reinterpret_cast<float4*>(to) = g;
       }
     } else {
       const float g = grad[q];
-      if (moved[f]) atomicAdd(to, g); else *to = g;
+      if (moved[at.f]) atomicAdd(to, g); else *to = g;
     }
   }
 }

@@ -181,7 +181,7 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
     indices after the lookup (ops/variable_batch.py)."""
     unpadded = features
     features, rows = uniform_batch(features, plan.output_features)
-    if rows is not None and plan.validate and not rows.is_cuda and not torch.compiler.is_compiling():
+    if plan.validate:
         check_inverse_indices(unpadded, rows, plan.output_features)
     keys = tuple(features.keys())
     values = features.values()

@@ -55,7 +55,7 @@ def _python_quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Te
     """Eager and compiled: the key plan cached per key order (key_routing)."""
     unpadded = features
     features, rows = uniform_batch(features, wanted, expand_uniform=False)
-    if rows is not None and validate and not rows.is_cuda and not torch.compiler.is_compiling():
+    if validate:
         check_inverse_indices(unpadded, rows, wanted)
     keys = tuple(features.keys())
     per_sample_weights = features.weights_or_none() if is_weighted else None
