@@ -456,7 +456,9 @@ def test_a_sample_in_flight_across_forget_does_not_join_the_new_trials():
     ((32, 300), True, ("pieces", "singletons", "pieces/lanes by width", "singletons/lanes by width")),
     ((300, 300), True, ("pieces", "singletons")),
     ((8, 16), True, ("pieces", "singletons")),  # every row takes one lane at four float4
-    ((64, 1024), True, ("pieces", "singletons")),  # past 32 lanes of four float4
+    ((64, 1024), True, ("pieces", "singletons", "pieces/lanes by width", "singletons/lanes by width")),
+    ((12, 801, 584), False, ("pieces", "pieces/lanes by width")),  # rows past 512: a class of their own
+    ((1024, 1024), True, ("pieces", "singletons")),
 ])
 def test_backward_paths_measure_lanes_by_width_where_a_groups_rows_differ_in_width(dims, singletons_ok, expected):
     from recom_rec.kernels.pooled_cuda import BACKWARD_PATHS, BackwardShape, backward_paths

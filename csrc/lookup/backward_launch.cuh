@@ -21,17 +21,16 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
   c10::cuda::CUDAGuard guard(out.device());
   // lanes -1: each piece at its own row's fewest lanes, a launch a lane class (piece_class_count_kernel)
   const bool by_width = lanes == -1;
-  TORCH_CHECK((by_width && max_dim <= 16 * 32) ||
+  TORCH_CHECK((by_width && max_dim <= 32 * 32) ||
                   lanes == 0 || (lanes > 0 && lanes <= 32 && (lanes & (lanes - 1)) == 0 && 16 * lanes >= max_dim),
-              "piece lanes must be -1 (by width, max_dim <= 512) or a power of two <= 32 covering max_dim in four "
+              "piece lanes must be -1 (by width, max_dim <= 1024) or a power of two <= 32 covering max_dim in four "
               "float4s, got ", lanes, " at max_dim ", max_dim);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   // `lanes` shapes the piece kernel only: the split and long rows take the widest row's lanes
   // whatever it is, so which rows are long and how their partials are grouped (hence the bits) do
   // not depend on it (the pieces' partial sums are stored by column, readable by any lanes).
-  const int64_t top = by_width ? fewest_piece_lanes(max_dim) : lanes;  // by width: the widest class
-  const PieceShape shape = piece_shape(max_dim, top, sms), rows = piece_shape(max_dim, 0, sms);
-  const bool four = shape.V == 4, eight = shape.V == 8, rows_four = rows.V == 4, rows_eight = rows.V == 8;
+  const PieceShape shape = piece_shape(max_dim, by_width ? 0 : lanes, sms), rows = piece_shape(max_dim, 0, sms);
+  const bool rows_four = rows.V == 4, rows_eight = rows.V == 8;
   TORCH_CHECK(counts.numel() >= 3, "piece_update takes plan_backward's three counts");
   // The long rows' list and its count, counts[2], emptied here: a plan run through twice must not
   // append its long rows twice. Fewer lookups than a long row needs: no list, no long-row launch.
@@ -63,20 +62,19 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
     auto launch = [&](auto kt) {
       using K = decltype(kt);
       const K* keys = reinterpret_cast<const K*>(row_key.data_ptr());
-      auto pk = eight ? piece_kernel<W, K, OPT, 8> : four ? piece_kernel<W, K, OPT, 4> : piece_kernel<W, K, OPT, 1>;
-      auto pieces_at = [&](const PieceArgs& at, int G) {
-        const size_t ring = piece_ring_bytes(shape.V, G);
+      auto pieces_at = [&](const PieceArgs& at, int V, int G) {
+        auto pk = V == 8 ? piece_kernel<W, K, OPT, 8> : V == 4 ? piece_kernel<W, K, OPT, 4> : piece_kernel<W, K, OPT, 1>;
+        const size_t ring = piece_ring_bytes(V, G);
         if (ring > 48 * 1024)  // past the default limit of a block's dynamic shared memory
           C10_CUDA_CHECK(cudaFuncSetAttribute(pk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ring));
-        pk<<<PieceShape{shape.V, G, sms}.grid(n), PIECE_THREADS, ring, stream>>>(
+        pk<<<PieceShape{V, G, sms}.grid(n), PIECE_THREADS, ring, stream>>>(
             keys, order.data_ptr<int32_t>(), pay, grad.data_ptr<float>(), at, wptr<W>(out));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       if (!by_width) {
-        pieces_at(args, shape.G);
+        pieces_at(args, shape.V, shape.G);
       } else {
-        int classes = 1;
-        while ((1 << (classes - 1)) < shape.G) ++classes;
+        const int classes = piece_lane_class(max_dim) + 1;  // through the widest row's class
         TORCH_CHECK(classes <= MAX_LANE_CLASSES, "piece lanes by width: at most ", MAX_LANE_CLASSES, " lane classes");
         auto cls = at::empty({n}, pieces.options().dtype(at::kByte));
         auto lists = at::empty({n}, pieces.options());
@@ -101,8 +99,9 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
           of_class.pieces = lists.data_ptr<int64_t>();
           of_class.counts = cc + c;  // the piece kernel reads counts[0] only
           of_class.begin = cc + classes + c;
-          of_class.G = 1 << c;
-          pieces_at(of_class, 1 << c);
+          const bool wide = c == WIDE_PIECE_CLASS;
+          of_class.G = wide ? 32 : 1 << c;
+          pieces_at(of_class, wide ? 8 : 4, of_class.G);
         }
       }
       auto sk = rows_eight ? split_row_kernel<W, K, OPT, 8>

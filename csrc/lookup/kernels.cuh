@@ -92,6 +92,15 @@ __host__ __device__ __forceinline__ int group_lanes(int chunks) {
 // The fewest lanes a piece of a row `dim` wide takes at four 16-byte chunks a lane: the lane class
 // of the "lanes by width" paths (class c: 1 << c lanes), in the partition kernel and its launch.
 __host__ __device__ __forceinline__ int fewest_piece_lanes(int64_t dim) { return group_lanes((int)((dim + 15) / 16)); }
+// A piece's lane class: c < WIDE_PIECE_CLASS takes 1 << c lanes at four float4 a lane (rows of up
+// to 512 columns); WIDE_PIECE_CLASS the wider rows, at eight float4 on 32 lanes, the widest shape.
+constexpr int WIDE_PIECE_CLASS = 6;
+__host__ __device__ __forceinline__ int piece_lane_class(int64_t dim) {
+  if (dim > 16 * 32) return WIDE_PIECE_CLASS;
+  int c = 0;
+  for (int g = fewest_piece_lanes(dim); g > 1; g >>= 1) ++c;
+  return c;
+}
 
 // A feature's rows can be read 4 wide when every address it touches is 16-byte aligned
 // (8-byte for two-byte types): dim, table base and output column multiples of 4.
@@ -885,17 +894,17 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
 // The piece kernel gives every piece of a launch G lanes, enough for the group's widest row. In a
 // group of mixed widths that leaves lanes idle and fewer pieces in flight a warp on its narrower
 // rows. The "lanes by width" paths (pooled_cuda.BACKWARD_PATHS) partition the piece list into one
-// list a lane class, class c the pieces whose row takes 1 << c lanes at four float4 a lane (by the
-// feature of the piece's first lookup, as the piece kernel lays the row out), and launch the piece
-// kernel once a class at its own lanes. The lanes only decide which lane adds which columns: every
-// path gives the same bits. The partition is stable: a class's list keeps the pieces' order, so
+// list a lane class (piece_lane_class, by the feature of the piece's first lookup, as the piece
+// kernel lays the row out: 1 << c lanes at four float4 a lane, rows past 512 columns at eight on
+// 32), and launch the piece kernel once a class at its own lanes. Lanes and chunks a lane only
+// decide which lane adds which columns: every path gives the same bits. The partition is stable: a class's list keeps the pieces' order, so
 // one table's pieces stay together and its gradient rows in L2 (perf-notes v35: a partition in the
 // order of per-warp atomics interleaved the whole list, and the piece kernels ran no faster). At
 // the mixed workload the piece kernels took 2,330 us instead of 2,585 and the partition 113 (~250
 // MB read and written, 2.2 TB/s). Dealing pieces to a warp by width inside one launch (v32) had
 // run 11% slower. Three kernels: each block counts the classes of a contiguous share of the list,
 // one block scans the counts, and each block writes its share into the lists.
-constexpr int MAX_LANE_CLASSES = 6;  // groups of 1, 2, 4, 8, 16, 32 lanes
+constexpr int MAX_LANE_CLASSES = WIDE_PIECE_CLASS + 1;  // groups of 1, 2, 4, 8, 16, 32 lanes; 32 at eight float4
 constexpr int CLASS_THREADS = 256, CLASS_ITEMS = 4;  // a tile: CLASS_ITEMS rows of CLASS_THREADS pieces
 constexpr int CLASS_TILE = CLASS_THREADS * CLASS_ITEMS, CLASS_SLOTS = CLASS_TILE / 32;  // a slot: a warp's row
 constexpr int CLASS_SCAN_THREADS = 1024, CLASS_SCAN_ITEMS = 8;
@@ -939,7 +948,7 @@ __global__ void __launch_bounds__(CLASS_THREADS) piece_class_count_kernel(
       int c = classes;
       if (start[i] >= 0) {
         const int64_t dim = __ldg(pay.meta + (int64_t)pay.feature_of(o[i]) * META_W);
-        c = min(classes - 1, __ffs(fewest_piece_lanes(dim)) - 1);
+        c = min(classes - 1, piece_lane_class(dim));
         cls[r] = (uint8_t)c;
       }
       const unsigned peers = __match_any_sync(0xffffffffu, c);

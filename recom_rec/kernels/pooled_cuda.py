@@ -33,7 +33,9 @@ MAX_DIM = 1024  # the backward kernels' widest variant: 8 float4 accumulators pe
 # a lane ("widest"), the fewest that hold it in four float4 each (4 lanes at dim 64 instead of
 # 16: four times the pieces in flight; 500 tables of rows read about once updated 11% faster,
 # perf-notes v20), or in a group of mixed widths each piece at the fewest lanes of its own row, a
-# launch of the piece kernel per lane class ("by width": mixed's piece kernels 10% faster, v35).
+# launch of the piece kernel per lane class ("by width": mixed's piece kernels 10% faster, v35;
+# rows past 512 columns a class of their own at eight float4 a lane, and the narrower ones no
+# longer at the widest row's shape: drawn groups of dims 4-1013 trained 2.1-2.4x faster, v55).
 # Every path gives the same bits. None wins everywhere (H100: singletons on many-500, many-1000
 # and mixed, pieces on dlrm-kaggle's one-id bags and on zipf, whose rows repeat), so the first
 # backward launches of a shape measure them (launch_tuner; tests and tools force one with
@@ -47,7 +49,7 @@ BACKWARD_PATHS = {"pieces": (False, WIDEST), "singletons": (True, WIDEST),  # na
 # Rows up to this wide take one float4 a lane by default, so four a lane is another launch; at
 # 16 columns or fewer it would be one lane a piece.
 FEWEST_LANES_DIMS = (17, 128)
-BY_WIDTH_MAX_DIM = 512  # 32 lanes of four float4: the widest lane class
+BY_WIDTH_MAX_DIM = MAX_DIM  # rows past 512 columns: their own class, at the widest pieces' shape
 
 
 def backward_paths(shape) -> tuple:
