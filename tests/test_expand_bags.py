@@ -61,7 +61,9 @@ def test_op_gradient():
 @pytest.mark.parametrize("seed", range(4))
 def test_eager_path_gives_the_op_s_bits_forward_and_backward(seed):
     """expand_rows' eager path (the op's bodies in a plain autograd Function, no custom-op layers)
-    against the registered op, and against gather's gradient."""
+    against the registered op, and against gather's gradient. The forward copies: the same bits. The
+    backward adds a bag's rows by fp32 atomics on a GPU, in an order no run fixes (three rows or more
+    can round differently from run to run, the same path too): the same sums within fp32 rounding."""
     from recom_rec.ops.expand_bags import eager_expand_bags
     from recom_rec.ops.variable_batch import expand_rows
 
@@ -76,7 +78,11 @@ def test_eager_path_gives_the_op_s_bits_forward_and_backward(seed):
         out.backward(grad)
         results.append((out.detach(), p.grad))
     for out, g in results[1:]:
-        assert torch.equal(out, results[0][0]) and torch.equal(g, results[0][1])
+        assert torch.equal(out, results[0][0])
+        if DEVICE.type == "cuda":
+            torch.testing.assert_close(g, results[0][1])
+        else:  # (torch's scatter-add, in order)
+            assert torch.equal(g, results[0][1])
     rows = inverse.index_select(0, col_feature.long()).t()
     torch.testing.assert_close(results[0][1], torch.zeros_like(pooled).scatter_add_(0, rows, grad))
 
