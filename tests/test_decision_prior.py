@@ -61,6 +61,37 @@ def test_a_wrong_prediction_is_measured_away():
     assert set(stream.launches) == {"a", "b"} and tuner.decisions() == {shape(): "a"}
 
 
+def test_a_candidate_the_recorded_shapes_were_decided_without_is_measured_too():
+    # the prior's decisions were measured among a, b and d: it cannot speak for c (offered since)
+    stream = FakeStream({"a": 1.0, "b": 0.8, "c": 0.4, "d": 3.0})
+    prior = DecisionPrior({"forward": [(shape_fields(shape()), "b")]}, {"forward": [["a", "b", "d"]]})
+    assert prior.unmeasured("forward", shape(), list(CHOICES)) == ["c"]
+    tuner = _tuner(stream, prior)
+    _run(tuner, stream, 60, shape())
+    assert set(stream.launches) == {"a", "b", "c"} and tuner.decisions() == {shape(): "c"}
+    # a record that does not say what it was decided among measures as before
+    old = FakeStream({"a": 1.0, "b": 0.8, "c": 0.4, "d": 3.0})
+    _run(_tuner(old, _prior((shape(), "b"))), old, 60, shape())
+    assert set(old.launches) == {"a", "b"}
+
+
+def test_decisions_keep_what_they_were_taken_among_into_the_fitted_prior(tmp_path, monkeypatch):
+    from recom_rec.kernels.decision_cache import ENV, FILE_NAME
+
+    monkeypatch.setenv(ENV, str(tmp_path))
+    stream = FakeStream({"a": 1.0, "b": 0.5, "c": 3.0, "d": 3.0})
+    tuner = LaunchOrderTuner(record_event=stream.record_event, capturing=stream.is_capturing, hold=stream.hold,
+                             clock=stream.clock, names={c: c for c in CHOICES}, candidates=lambda s: ("a", "b", "c"),
+                             default="a", cache_name="forward", prior=lambda device: None, min_trials=2)
+    _run(tuner, stream, 60, shape())
+    assert tuner.decisions() == {shape(): "b"}
+    context = next(iter(json.loads((tmp_path / FILE_NAME).read_text())["entries"]))
+    prior = fit([str(tmp_path / FILE_NAME)], context.split("|")[0])  # (a CPU context: "cpu|build ...")
+    read = DecisionPrior.from_json(prior.to_json("cpu"))
+    assert read.ranked("forward", shape()) == ["b"]
+    assert read.unmeasured("forward", shape(), list(CHOICES)) == ["d"]
+
+
 def test_without_a_prediction_every_candidate_is_measured_from_the_default():
     stream = FakeStream({"a": 1.0, "b": 0.5, "c": 3.0, "d": 3.0})
     tuner = _tuner(stream, None)

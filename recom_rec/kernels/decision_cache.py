@@ -28,7 +28,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -94,6 +94,9 @@ def context_of(device: torch.device) -> str:
 
 
 Entries = Dict[str, Dict[str, Dict[str, str]]]  # context -> tuner -> shape class -> choice name
+# context -> tuner -> shape class -> the names of the candidates the decision was measured among:
+# a prior fitted from the file knows which choices its points never measured (decision_prior).
+Offered = Dict[str, Dict[str, Dict[str, List[str]]]]
 
 
 class DecisionCache:
@@ -121,17 +124,22 @@ class DecisionCache:
             self._refresh()
             return self._entries.get(context_of(device), {}).get(tuner, {}).get(shape_class(shape))
 
-    def record(self, tuner: str, device: torch.device, shape, choice: str) -> None:
-        """Adds a decision to the file (other processes' entries kept)."""
+    def record(self, tuner: str, device: torch.device, shape, choice: str,
+               offered: Optional[Sequence[str]] = None) -> None:
+        """Adds a decision to the file (other processes' entries kept), with the names of the
+        candidates it was measured among when given."""
         context, key = context_of(device), shape_class(shape)
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path.with_suffix(self.path.suffix + ".lock"), "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                entries = _read(self.path)
+                entries, among = _read(self.path), read_offered(self.path)
                 entries.setdefault(context, {}).setdefault(tuner, {})[key] = choice
+                if offered is not None:
+                    among.setdefault(context, {}).setdefault(tuner, {})[key] = sorted(offered)
                 temporary = self.path.with_suffix(self.path.suffix + f".{os.getpid()}.tmp")
-                temporary.write_text(json.dumps({"version": VERSION, "entries": entries}, indent=1, sort_keys=True))
+                temporary.write_text(json.dumps({"version": VERSION, "entries": entries, "offered": among}, indent=1,
+                                                sort_keys=True))
                 os.replace(temporary, self.path)
                 self._entries = entries
                 stat = self.path.stat()
@@ -148,6 +156,17 @@ def _read(path: Path) -> Dict[str, Dict[str, Dict[str, str]]]:
     if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
         return {}
     return data["entries"]
+
+
+def read_offered(path: Path) -> Offered:
+    """The file's record of the candidates each decision was measured among (files written before
+    it was kept have none: empty)."""
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    offered = data.get("offered") if isinstance(data, dict) and data.get("version") == VERSION else None
+    return offered if isinstance(offered, dict) else {}
 
 
 def checked_decisions(data, source: str = "kernel decisions") -> Entries:

@@ -7,7 +7,9 @@ shape instead starts on the choice its nearest recorded shapes chose, and only t
 the runner-up are measured (two candidates, not up to seven): the first calls cost about what
 the predicted choice alone costs, and a wrong prediction is still corrected by measurement.
 Without a prior for the architecture nothing changes (every candidate measured, from the
-tuner's default).
+tuner's default). A candidate the voting shapes were never measured against (one a tuner offers
+since the prior was fitted: decision files keep what each decision was measured among) is
+measured too: the vote cannot speak for it (v55: a path offered on wider rows went untried).
 
 The model is k nearest neighbours over the shape class (decision_cache.shape_class): the
 distance is over the log2 of its sizes (features, batch, dims, lookups, table bytes); its other
@@ -71,36 +73,62 @@ def _distance(a: Dict[str, object], b: Dict[str, object]) -> Optional[float]:
 
 
 class DecisionPrior:
-    """Recorded decisions per tuner name; ``ranked`` predicts for a new shape."""
+    """Recorded decisions per tuner name; ``ranked`` predicts for a new shape. ``offered``, per
+    tuner and aligned with its points: the names of the candidates each decision was measured
+    among, or None where the decision file did not say (files written before it was kept)."""
 
-    def __init__(self, points: Dict[str, List[Point]]) -> None:
+    def __init__(self, points: Dict[str, List[Point]],
+                 offered: Optional[Dict[str, List[Optional[List[str]]]]] = None) -> None:
         self.points = points
+        self.offered = offered or {}
+
+    def _nearest(self, tuner: str, shape) -> List[Tuple[float, int]]:
+        """(distance, index) of the NEIGHBOURS recorded shapes of ``shape``'s kind nearest to it."""
+        fields = shape_fields(shape)
+        near = []
+        for index, (recorded, _) in enumerate(self.points.get(tuner, ())):
+            distance = _distance(fields, recorded)
+            if distance is not None:
+                near.append((distance, index))
+        near.sort(key=lambda pair: pair[0])
+        return near[:NEIGHBOURS]
 
     def ranked(self, tuner: str, shape) -> List[str]:
         """Choice names, the most likely winner first; empty when no recorded shape is of its kind."""
-        fields = shape_fields(shape)
-        near = []
-        for recorded, choice in self.points.get(tuner, ()):
-            distance = _distance(fields, recorded)
-            if distance is not None:
-                near.append((distance, choice))
-        near.sort(key=lambda pair: pair[0])
         votes: Dict[str, float] = {}
-        for distance, choice in near[:NEIGHBOURS]:
+        for distance, index in self._nearest(tuner, shape):
+            choice = self.points[tuner][index][1]
             votes[choice] = votes.get(choice, 0.0) + 1.0 / (1.0 + distance)
         return sorted(votes, key=lambda choice: -votes[choice])
 
+    def unmeasured(self, tuner: str, shape, names) -> List[str]:
+        """Those of ``names`` (a shape's candidates now) that one of the recorded shapes voting for
+        it was decided without: the vote cannot speak for them (a candidate added since the prior
+        was fitted), so the tuner measures them too. Empty where the record does not say."""
+        offered = self.offered.get(tuner)
+        if not offered:
+            return []
+        missing = []
+        for _, index in self._nearest(tuner, shape):
+            among = offered[index] if index < len(offered) else None
+            if among is not None:
+                missing += [n for n in names if n not in among and n not in missing]
+        return missing
+
     def to_json(self, arch: str) -> str:
-        return json.dumps({"version": VERSION, "arch": arch,
-                           "tuners": {t: [[fields, choice] for fields, choice in pts] for t, pts in self.points.items()}},
-                          indent=None, sort_keys=True)
+        data = {"version": VERSION, "arch": arch,
+                "tuners": {t: [[fields, choice] for fields, choice in pts] for t, pts in self.points.items()}}
+        if self.offered:
+            data["offered"] = self.offered
+        return json.dumps(data, indent=None, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "DecisionPrior":
         data = json.loads(text)
         if data.get("version") != VERSION:
             raise ValueError(f"decision prior version {data.get('version')} (this build reads {VERSION})")
-        return cls({t: [(fields, choice) for fields, choice in pts] for t, pts in data["tuners"].items()})
+        return cls({t: [(fields, choice) for fields, choice in pts] for t, pts in data["tuners"].items()},
+                   data.get("offered"))
 
 
 def arch_of(device: torch.device) -> Optional[str]:
@@ -131,10 +159,12 @@ def _read_prior(path: str) -> Optional[DecisionPrior]:
 def fit(files: Iterable[str], arch: str) -> DecisionPrior:
     """The decisions of ``files`` (decision_cache files) measured on ``arch``: one point per shape
     class and tuner, the choice most files recorded for it (ties: the first file's)."""
-    from .decision_cache import _read
+    from .decision_cache import _read, read_offered
 
     counts: Dict[Tuple[str, str], Dict[str, int]] = {}
+    among: Dict[Tuple[str, str], List[str]] = {}  # (the candidates of the first file that kept them)
     for path in files:
+        offered = read_offered(Path(path))
         for context, tuners in _read(Path(path)).items():
             if f"|{arch}|" not in f"|{context}|":
                 continue
@@ -142,11 +172,16 @@ def fit(files: Iterable[str], arch: str) -> DecisionPrior:
                 for key, choice in classes.items():
                     tally = counts.setdefault((tuner, key), {})
                     tally[choice] = tally.get(choice, 0) + 1
+                    names = offered.get(context, {}).get(tuner, {}).get(key)
+                    if names is not None:
+                        among.setdefault((tuner, key), names)
     points: Dict[str, List[Point]] = {}
+    offered_of: Dict[str, List[Optional[List[str]]]] = {}
     for (tuner, key), tally in sorted(counts.items()):
         choice = max(tally, key=lambda c: tally[c])  # (dicts keep insertion order: ties go to the first)
         points.setdefault(tuner, []).append((shape_fields(json.loads(key)), choice))
-    return DecisionPrior(points)
+        offered_of.setdefault(tuner, []).append(among.get((tuner, key)))
+    return DecisionPrior(points, {t: o for t, o in offered_of.items() if any(n is not None for n in o)})
 
 
 def main(argv=None) -> None:

@@ -37,7 +37,9 @@ the file knows is decided at its first call (decision_cache.py). A candidate cle
 the default after DROP_AFTER samples each stops being tried. Where the package ships a prior for
 the GPU's architecture (decision_prior.py: decisions recorded on other machines), a shape it
 predicts for starts on the predicted choice, which is then the default, and only it and the
-runner-up are measured. Decisions taken out of another process (``recom_rec.kernel_decisions``)
+runner-up are measured, with any candidate the recorded shapes behind the prediction were not
+measured against (one offered since the prior was fitted: the decision file keeps what each
+decision was measured among). Decisions taken out of another process (``recom_rec.kernel_decisions``)
 and put into this one (``recom_rec.use_kernel_decisions``, ``recom_rec.load_exported``) are looked
 up ahead of the file, the same way: a shape they know is decided at its first call.
 """
@@ -354,7 +356,7 @@ class LaunchOrderTuner:
         if trials is None:  # decided by this call
             with self._lock:
                 self._decided_on[shape] = device
-            self._to_cache(shape, order, device)
+            self._to_cache(shape, order, trial_candidates, device)
             return run(order)
         if timed:  # the device busy until the call has queued the trial's kernels
             self._hold(device, trials.hold_ms())
@@ -419,41 +421,45 @@ class LaunchOrderTuner:
         with self._lock:
             self._cache_missed.clear()
 
-    def _to_cache(self, shape, choice, device: torch.device) -> None:
+    def _to_cache(self, shape, choice, candidates: tuple, device: torch.device) -> None:
         if self.cache_name is None:
             return
         from .decision_cache import active_cache
 
         cache = active_cache()
-        if cache is not None:
-            cache.record(self.cache_name, device, shape, self.names[choice])
+        if cache is not None:  # (with what it was measured against: a prior fitted from the file needs it)
+            cache.record(self.cache_name, device, shape, self.names[choice], [self.names[c] for c in candidates])
 
     def _start(self, shape, candidates: tuple, device: torch.device) -> Tuple[object, tuple]:
         """(default, the candidates to measure) of an undecided shape: the tuner's default and every
         candidate; or, where the prior predicts, the predicted choice and its runner-up (the next
-        in the prior's ranking, else the tuner's default, else the first other candidate)."""
+        in the prior's ranking, else the tuner's default, else the first other candidate), and any
+        candidate the recorded shapes behind the prediction were decided without."""
         start = self._starts.get(shape)
         if start is not None:
             return start
         default = self.default if self.default in candidates else candidates[0]
         start = (default, candidates)
-        ranked = self._predicted(shape, candidates, device)
+        ranked, unmeasured = self._predicted(shape, candidates, device)
         if ranked:
             first = ranked[0]
             others = list(ranked[1:]) + [default] + list(candidates)
-            start = (first, (first, next(c for c in others if c != first)))
+            runner_up = next(c for c in others if c != first)
+            start = (first, (first, runner_up) + tuple(c for c in unmeasured if c not in (first, runner_up)))
         with self._lock:
             self._starts[shape] = start
         return start
 
-    def _predicted(self, shape, candidates: tuple, device: torch.device) -> list:
-        """The prior's ranking of ``candidates`` for ``shape`` (most likely first), or []."""
+    def _predicted(self, shape, candidates: tuple, device: torch.device) -> Tuple[list, list]:
+        """The prior's ranking of ``candidates`` for ``shape`` (most likely first), or []; and those
+        of them the recorded shapes behind it were decided without (measured too)."""
         prior = self._prior(device) if self.cache_name is not None else None
         if prior is None:
-            return []
+            return [], []
         by_name = {n: choice for choice, n in self.names.items()}
         ranked = [by_name[n] for n in prior.ranked(self.cache_name, shape) if n in by_name]
-        return [c for c in ranked if c in candidates]
+        unmeasured = prior.unmeasured(self.cache_name, shape, [self.names[c] for c in candidates])
+        return [c for c in ranked if c in candidates], [by_name[n] for n in unmeasured if n in by_name]
 
     def _next_launch(self, shape, candidates: tuple, default) -> Tuple[object, bool]:
         """(choice, whether to time it) for an undecided shape; decides it once its samples are
