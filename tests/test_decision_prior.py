@@ -143,3 +143,16 @@ def test_the_variable_turns_the_prior_off_or_names_a_file(tmp_path, monkeypatch)
     assert active_prior(torch.device("cpu")) is None
     monkeypatch.delenv(ENV)
     assert active_prior(torch.device("cpu")) is None  # (no architecture off CUDA: no shipped prior)
+
+
+def test_the_shipped_prior_says_what_each_decision_was_measured_among():
+    # (so that a candidate offered after it was fitted is measured, not hidden by its vote)
+    from recom_rec.kernels.decision_prior import PRIOR_DIR
+
+    for path in PRIOR_DIR.glob("*.json"):
+        prior = DecisionPrior.from_json(path.read_text())
+        for tuner, points in prior.points.items():
+            offered = prior.offered.get(tuner, [])
+            assert len(offered) == len(points), (path.name, tuner)
+            for (fields, choice), among in zip(points, offered):
+                assert among is not None and choice in among, (path.name, tuner, fields, choice, among)
