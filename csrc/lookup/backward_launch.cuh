@@ -63,7 +63,9 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
       using K = decltype(kt);
       const K* keys = reinterpret_cast<const K*>(row_key.data_ptr());
       auto pieces_at = [&](const PieceArgs& at, int V, int G) {
-        auto pk = V == 8 ? piece_kernel<W, K, OPT, 8> : V == 4 ? piece_kernel<W, K, OPT, 4> : piece_kernel<W, K, OPT, 1>;
+        auto pk = V == 8   ? piece_kernel<W, K, OPT, 8>
+                  : V == 4 ? piece_kernel<W, K, OPT, 4>
+                           : piece_kernel<W, K, OPT, 1>;
         const size_t ring = piece_ring_bytes(V, G);
         if (ring > 48 * 1024)  // past the default limit of a block's dynamic shared memory
           C10_CUDA_CHECK(cudaFuncSetAttribute(pk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ring));

@@ -897,13 +897,15 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
 // list a lane class (piece_lane_class, by the feature of the piece's first lookup, as the piece
 // kernel lays the row out: 1 << c lanes at four float4 a lane, rows past 512 columns at eight on
 // 32), and launch the piece kernel once a class at its own lanes. Lanes and chunks a lane only
-// decide which lane adds which columns: every path gives the same bits. The partition is stable: a class's list keeps the pieces' order, so
-// one table's pieces stay together and its gradient rows in L2 (perf-notes v35: a partition in the
-// order of per-warp atomics interleaved the whole list, and the piece kernels ran no faster). At
-// the mixed workload the piece kernels took 2,330 us instead of 2,585 and the partition 113 (~250
-// MB read and written, 2.2 TB/s). Dealing pieces to a warp by width inside one launch (v32) had
-// run 11% slower. Three kernels: each block counts the classes of a contiguous share of the list,
-// one block scans the counts, and each block writes its share into the lists.
+// decide which lane adds which columns: every path gives the same bits. The partition is stable:
+// a class's list keeps the pieces' order, so one table's pieces stay together and its gradient
+// rows in L2 (perf-notes v35: a partition in the order of per-warp atomics interleaved the whole
+// list, and the piece kernels ran no faster). At the mixed workload the piece kernels took 2,330
+// us instead of 2,585 and the partition 113 (~250 MB read and written, 2.2 TB/s); on drawn groups
+// of dims 4-1013 (v55) 2.2-3.6x less than at the widest row's shape. Dealing pieces to a warp by
+// width inside one launch (v32) had run 11% slower. Three kernels: each block counts the classes
+// of a contiguous share of the list, one block scans the counts, and each block writes its share
+// into the lists.
 constexpr int MAX_LANE_CLASSES = WIDE_PIECE_CLASS + 1;  // groups of 1, 2, 4, 8, 16, 32 lanes; 32 at eight float4
 constexpr int CLASS_THREADS = 256, CLASS_ITEMS = 4;  // a tile: CLASS_ITEMS rows of CLASS_THREADS pieces
 constexpr int CLASS_TILE = CLASS_THREADS * CLASS_ITEMS, CLASS_SLOTS = CLASS_TILE / 32;  // a slot: a warp's row
