@@ -1,9 +1,8 @@
 """The EmbeddingCollection's eager backward reads each output row's gradient where autograd left it
-(ops/unpooled_embedding._gradient_rows). Where the gradient pieces are the group's features, the
-row-key kernel writes where each row's gradient starts (unpooled_triton.backward_rows) from each
-feature's start and stride: the same rows as the torch ops of the general path (piece_rows), and
-they hold each feature's gradient (a zero row for a feature without one). Also the cached arange
-that gives the backward's one-id bags their offsets."""
+(ops/unpooled_embedding._gradient_rows): the row-key kernel writes where each row's gradient
+starts (unpooled_triton.backward_rows) from each feature's start and stride, the same rows as torch
+ops over them (_torch_rows), and they hold each feature's gradient (a zero row for a feature
+without one). Also the cached arange that gives the backward's one-id bags their offsets."""
 import random
 
 import pytest
@@ -17,7 +16,8 @@ from recom_rec.kernels import unpooled_triton
 from recom_rec.ops import unpooled_torch
 from recom_rec.ops.backends import triton_interpreting
 from recom_rec.ops.layout import META_NUM_EMBEDDINGS, META_ROW_BASE, META_WIDTH
-from recom_rec.ops.unpooled_embedding import _ARANGES, _arange_prefix, _gradient_rows, piece_rows, segments_for
+from recom_rec.ops.segments import segment_ids
+from recom_rec.ops.unpooled_embedding import _ARANGES, _arange_prefix, _gradient_rows, segments_for
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cuda" and not triton_interpreting(),
                                 reason="the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
@@ -58,6 +58,14 @@ def _gradients(rng, counts, dim):
     return grads, torch.cat(want)
 
 
+def _torch_rows(table, total):
+    """Row r of feature f at ``start[f] + r * stride[f]`` (``table``: int64 ``[3, F]``, each
+    feature's start, stride and rows), by torch ops: the kernel's reference."""
+    row = torch.arange(total, dtype=torch.int64, device=table.device)
+    feature = segment_ids(table[2], row)
+    return table[0][feature] + row * table[1][feature]
+
+
 def _read(base, rows, held, dim):
     """The gradient rows ``rows`` name (in elements from ``base``'s start), read from the tensors
     holding them."""
@@ -86,29 +94,24 @@ def test_kernel_rows_equal_the_torch_rows(seed):
         values, segments, meta = _group(rng, num_features, counts)
         grads, want = _gradients(rng, counts, dim)
 
-        base, found, held = _gradient_rows(grads, counts, dim, DEVICE, by_feature=True)
-        assert found.rows is None and found.num_outputs == total
+        base, found, held = _gradient_rows(grads, counts, dim, DEVICE)
+        assert found.num_outputs == total
         keys, rows = unpooled_triton.backward_rows(values, segments, meta, total, found.table)
-        # the general path's torch ops over the same starts and strides, pieces found by their sizes
+        # torch ops over the same starts and strides, features found by their sizes
         sizes = torch.tensor([counts], dtype=torch.int64, device=DEVICE)
-        assert torch.equal(rows, piece_rows(torch.cat([found.table, sizes]), total))
+        assert torch.equal(rows, _torch_rows(torch.cat([found.table, sizes]), total))
         assert torch.equal(keys, unpooled_torch.row_keys(values, segments, meta, total))
         assert torch.equal(_read(base, rows, held, dim), want)
-
-        # the general path itself (its own copies of strided pieces and zero row) reads the same
-        base, general, held = _gradient_rows(grads, counts, dim, DEVICE, by_feature=False)
-        assert general.table is None
-        assert torch.equal(_read(base, general.rows, held, dim), want)
 
         # any starts and strides, 64-bit
         table = torch.stack([torch.randint(-(1 << 40), 1 << 40, (num_features,)),
                              torch.randint(0, 2, (num_features,)) * dim]).to(DEVICE)
         _, rows = unpooled_triton.backward_rows(values, segments, meta, total, table)
-        assert torch.equal(rows, piece_rows(torch.cat([table, sizes]), total))
+        assert torch.equal(rows, _torch_rows(torch.cat([table, sizes]), total))
 
 
 def test_the_module_backward_takes_the_kernel_rows(monkeypatch):
-    """(not the general path: a regression there would only cost host time)"""
+    """(not the torch ops of a whole block: a regression there would only cost host time)"""
     calls = []
     kernel = unpooled_triton.backward_rows
     monkeypatch.setattr(unpooled_triton, "backward_rows", lambda *a: calls.append(1) or kernel(*a))

@@ -28,7 +28,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -133,7 +133,7 @@ class DecisionCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path.with_suffix(self.path.suffix + ".lock"), "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                entries, among = _read(self.path), read_offered(self.path)
+                entries, among = read_decisions(self.path)
                 entries.setdefault(context, {}).setdefault(tuner, {})[key] = choice
                 if offered is not None:
                     among.setdefault(context, {}).setdefault(tuner, {})[key] = sorted(offered)
@@ -146,27 +146,23 @@ class DecisionCache:
                 self._stamp = (stat.st_mtime_ns, stat.st_size)
 
 
-def _read(path: Path) -> Dict[str, Dict[str, Dict[str, str]]]:
+def _read(path: Path) -> Entries:
     """The file's entries; an unreadable or foreign file counts as empty (it is rewritten on the next
     decision)."""
+    return read_decisions(path)[0]
+
+
+def read_decisions(path: Path) -> Tuple[Entries, Offered]:
+    """The file's entries, and its record of the candidates each decision was measured among (files
+    written before it was kept have none); an unreadable or foreign file counts as empty."""
     try:
         data = json.loads(path.read_text())
     except (FileNotFoundError, ValueError):
-        return {}
+        return {}, {}
     if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
-        return {}
-    return data["entries"]
-
-
-def read_offered(path: Path) -> Offered:
-    """The file's record of the candidates each decision was measured among (files written before
-    it was kept have none: empty)."""
-    try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return {}
-    offered = data.get("offered") if isinstance(data, dict) and data.get("version") == VERSION else None
-    return offered if isinstance(offered, dict) else {}
+        return {}, {}
+    offered = data.get("offered")
+    return data["entries"], offered if isinstance(offered, dict) else {}
 
 
 def checked_decisions(data, source: str = "kernel decisions") -> Entries:

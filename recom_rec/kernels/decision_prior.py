@@ -159,13 +159,13 @@ def _read_prior(path: str) -> Optional[DecisionPrior]:
 def fit(files: Iterable[str], arch: str) -> DecisionPrior:
     """The decisions of ``files`` (decision_cache files) measured on ``arch``: one point per shape
     class and tuner, the choice most files recorded for it (ties: the first file's)."""
-    from .decision_cache import _read, read_offered
+    from .decision_cache import read_decisions
 
     counts: Dict[Tuple[str, str], Dict[str, int]] = {}
     among: Dict[Tuple[str, str], List[str]] = {}  # (the candidates of the first file that kept them)
     for path in files:
-        offered = read_offered(Path(path))
-        for context, tuners in _read(Path(path)).items():
+        entries, offered = read_decisions(Path(path))
+        for context, tuners in entries.items():
             if f"|{arch}|" not in f"|{context}|":
                 continue
             for tuner, classes in tuners.items():

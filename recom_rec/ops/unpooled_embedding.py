@@ -23,7 +23,6 @@ from .backends import resolve_backend
 from .input_check import kernel_report
 from .layout import META_DIM, META_NUM_EMBEDDINGS, META_WIDTH
 from .plan import FusedStep, group_states
-from .segments import segment_ids
 from .pooled_embedding import _eager_ok, _wants_grad
 from .validation import check_device
 
@@ -144,13 +143,11 @@ def _(weights, flat, values, offsets, segments, feature_meta, num_outputs, dim, 
 
 class GradientRows(NamedTuple):
     """Where each of the eager backward's ``num_outputs`` rows has its gradient, in elements from
-    the first gradient tensor's start (_gradient_rows): ``rows`` (int64, one per output row), or,
-    where the gradient pieces are the group's features, ``table`` (int64 ``[2, F]``, each feature's
+    the first gradient tensor's start (_gradient_rows): ``table`` (int64 ``[2, F]``, each feature's
     start and stride), from which the row-key kernel writes the rows (unpooled_triton.backward_rows)."""
 
     num_outputs: int
-    rows: Optional[Tensor]
-    table: Optional[Tensor]
+    table: Tensor
 
 
 def _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
@@ -161,11 +158,10 @@ def _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
     pooled backward's kernels (CUDA where built, with their measured paths, else Triton) then
     sum duplicate rows and apply the optimizer. Returns (values, offsets, meta, key_index, the rows
     of ``grad_rows`` or None). ``eager``: called from _EagerLookup, not from a registered op."""
-    if grad_rows is not None and grad_rows.table is not None:
+    if grad_rows is not None:
         keys, rows = _triton().backward_rows(values, segments, feature_meta, num_outputs, grad_rows.table)
     else:
-        keys = _triton().row_keys(values, segments, feature_meta, num_outputs)
-        rows = grad_rows.rows if grad_rows is not None else None
+        keys, rows = _triton().row_keys(values, segments, feature_meta, num_outputs), None
     device = values.device
     offsets = (_arange_prefix(num_outputs + 1, device, torch.int64) if eager
                else torch.arange(num_outputs + 1, dtype=torch.int64, device=device))
@@ -332,9 +328,6 @@ class _EagerLookup(torch.autograd.Function):
         _setup_context(ctx, (list(weights), flat, values, offsets, segments, feature_meta, num_outputs, dim, backend,
                              validate, names, optimizer, state1, state2, state1_is_row, hyper, step, report_id), out)
         ctx.split_sizes = split_sizes
-        # the pieces are the features (unpooled_lookup's split_sizes): the row-key kernel, which
-        # finds each row's feature, can then write where its gradient is (_gradient_rows)
-        ctx.by_feature = len(split_sizes) == feature_meta.shape[0]
         ctx.set_materialize_grads(False)  # a feature whose output has no gradient reads one zero row
         return tuple(out.split(split_sizes))
 
@@ -342,28 +335,32 @@ class _EagerLookup(torch.autograd.Function):
     def backward(ctx, *grads):
         wants = any(ctx.needs_input_grad[18:])
         device = ctx.flat.device
-        whole = len(grads) == 1 and grads[0] is not None  # one piece: its gradient is the block
-        rows = (_gradient_rows(grads, ctx.split_sizes, ctx.dim, device, ctx.by_feature)
-                if _on_kernels(ctx.backend, device) and not whole else None)
+        # Several pieces are the features (unpooled_lookup's split_sizes): the row-key kernel, which
+        # finds each row's feature, writes where its gradient is (_gradient_rows). One piece: its
+        # gradient is the block.
+        rows = (_gradient_rows(grads, ctx.split_sizes, ctx.dim, device)
+                if _on_kernels(ctx.backend, device) and len(grads) > 1 else None)
         if rows is not None:
             base, grad_rows, _held = rows  # (held until the kernels are queued: copies and the zero row)
             weight_grads = _weight_grads(ctx, base, wants, as_ops=False, grad_rows=grad_rows)
         else:
-            block = grads[0] if whole else torch.cat([g if g is not None else torch.zeros(n, ctx.dim, device=device)
-                                                      for g, n in zip(grads, ctx.split_sizes)])
+            if len(grads) == 1 and grads[0] is not None:
+                block = grads[0]
+            else:
+                block = torch.cat([g if g is not None else torch.zeros(n, ctx.dim, device=device)
+                                   for g, n in zip(grads, ctx.split_sizes)])
             weight_grads = _weight_grads(ctx, block.contiguous(), wants, as_ops=False)
         return (None,) * 18 + tuple(weight_grads if weight_grads is not None else [None] * len(ctx.tables))
 
 
-def _gradient_rows(grads, sizes: List[int], dim: int, device: torch.device,
-                   by_feature: bool) -> Optional[Tuple[Tensor, GradientRows, List[Tensor]]]:
+def _gradient_rows(grads, sizes: List[int], dim: int,
+                   device: torch.device) -> Optional[Tuple[Tensor, GradientRows, List[Tensor]]]:
     """(base, rows, held): ``rows`` says where each output row's gradient starts, in elements from
-    ``base``'s first, among the gradient pieces ``grads`` (None: a piece without one, which reads a
-    zero row) of ``sizes`` rows; ``held``, the tensors read there, which the caller keeps until the
-    kernels are queued. ``by_feature``: the pieces are the group's features (``sizes`` their id
-    counts), so that the row-key kernel writes the rows from each piece's start and stride; else
-    torch ops do (piece_rows). None where the kernels cannot read them so: a gradient that is not
-    fp32, or not 16-byte aligned where the rows are read 16 bytes at a time."""
+    ``base``'s first, among the group's features' gradients ``grads`` (None: a feature without one,
+    which reads a zero row) of ``sizes`` rows (their id counts), as each feature's start and stride;
+    ``held``, the tensors read there, which the caller keeps until the kernels are queued. None
+    where the kernels cannot read them so: a gradient that is not fp32, or not 16-byte aligned
+    where the rows are read 16 bytes at a time."""
     total = sum(sizes)
     present = [g for g, n in zip(grads, sizes) if g is not None and n > 0]
     if total == 0 or any(g.dtype != torch.float32 for g in present):
@@ -388,22 +385,8 @@ def _gradient_rows(grads, sizes: List[int], dim: int, device: torch.device,
         first += n
     # From pinned memory: a copy from pageable memory waits for the stream's earlier work first
     # (CUDA's rule), which stalled the host behind the forward (v49: +0.9 ms a step at batch 128).
-    pinned = device.type == "cuda"
-    if by_feature:
-        table = torch.tensor([starts, strides], dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
-        return base, GradientRows(total, None, table), held
-    table = torch.tensor([starts, strides, sizes], dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
-    return base, GradientRows(total, piece_rows(table, total), None), held
-
-
-def piece_rows(table: Tensor, total: int) -> Tensor:
-    """Where each of ``total`` output rows has its gradient, from ``table`` (int64 ``[3, P]``: each
-    piece's start and stride as _gradient_rows makes them, and its rows): row r of piece p at
-    ``start[p] + r * stride[p]``, as unpooled_triton.backward_rows writes it for pieces that are
-    the features."""
-    row = torch.arange(total, dtype=torch.int64, device=table.device)
-    piece = segment_ids(table[2], row)
-    return table[0][piece] + row * table[1][piece]
+    table = torch.tensor([starts, strides], dtype=torch.int64, pin_memory=device.type == "cuda")
+    return base, GradientRows(total, table.to(device, non_blocking=True)), held
 
 
 class UnpooledBatch(NamedTuple):
@@ -424,7 +407,7 @@ def unpooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, b
     """``unpooled_embedding_forward`` with its autograd formula for one group: the registered op
     when traced or compiled, else the same bodies at eager cost. The output rows split by
     ``split_sizes``: None (one piece, the whole block) or the features' id counts (``segments``' row
-    0 steps), which the eager backward relies on (_EagerLookup.forward's ``by_feature``)."""
+    0 steps), which the eager backward relies on (_EagerLookup.backward, _gradient_rows)."""
     state1, state2 = group_states(fused, group_index)
     kind = fused.kind if fused is not None else -1
     hyper = fused.hyper if fused is not None else None
