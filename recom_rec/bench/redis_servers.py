@@ -7,13 +7,14 @@ if ``redis-server`` is missing, :class:`RedisServerMissing` is raised with insta
 """
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import redis
 
@@ -34,15 +35,37 @@ def redis_binary(name: str = "redis-server") -> str:
     return path
 
 
-def free_port(below: int = 65536) -> int:
-    """A free loopback port under ``below`` (a cluster node also needs port + 10000 free)."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < below and (below == 65536 or _is_free(port + 10000)):
-            return port
-    raise RuntimeError(f"no free loopback port below {below}")
+_HANDED_OUT: set = set()
+
+
+def _ephemeral_range() -> Tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; IANA's elsewhere)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def free_port(cluster_bus: bool = False) -> int:
+    """A free loopback port outside the ephemeral range, so that no client's outgoing connection
+    takes it between this check and the server's bind (nor while the server restarts). A cluster
+    node also listens on port + 10000, which must be free and outside that range too."""
+    lo, hi = _ephemeral_range()
+    span = 10000 if cluster_bus else 0
+    ranges = [(r0, r1) for r0, r1 in ((10000, lo - 1 - span), (hi + 1, 65535 - span)) if r1 > r0]
+    ranges = ranges or [(1024, 65535 - span)]
+    rng = random.Random()
+    for _ in range(500):
+        r0, r1 = rng.choice(ranges)
+        port = rng.randint(r0, r1)
+        taken = {port, port + span}
+        # Servers are made before they start: a port handed out once is not handed out again.
+        if taken & _HANDED_OUT or not all(_is_free(p) for p in taken):
+            continue
+        _HANDED_OUT.update(taken)
+        return port
+    raise RuntimeError(f"no free loopback port outside the ephemeral range {lo}-{hi}")
 
 
 def _is_free(port: int) -> bool:
@@ -169,7 +192,7 @@ class RedisClusterProcesses:
                 Path(workdir) / f"node{i}",
                 appendonly=appendonly,
                 # Redis listens for cluster traffic on port + 10000, which must exist and be free.
-                port=free_port(below=55536),
+                port=free_port(cluster_bus=True),
                 extra_args=[
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf",

@@ -213,3 +213,17 @@ def test_missing_redis_server_binary_is_reported_not_skipped(monkeypatch):
     monkeypatch.setenv("PATH", "")
     with pytest.raises(RedisServerMissing, match="redis-server.*not on PATH.*make redis"):
         redis_binary()
+
+
+def test_server_ports_stay_out_of_the_ephemeral_range_and_are_never_handed_out_twice():
+    """A client's outgoing connection takes its local port from the ephemeral range: a server's
+    port (or a cluster node's bus port, port + 10000) inside it can be taken between the check and
+    the bind, as CI once saw ('Failed listening on port ... (cluster)')."""
+    from recom_rec.bench.redis_servers import _ephemeral_range
+
+    lo, hi = _ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    nodes = [free_port(cluster_bus=True) for _ in range(50)]
+    taken = ports + nodes + [p + 10000 for p in nodes]
+    assert len(set(taken)) == len(taken)
+    assert not [p for p in taken if lo <= p <= hi]
