@@ -310,16 +310,19 @@ def _vbe_kjt(user_bags):
 @pytest.mark.parametrize("bag", [2, 7, -1])  # a padded bag (another key has 3), past every bag, negative
 def test_inverse_indices_outside_the_feature_s_bags(backend, bag):
     """A VBE batch's inverse indices must name bags the feature has. Eagerly on the CPU the module
-    raises, naming the feature; on a GPU (no sync to read them) the expansion stays in bounds: the
-    other rows are right and the bad row reads a bag of the batch (docs: the README's limits)."""
+    raises, naming the feature; on a GPU the expansion's kernel reports it without a sync (raised by
+    check_inputs() or the next call), and meanwhile stays in bounds: the other rows are right."""
     module = _module(backend)
+    message = (rf"inverse_indices of feature 'user_id' send output row 2 to bag {bag}, but the feature has 2 bags "
+               r"in this batch: each must lie in \[0, 2\)")
+    with pytest.raises(ValueError, match=message):
+        _run(module, _vbe_kjt([0, 1, bag]))
     if DEVICE.type != "cuda":
-        with pytest.raises(ValueError, match=rf"inverse_indices of feature 'user_id' send output row 2 to bag {bag}, "
-                                             r"but the feature has 2 bags in this batch: each must lie in \[0, 2\)"):
-            module(_vbe_kjt([0, 1, bag]))
         return
     out = module(_vbe_kjt([0, 1, bag])).values()
+    with pytest.raises(ValueError, match=r"\(the feature of table 'users'; reported by the GPU kernels"):
+        module(_vbe_kjt([0, 1, 0]))  # the bad batch's report, raised by the next call
     good = module(_vbe_kjt([0, 1, 0])).values()
-    torch.cuda.synchronize()
+    module.check_inputs()
     assert torch.equal(out[:2], good[:2]) and torch.equal(out[2, 4:], good[2, 4:])
     assert bool(torch.isfinite(out).all())

@@ -159,3 +159,49 @@ def test_kernels_stay_in_bounds_with_bad_inverse_indices():
     grad = torch.randn(bad.shape[1], pooled.shape[1], device=pooled.device)
     expected = torch.zeros_like(pooled).scatter_add_(0, rows, grad)
     torch.testing.assert_close(expand_triton.backward(grad, bad, col_feature, pooled.shape[0]), expected)
+
+
+def _expansions():
+    """The forward's kernels: Triton's (under the interpreter on the CPU) and, on a GPU, the CUDA
+    extension's (csrc/lookup/expand.cu; CI compiles it: test_kernels_compile)."""
+    runs = [("triton", lambda p, inv, cf, check: expand_triton.forward(p, inv, cf, check))]
+    if DEVICE.type == "cuda":
+        from recom_rec.kernels import cuda_ext
+
+        def cuda(p, inv, cf, check):
+            limits, report = check
+            return cuda_ext.extension().expand_rows_forward(p, inv, cf, False, limits, report.claim, report.words)
+
+        runs.append(("cuda", cuda))
+    return runs
+
+
+@pytest.mark.parametrize("run", [name for name, _ in _expansions()])
+@pytest.mark.parametrize("where", ["padded", "past the bags", "negative", "none"])
+def test_the_forward_reports_an_inverse_index_outside_its_feature_s_bags(run, where):
+    """With each feature's bag count in the batch (its limit: a variable batch pads every feature's
+    bags to the largest count), the first index outside [0, limit) is reported to the input
+    check's words (kind 4, feature, output row, bag, limit); the output's bits are the unchecked
+    kernel's either way."""
+    from recom_rec.ops.input_check import KernelReport
+
+    expand = dict(_expansions())[run]
+    pooled, inverse, col_feature = _case(5)
+    features, batch = inverse.shape
+    bags = pooled.shape[0]
+    assert bags >= 3  # (so that the feature's limit lies inside the padded bags)
+    limits = torch.full((features,), bags, dtype=torch.int64)
+    f, b = features - 1, batch // 2
+    limits[f] = max(1, bags - 2)
+    bad = inverse.clone()
+    bad[f] = bad[f].clamp(max=int(limits[f]) - 1)
+    bag = {"padded": int(limits[f]), "past the bags": bags + 3, "negative": -2, "none": None}[where]
+    if bag is not None:
+        bad[f, b] = bag
+    report = KernelReport(DEVICE, "")
+    out = expand(pooled, bad, col_feature, (limits.to(DEVICE), report))
+    assert torch.equal(out, expand_triton.forward(pooled, bad, col_feature))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    expected = (0,) * 6 if bag is None else (4, f, b, bag, int(limits[f]), -1)
+    assert tuple(int(w) for w in report.words) == expected

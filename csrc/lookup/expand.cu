@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "input_check.cuh"
 #include "lookup.h"
 
 namespace {
@@ -20,28 +21,36 @@ constexpr int MOVED_THREADS = 1024;
 // Output unit q of a row of `units` (one thread's): its column unit u, its feature f from the
 // unit's first column (`per_unit` columns a unit), and its bag from the feature's inverse indices.
 // A bag outside [0, num_bags) is bag 0: both kernels stay in bounds (eagerly on the CPU the module
-// checks the inverse indices, variable_batch.check_inverse_indices).
+// checks the inverse indices, variable_batch.check_inverse_indices; on the GPU the forward reports
+// them: expand_forward_kernel).
 struct UnitBag {
-  int64_t u, f, bag;
+  int64_t u, f, raw, bag;
 };
 __device__ __forceinline__ UnitBag unit_bag(int64_t q, int64_t units, int per_unit, const int32_t* col_feature,
                                             const int64_t* inverse, int64_t batch, int64_t num_bags) {
   const int64_t b = q / units, u = q - b * units;
   const int64_t f = col_feature[u * per_unit];
   const int64_t bag = inverse[f * batch + b];
-  return {u, f, bag >= 0 && bag < num_bags ? bag : 0};
+  return {u, f, bag, bag >= 0 && bag < num_bags ? bag : 0};
 }
 
 // One unit (16 bytes where every feature's columns split into whole 16-byte units, else one
-// element) of the output a thread, from its bag's pooled row.
+// element) of the output a thread, from its bag's pooled row. With `limits` (each feature's bags
+// in this batch), an inverse index outside [0, limits[f]) is reported to `chk` (REPORT_INVERSE:
+// feature, output row, bag, limit); past a feature's own bags but inside the padded ones it reads
+// an empty bag, as without the check.
 template <typename U>
 __global__ void __launch_bounds__(EXPAND_ROW_THREADS) expand_forward_kernel(
     const U* __restrict__ pooled, const int64_t* __restrict__ inverse, const int32_t* __restrict__ col_feature,
-    U* __restrict__ out, int64_t batch, int64_t units, int per_unit, int64_t num_bags) {
+    U* __restrict__ out, int64_t batch, int64_t units, int per_unit, int64_t num_bags,
+    const int64_t* __restrict__ limits, InputCheck chk) {
   const int64_t total = batch * units;
   for (int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (int64_t)gridDim.x * blockDim.x) {
     const UnitBag at = unit_bag(q, units, per_unit, col_feature, inverse, batch, num_bags);
     out[q] = pooled[at.bag * units + at.u];
+    if (limits != nullptr && (at.raw < 0 || at.raw >= limits[at.f])) {
+      report_bad(chk, REPORT_INVERSE, at.f, q / units, at.raw, limits[at.f]);
+    }
   }
 }
 
@@ -105,8 +114,21 @@ void check_expand_args(const at::Tensor& inverse, const at::Tensor& col_feature,
 }  // namespace
 
 at::Tensor expand_rows_forward(const at::Tensor& pooled, const at::Tensor& inverse, const at::Tensor& col_feature,
-                               bool whole_chunks) {
+                               bool whole_chunks, const c10::optional<at::Tensor>& limits,
+                               const c10::optional<at::Tensor>& claim, const c10::optional<at::Tensor>& report) {
   c10::cuda::CUDAGuard guard(pooled.device());
+  TORCH_CHECK(limits.has_value() == claim.has_value() && claim.has_value() == report.has_value(),
+              "recom_rec cuda backend: the expansion's check takes limits, claim and report together");
+  if (limits.has_value()) {
+    // (the report's pinning is input_check.KernelReport's to guarantee, as in pooled_forward)
+    TORCH_CHECK(limits->is_cuda() && limits->scalar_type() == at::kLong && limits->is_contiguous() &&
+                    limits->numel() == inverse.size(0) && claim->is_cuda() && claim->scalar_type() == at::kInt &&
+                    !report->is_cuda() && report->scalar_type() == at::kLong,
+                "recom_rec cuda backend: the expansion's check takes int64 limits a feature on the device, an "
+                "int32 device claim and a pinned int64 report");
+  }
+  const InputCheck chk{-1, -1, claim.has_value() ? claim->data_ptr<int32_t>() : nullptr,
+                       report.has_value() ? report->data_ptr<int64_t>() : nullptr};
   TORCH_CHECK(pooled.dim() == 2 && pooled.is_contiguous(), "recom_rec cuda backend: the expansion's pooled rows are "
               "a contiguous [S, C]");
   const int64_t cols = pooled.size(1), batch = inverse.size(1), num_bags = pooled.size(0);
@@ -122,7 +144,8 @@ at::Tensor expand_rows_forward(const at::Tensor& pooled, const at::Tensor& inver
     const int64_t units = cols / per_unit;
     expand_forward_kernel<U><<<grid_for(batch * units), EXPAND_ROW_THREADS, 0, stream>>>(
         reinterpret_cast<const U*>(pooled.data_ptr()), inverse.data_ptr<int64_t>(), col_feature.data_ptr<int32_t>(),
-        reinterpret_cast<U*>(out.data_ptr()), batch, units, per_unit, num_bags);
+        reinterpret_cast<U*>(out.data_ptr()), batch, units, per_unit, num_bags,
+        limits.has_value() ? limits->data_ptr<int64_t>() : nullptr, chk);
   };
   // 16-byte units where the caller saw every feature's columns split into them (whole_chunks: the
   // dims, and so the column starts, multiples of 16 bytes) and the buffers are aligned

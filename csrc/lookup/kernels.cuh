@@ -29,6 +29,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "input_check.cuh"
+
 namespace {
 
 constexpr int META_W = 7;
@@ -108,40 +110,9 @@ __device__ __forceinline__ bool vec_ok(int64_t dim, int64_t base, int64_t col, i
   return (dim % 4 == 0) && (base % 4 == 0) && (col % 4 == 0) && (total_dim % 4 == 0);
 }
 
-// ---- the input check (recom_rec/ops/input_check.py) -----------------------------------------
-// Every kernel that reads ids keeps its reads in bounds whatever the batch holds: an id outside
-// [0, rows) of its table reads row 0 (fbgemm's default clamps so too), a bag whose range leaves the
-// values is empty. The forward also reports the first bad lookup it meets when `report` is set:
-// the lookup that wins `claim` (a device word, 0 until then) writes kind, feature, bag and values
-// to `report` (pinned host memory, mapped: no copy, no sync) for the host to raise on its next
-// call. A batch without bad input pays a compare a lookup, and at rows wider than one 16-byte
-// chunk a lane a second read of its ids: 0-4% of the forward kernel (perf-notes v24).
+// ---- the input check: input_check.cuh ------------------------------------------------------
 #define RECOM_REC_INPUT_CHECK 1  // tools/*_kernel_bench.cu: the kernels take an InputCheck
 #define RECOM_REC_FORWARD_ROUNDS 1  // tools/forward_kernel_bench.cu: the forward takes round_bag_blocks, items
-enum : int64_t { REPORT_NONE = 0, REPORT_ID = 1, REPORT_BAG = 2, REPORT_TOTAL = 3 };
-struct InputCheck {
-  int64_t num_values;   // the KJT's values
-  int64_t last_offset;  // index of the KJT's last offset (keys x batch size)
-  int32_t* claim;       // null: clamp without reporting
-  int64_t* report;      // REPORT_WORDS words: kind, feature, bag, a, b, num_values
-};
-
-__device__ __forceinline__ int64_t clamp_id(int64_t id, int64_t rows) {
-  return (uint64_t)id < (uint64_t)rows ? id : 0;
-}
-
-__device__ __forceinline__ bool bag_in_values(int64_t start, int64_t end, int64_t num_values) {
-  return 0 <= start && start <= end && end <= num_values;
-}
-
-__device__ __forceinline__ void report_bad(const InputCheck& c, int64_t kind, int64_t feature, int64_t bag, int64_t a,
-                                        int64_t b) {
-  if (c.claim == nullptr || atomicCAS(c.claim, 0, 1) != 0) return;
-  volatile int64_t* r = c.report;
-  r[1] = feature; r[2] = bag; r[3] = a; r[4] = b; r[5] = c.num_values;
-  __threadfence_system();
-  r[0] = kind;  // last: a host that sees it sees the rest
-}
 
 // An id clamped into its table; with TRACK, `bad` notes that it was not. The bag is searched for
 // the id to report after the loops (report_bad_ids). Rows of one 16-byte chunk a lane carry the

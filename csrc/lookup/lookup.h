@@ -39,8 +39,11 @@ void singleton_update(const at::Tensor& values, const at::Tensor& offsets, const
 // The variable-batch expansion (expand.cu; recom_rec/ops/expand_bags.py): out[b, c] =
 // pooled[inverse[col_feature[c], b], c], and its gradient back to the bags in fp32. `whole_chunks`:
 // every feature's columns split into whole 16-byte units (the caller knows the dims).
+// With `limits` (each feature's bags in this batch, int64 [F]), `claim` and `report` (the input check's,
+// as pooled_forward's), an inverse index outside a feature's bags is reported.
 at::Tensor expand_rows_forward(const at::Tensor& pooled, const at::Tensor& inverse, const at::Tensor& col_feature,
-                               bool whole_chunks);
+                               bool whole_chunks, const c10::optional<at::Tensor>& limits,
+                               const c10::optional<at::Tensor>& claim, const c10::optional<at::Tensor>& report);
 at::Tensor expand_rows_backward(const at::Tensor& grad, const at::Tensor& inverse, const at::Tensor& col_feature,
                                 int64_t num_bags, bool whole_chunks);
 

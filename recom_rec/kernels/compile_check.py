@@ -86,11 +86,13 @@ def _unpooled_variants(ptr):
             "num_outputs": "i32", "num_features": "i32", "seg_stride": "i32", "num_values": "i32",
         }, {"META_W": 8, "BLOCK_R": 1024, "SEARCH_STEPS": 5, "REPORT": report, "GRAD_ROWS": grad_rows}, \
             {"num_warps": 4}
-    for dtype in ("fp32", "fp16", "bf16"):
+    for dtype, check in itertools.product(("fp32", "fp16", "bf16"), (False, True)):
         yield e._expand_forward_kernel, {
             "pooled_ptr": ptr[dtype], "inverse_ptr": "*i64", "col_feature_ptr": "*i32", "out_ptr": ptr[dtype],
             "batch": "i32", "cols": "i32", "inverse_stride": "i32", "num_bags": "i32",
-        }, {"BLOCK_B": e.BLOCK_B, "BLOCK_C": e.BLOCK_C}, {"num_warps": 4}
+            "limit_ptr": "*i64" if check else ptr[dtype], "claim_ptr": "*i32" if check else ptr[dtype],
+            "report_ptr": "*i64" if check else ptr[dtype],
+        }, {"BLOCK_B": e.BLOCK_B, "BLOCK_C": e.BLOCK_C, "CHECK": check}, {"num_warps": 4}
     yield e._moved_features_kernel, {
         "inverse_ptr": "*i64", "moved_ptr": "*i32", "batch": "i32", "inverse_stride": "i32",
     }, {"BLOCK": e.MOVED_BLOCK}, {"num_warps": 4}

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .grid_math import cdiv
+from .pooled_triton import _report
 
 BLOCK_B, BLOCK_C = 16, 128
 MOVED_BLOCK = 1024
@@ -38,11 +39,40 @@ def _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, num_bags, B
 # variant.
 @triton.jit(do_not_specialize=["batch", "inverse_stride", "num_bags"])
 def _expand_forward_kernel(pooled_ptr, inverse_ptr, col_feature_ptr, out_ptr, batch, cols, inverse_stride, num_bags,
-                           BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    b, c, mask, _, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, num_bags, BLOCK_B,
+                           limit_ptr, claim_ptr, report_ptr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
+                           CHECK: tl.constexpr):
+    b, c, mask, f, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, num_bags, BLOCK_B,
                                BLOCK_C)
     v = tl.load(pooled_ptr + src * cols + c[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + b[:, None] * cols + c[None, :], v, mask=mask)
+    if CHECK:
+        _report_bad_bags(inverse_ptr, limit_ptr, claim_ptr, report_ptr, b, mask, f, inverse_stride, BLOCK_B,
+                         BLOCK_C)
+
+
+@triton.jit
+def _report_bad_bags(inverse_ptr, limit_ptr, claim_ptr, report_ptr, b, mask, f, inverse_stride,
+                     BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The input check (ops/input_check.py): reports the program's first element whose inverse
+    index lies outside its feature's bags in this batch, ``[0, limit[f])`` (an index past a
+    feature's own bags but inside the padded ones reads an empty bag: not out of bounds, but not
+    the user's row either)."""
+    bag = tl.load(inverse_ptr + f[None, :] * inverse_stride + b[:, None], mask=mask, other=0).to(tl.int64)
+    limit = tl.broadcast_to(tl.load(limit_ptr + f).to(tl.int64)[None, :], (BLOCK_B, BLOCK_C))
+    bad = mask & ((bag < 0) | (bag >= limit))
+    if tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0:
+        at = tl.arange(0, BLOCK_B)[:, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+        pick = at == tl.min(tl.min(tl.where(bad, at, BLOCK_B * BLOCK_C), axis=1), axis=0)
+        _report(claim_ptr, report_ptr, tl.full([], 4, tl.int64),
+                _pick(pick, tl.broadcast_to(f[None, :], (BLOCK_B, BLOCK_C))),
+                _pick(pick, tl.broadcast_to(b[:, None], (BLOCK_B, BLOCK_C))), _pick(pick, bag), _pick(pick, limit),
+                tl.full([], -1, tl.int64))
+
+
+@triton.jit
+def _pick(pick, x):
+    """The element of ``x`` where ``pick`` (one element) is set."""
+    return tl.sum(tl.sum(tl.where(pick, x, 0), axis=1), axis=0)
 
 
 @triton.jit(do_not_specialize=["batch", "inverse_stride"])
@@ -68,15 +98,19 @@ def _expand_backward_kernel(grad_ptr, inverse_ptr, col_feature_ptr, moved_ptr, g
     tl.store(grad_pooled_ptr + src * cols + c[None, :], g, mask=mask & ~summed)
 
 
-def forward(pooled, inverse, col_feature):
+def forward(pooled, inverse, col_feature, check=None):
+    """``check``: (``limits``, report), each output feature's bags in this batch (int64 ``[F]``) and
+    the input_check.KernelReport an inverse index outside them is reported to (read either way
+    as without the check)."""
     # (the kernels step along a feature's inverse indices by one: a strided view is made dense)
     pooled, inverse, col_feature = pooled.contiguous(), inverse.contiguous(), col_feature.contiguous()
     batch, cols = inverse.shape[1], pooled.shape[1]
     out = torch.empty(batch, cols, dtype=pooled.dtype, device=pooled.device)
     if batch and cols and pooled.shape[0]:
         _expand_forward_kernel[(cdiv(batch, BLOCK_B), cdiv(cols, BLOCK_C))](
-            pooled, inverse, col_feature, out, batch, cols, inverse.stride(0), pooled.shape[0], BLOCK_B=BLOCK_B,
-            BLOCK_C=BLOCK_C, num_warps=4)
+            pooled, inverse, col_feature, out, batch, cols, inverse.stride(0), pooled.shape[0],
+            *((check[0], check[1].claim, check[1].words) if check is not None else (out, out, out)),
+            BLOCK_B=BLOCK_B, BLOCK_C=BLOCK_C, CHECK=check is not None, num_warps=4)
     elif batch and cols:  # (no bags at all: every row reads nothing)
         out.zero_()
     return out

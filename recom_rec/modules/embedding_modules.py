@@ -38,7 +38,8 @@ from ..ops.tracing import fx_tracing
 from ..ops.plan import FusedStep, GroupPlan, LookupPlan, group_states
 from ..ops.pooled_embedding import load_kernels
 from ..ops.validation import encode_names
-from ..ops.variable_batch import check_inverse_indices, expand_rows, uniform_batch
+from ..ops.variable_batch import (check_inverse_indices, expand_rows, expand_rows_checked, inverse_check,
+                                  uniform_batch)
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import FusedOptimizerSpec
 from .flat_tables import FlatTables, TableGroup
@@ -181,8 +182,11 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
     indices after the lookup (ops/variable_batch.py)."""
     unpadded = features
     features, rows = uniform_batch(features, plan.output_features)
+    check = None
     if plan.validate:
         check_inverse_indices(unpadded, rows, plan.output_features)
+        if rows is not None:
+            check = inverse_check(unpadded, rows, plan.output_features, flats[0], _output_names(plan), plan.report_id)
     keys = tuple(features.keys())
     values = features.values()
     per_sample_weights = features.weights_or_none() if plan.is_weighted else None
@@ -196,7 +200,27 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
         routing = KeyRouting(key_index, names, values.numel() if reads_each_key_once else -1)
         outs.append(pooled_lookup(weights[g], flats[g], metas[g], batch, routing, group, plan, fused, g))
     out = _concat_groups(outs, output_columns)
-    return out if rows is None else expand_rows(out, rows, plan.output_dims, plan.backend)
+    return out if rows is None else expand_rows_checked(out, rows, plan.output_dims, plan.backend, check)
+
+
+# Per module plan (its output features' list, held so that the id is not reused): the names an
+# inverse-index report decodes, a (feature, tables reading it) pair per output feature.
+_OUTPUT_NAMES: Dict[int, Tuple[List[str], str]] = {}
+
+
+def _output_names(plan: LookupPlan) -> str:
+    hit = _OUTPUT_NAMES.get(id(plan.output_features))
+    if hit is None or hit[0] is not plan.output_features:
+        readers: Dict[str, List[str]] = {}
+        for group in plan.groups:
+            for feature, table in zip(group.features, group.tables):
+                readers.setdefault(feature, []).append(table)
+        keys = [f.split("@")[0] for f in plan.output_features]
+        names = encode_names([], keys, [", ".join(dict.fromkeys(readers.get(k, []))) for k in keys])
+        if len(_OUTPUT_NAMES) >= 1024:
+            _OUTPUT_NAMES.clear()
+        hit = _OUTPUT_NAMES[id(plan.output_features)] = (plan.output_features, names)
+    return hit[1]
 
 
 def _scripted_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights: List[List[torch.Tensor]],

@@ -80,15 +80,22 @@ expand_bags.register_autograd(_backward, setup_context=_setup)
 # scripted, fake and dispatch-mode code keeps the registered ops. With ``dims_gcd`` > 0 (the
 # output's dims' greatest common divisor) the CUDA extension's kernels run it (csrc/lookup/expand.cu):
 # one C++ call each way instead of Triton's Python launches and torch's fills (perf-notes v54).
+#
+# ``check`` (the GPU's input check: each output feature's bags in this batch and the
+# input_check.KernelReport to report an inverse index outside them to) goes to the forward kernels.
 class _EagerExpandBags(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, pooled, inverse, col_feature, dims_gcd):
+    def forward(ctx, pooled, inverse, col_feature, dims_gcd, check):
         ctx.save_for_backward(inverse, col_feature)
         ctx.num_bags = pooled.shape[0]
         ctx.dims_gcd = dims_gcd
         if dims_gcd:
             whole = dims_gcd * pooled.element_size() % 16 == 0
-            return _cuda_ext().expand_rows_forward(pooled.contiguous(), inverse.contiguous(), col_feature, whole)
+            limits, report = check if check is not None else (None, None)
+            return _cuda_ext().expand_rows_forward(pooled.contiguous(), inverse.contiguous(), col_feature, whole,
+                                                   limits, report and report.claim, report and report.words)
+        if check is not None and pooled.is_cuda and pooled.dtype != torch.float64:
+            return _triton().forward(pooled, inverse, col_feature, check)
         return _expand(pooled, inverse, col_feature)
 
     @staticmethod
@@ -100,7 +107,7 @@ class _EagerExpandBags(torch.autograd.Function):
                                                            ctx.num_bags, ctx.dims_gcd % 4 == 0)
         else:
             grad_pooled = _expand_backward(grad, inverse, col_feature, ctx.num_bags)
-        return grad_pooled, None, None, None
+        return grad_pooled, None, None, None, None
 
 
 _apply = super(torch.autograd.Function, _EagerExpandBags).apply
@@ -113,9 +120,11 @@ def _cuda_ext():
     return cuda_ext.extension()
 
 
-def eager_expand_bags(pooled: Tensor, inverse: Tensor, col_feature: Tensor, dims_gcd: int = 0) -> Tensor:
+def eager_expand_bags(pooled: Tensor, inverse: Tensor, col_feature: Tensor, dims_gcd: int = 0,
+                      check=None) -> Tensor:
     """``expand_bags`` through the C apply (Function.apply's Python layer unwraps every argument);
     only ``inverse``, from the user's KJT, can be a finished functorch transform's dead wrapper:
     ``pooled`` is the lookup's output and ``col_feature`` the module's. ``dims_gcd`` > 0: on the
-    CUDA extension's kernels (the caller has checked that it builds)."""
-    return _apply(pooled, torch._C._functorch.unwrap_if_dead(inverse), col_feature, dims_gcd)
+    CUDA extension's kernels (the caller has checked that it builds). ``check``: (limits, report),
+    the GPU kernels' input check (CUDA tensors only)."""
+    return _apply(pooled, torch._C._functorch.unwrap_if_dead(inverse), col_feature, dims_gcd, check)

@@ -39,7 +39,7 @@ import torch
 from .validation import decode_names
 
 REPORT_WORDS = 6  # kind, feature, batch index, a, b, the KJT's values (csrc/lookup/kernels.cuh: report_bad)
-REPORT_ID, REPORT_BAG, REPORT_TOTAL = 1, 2, 3
+REPORT_ID, REPORT_BAG, REPORT_TOTAL, REPORT_INVERSE = 1, 2, 3, 4
 
 
 class KernelReport:
@@ -270,6 +270,11 @@ def _error(report: Tuple[int, ...], names: str) -> ValueError:
     if kind == REPORT_TOTAL:
         return ValueError(f"KeyedJaggedTensor lengths add up to {b - a} but there are {num_values} values{late}")
     name, table = decode_names(names)[1][feature]
+    if kind == REPORT_INVERSE:  # (the expansion of a variable batch: ops/variable_batch.inverse_check)
+        return ValueError(
+            f"KeyedJaggedTensor inverse_indices of feature {name!r} send output row {bag} to bag {a}, but the "
+            f"feature has {b} bags in this batch: each must lie in [0, {b}) (the feature of table {table!r}; "
+            "reported by the GPU kernels for a batch already run: there, such a row read an empty bag or bag 0)")
     if kind == REPORT_BAG:
         return ValueError(
             f"KeyedJaggedTensor lengths add up past its {num_values} values: feature {name!r} (table {table!r}) "

@@ -19,6 +19,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .expand_bags import eager_expand_bags  # (and registers recom_rec::expand_bags)
+from .input_check import kernel_report
 from .pooled_embedding import _cuda_builds, _eager_ok
 
 
@@ -140,11 +141,51 @@ def expand_rows(pooled: torch.Tensor, inverse: torch.Tensor, output_dims: List[i
     elif torch.compiler.is_compiling():
         col_feature = _column_features(output_dims, pooled.device)
     else:
-        col_feature, dims_gcd = _cached_column_features(output_dims, pooled.device)
-        if _eager_ok([], pooled, inverse, col_feature):  # the same bodies without the op's layers
-            cuda = pooled.is_cuda and backend in ("auto", "cuda") and _cuda_builds()
-            return eager_expand_bags(pooled, inverse, col_feature, dims_gcd if cuda else 0)
+        out = _eager_expand_rows(pooled, inverse, output_dims, backend, None)
+        if out is not None:
+            return out
+        col_feature = _cached_column_features(output_dims, pooled.device)[0]
     return torch.ops.recom_rec.expand_bags(pooled, inverse, col_feature)
+
+
+def expand_rows_checked(pooled: torch.Tensor, inverse: torch.Tensor, output_dims: List[int], backend: str,
+                        check: Optional[Tuple[torch.Tensor, object]]) -> torch.Tensor:
+    """``expand_rows`` with the GPU's input check (``check``: inverse_check's) where it runs eagerly."""
+    if check is None or torch.compiler.is_compiling():
+        return expand_rows(pooled, inverse, output_dims, backend)
+    out = _eager_expand_rows(pooled, inverse.to(pooled.device), output_dims, backend, check)
+    return out if out is not None else expand_rows(pooled, inverse, output_dims, backend)
+
+
+def _eager_expand_rows(pooled: torch.Tensor, inverse: torch.Tensor, output_dims: List[int], backend: str,
+                       check) -> Optional[torch.Tensor]:
+    """The expansion through the eager Function (the same bodies without the op's layers), or None
+    where the registered op must run it (a transform or dispatch mode is active)."""
+    col_feature, dims_gcd = _cached_column_features(output_dims, pooled.device)
+    if not _eager_ok([], pooled, inverse, col_feature):
+        return None
+    cuda = pooled.is_cuda and backend in ("auto", "cuda") and _cuda_builds()
+    return eager_expand_bags(pooled, inverse, col_feature, dims_gcd if cuda else 0, check)
+
+
+def inverse_check(features: KeyedJaggedTensor, rows: Optional[torch.Tensor], output_features: List[str],
+                  flat: torch.Tensor, names: str, report_id: int):
+    """The GPU's check of the inverse indices (``rows``, output_rows'), for an eager batch on a GPU
+    (elsewhere None: the CPU raises at once, check_inverse_indices): each output feature's bags in
+    this batch on the device, and the report slot (input_check.kernel_report of ``flat``, ``names``
+    and ``report_id``) the expansion's forward kernel reports an index outside them to. ``names``:
+    validation.encode_names with a (feature, table) pair for each output feature."""
+    if rows is None or not rows.is_cuda or torch.compiler.is_compiling():
+        return None
+    report = kernel_report(flat, names, report_id)
+    if report is None:  # (a CUDA graph being captured before the slot exists)
+        return None
+    keys = features.keys()
+    strides = features.stride_per_key() if features.variable_stride_per_key() else [features.stride()] * len(keys)
+    stride_of = dict(zip(keys, strides))
+    # (a key the KJT lacks is the lookup's error, raised before the expansion: no limit here)
+    limits = [stride_of.get(name.split("@")[0], 2 ** 62) for name in output_features]
+    return _device_ints(limits, rows.device), report
 
 
 def _column_features(output_dims: List[int], device: torch.device) -> torch.Tensor:

@@ -22,7 +22,8 @@ from ..modules.table_size import check_table_size
 from ..ops.layout import POOLING_MEAN, POOLING_SUM
 from ..ops.quantized_lookup import quantized_lookup
 from ..ops.validation import encode_names
-from ..ops.variable_batch import check_inverse_indices, expand_rows, uniform_batch
+from ..ops.variable_batch import (check_inverse_indices, expand_rows, expand_rows_checked, inverse_check,
+                                  uniform_batch)
 from .from_float import quantized_module_args
 from .layout import QuantTableSlot, buffer_bytes, pack_quant_tables, quant_feature_meta
 from .rows import DEFAULT_ROW_ALIGNMENT, check_dim, pack_rows, row_type
@@ -65,7 +66,11 @@ def _python_quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Te
     total_dim, max_dim = widths
     out = quantized_lookup(flat, features.values(), features.offsets(), per_sample_weights, meta, key_index,
                            features.stride(), total_dim, max_dim, output_dtype, backend, validate, names, report_id)
-    return out if rows is None else expand_rows(out, rows, dims, backend)
+    if rows is None:
+        return out
+    # (``names`` pairs each wanted feature, an output feature, with its table: the lookup's report slot)
+    check = inverse_check(unpadded, rows, wanted, flat, names, report_id) if validate else None
+    return expand_rows_checked(out, rows, dims, backend, check)
 
 
 def _scripted_quantized_lookup(features: KeyedJaggedTensor, flat: Tensor, meta: Tensor, wanted: List[str],
