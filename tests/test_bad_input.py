@@ -326,3 +326,16 @@ def test_inverse_indices_outside_the_feature_s_bags(backend, bag):
     module.check_inputs()
     assert torch.equal(out[:2], good[:2]) and torch.equal(out[2, 4:], good[2, 4:])
     assert bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inverse_indices_of_a_feature_without_bags(backend):
+    """A feature with no bags in a batch cannot give an output row one: raised at the call (the
+    host knows the bag counts), on the CPU and on a GPU alike."""
+    keys = ["user_id", "item_id", "shared"]
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.tensor([1, 2, 3, 4, 5, 6]), lengths=torch.ones(6, dtype=torch.int64),
+                            stride_per_key_per_rank=[[0], [3], [3]],
+                            inverse_indices=(keys, torch.tensor([[0, 0, 0], [0, 1, 2], [0, 1, 2]]))).to(DEVICE)
+    with pytest.raises(ValueError, match=r"inverse_indices of feature 'user_id' send output row.*but the feature "
+                                         r"has 0 bags in this batch"):
+        _run(_module(backend), kjt)

@@ -185,6 +185,10 @@ def inverse_check(features: KeyedJaggedTensor, rows: Optional[torch.Tensor], out
     stride_of = dict(zip(keys, strides))
     # (a key the KJT lacks is the lookup's error, raised before the expansion: no limit here)
     limits = [stride_of.get(name.split("@")[0], 2 ** 62) for name in output_features]
+    if rows.shape[1] and 0 in limits:  # known here: a feature without bags has no index to give a row
+        key = output_features[limits.index(0)].split("@")[0]
+        raise ValueError(f"KeyedJaggedTensor inverse_indices of feature {key!r} send output rows to its bags, but "
+                         "the feature has 0 bags in this batch")
     return _device_ints(limits, rows.device), report
 
 
