@@ -60,8 +60,9 @@ def test_bench_backward_phase_reports_each_of_ours_against_its_byte_floor(tmp_pa
     assert set(ours) == {"recom_rec", "recom_rec:group-params"}, data["results"]
     for r in ours.values():
         assert abs(r["floor_ms"] - floor_ms) < 1e-9 * floor_ms and abs(r["floor_x"] - r["ms"] / floor_ms) < 1e-9
-        # the backward alone, its forward untimed: less than the step with it
-        assert 0 < r["backward_only_ms"] < r["ms"], r
+        # the backward alone, its forward untimed (not compared with the step's time: two CPU
+        # timings of a shared machine, which CI once saw in the other order)
+        assert r["backward_only_ms"] > 0, r
         assert abs(r["backward_only_floor_x"] - r["backward_only_ms"] / floor_ms) < 1e-9
     assert not any("floor_x" in r or "backward_only_ms" in r for r in data["results"] if r["peer"] == "fbgemm")
     line = next(x for x in result.stdout.splitlines() if x.startswith("backward to dense gradients, x its floor"))
