@@ -6,7 +6,7 @@ trial any more, so that the first real request or training step already runs the
 With ``RECOM_REC_CACHE`` set the decisions also go to that file (kernels/decision_cache.py), which
 later processes and every rank read instead of measuring again.
 """
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
@@ -43,6 +43,7 @@ def tune(model: nn.Module, batches: Iterable[Any], *, train: bool = False,
     whose paths are measured too) and puts the model's parameters, buffers and fused-optimizer
     state back afterwards (a copy of them is held in host memory meanwhile). Returns
     ``{"passes": ..., "trial_launches": ...}``. On the CPU (no measured choices) one pass runs."""
+    from .kernels.launch_tuner import unpaced_trials
     from .kernels.selection import trial_launches  # (the kernels' modules load on first use)
 
     batches = list(batches)
@@ -58,20 +59,8 @@ def tune(model: nn.Module, batches: Iterable[Any], *, train: bool = False,
     started = trial_launches()
     passes = 0
     try:
-        for passes in range(1, max_passes + 1):
-            before = trial_launches()
-            for batch in batches:
-                if train:
-                    outputs = list(_outputs(call(model, batch)))
-                    if outputs:
-                        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
-                else:
-                    with torch.no_grad():
-                        call(model, batch)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the trials' timing events finish: the next pass reads them
-            if trial_launches() == before:
-                break
+        with unpaced_trials():  # (tuning ahead of time: the trials back to back, not paced by the calls)
+            passes = _passes(model, batches, call, train, max_passes, trial_launches)
     finally:
         if saved is not None:
             with torch.no_grad():
@@ -82,3 +71,23 @@ def tune(model: nn.Module, batches: Iterable[Any], *, train: bool = False,
                 p.grad = None
     return {"passes": passes, "trial_launches": trial_launches() - started}
 
+
+def _passes(model: nn.Module, batches: List[Any], call: Callable[[nn.Module, Any], Any], train: bool, max_passes: int,
+            trial_launches: Callable[[], int]) -> int:
+    """Passes over ``batches`` until one makes no trial launch (at most ``max_passes``); their count."""
+    passes = 0
+    for passes in range(1, max_passes + 1):
+        before = trial_launches()
+        for batch in batches:
+            if train:
+                outputs = list(_outputs(call(model, batch)))
+                if outputs:
+                    torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+            else:
+                with torch.no_grad():
+                    call(model, batch)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the trials' timing events finish: the next pass reads them
+        if trial_launches() == before:
+            break
+    return passes

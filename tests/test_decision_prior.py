@@ -18,7 +18,7 @@ def _tuner(stream, prior, **kwargs):
     return LaunchOrderTuner(record_event=stream.record_event, capturing=stream.is_capturing, hold=stream.hold,
                             clock=stream.clock, names={c: c for c in CHOICES}, candidates=lambda s: CHOICES,
                             default="a", cache_name="forward", prior=lambda device: prior,
-                            **{"min_trials": 2, **kwargs})
+                            **{"min_trials": 2, "trial_budget": None, **kwargs})
 
 
 def _prior(*points):
@@ -82,7 +82,8 @@ def test_decisions_keep_what_they_were_taken_among_into_the_fitted_prior(tmp_pat
     stream = FakeStream({"a": 1.0, "b": 0.5, "c": 3.0, "d": 3.0})
     tuner = LaunchOrderTuner(record_event=stream.record_event, capturing=stream.is_capturing, hold=stream.hold,
                              clock=stream.clock, names={c: c for c in CHOICES}, candidates=lambda s: ("a", "b", "c"),
-                             default="a", cache_name="forward", prior=lambda device: None, min_trials=2)
+                             default="a", cache_name="forward", prior=lambda device: None, min_trials=2,
+                             trial_budget=None)
     _run(tuner, stream, 60, shape())
     assert tuner.decisions() == {shape(): "b"}
     context = next(iter(json.loads((tmp_path / FILE_NAME).read_text())["entries"]))

@@ -30,9 +30,9 @@ def _timed_run(fn: Callable[[], object], device: torch.device) -> float:
 
 def settle(fn: Callable[[], object], device: torch.device, warmup: int,
            any_rank: Optional[Callable[[bool], bool]] = None) -> int:
-    """Runs ``fn`` ``warmup`` times, then on a GPU until a run launches nothing on trial: every
-    shape it runs has its measured choice (kernels/selection.trial_launches), so no timed run is a
-    tuner's trial of a slower candidate. Waits for each run there, so the trials' timing events
+    """Runs ``fn`` ``warmup`` times, then on a GPU until a run launches nothing on trial (the trials
+    unpaced: launch_tuner.unpaced_trials): every shape it runs has its measured choice
+    (kernels/selection.trial_launches), so no timed run is a tuner's trial of a slower candidate. Waits for each run there, so the trials' timing events
     have finished when the next run's launches look at them. ``any_rank(flag)``: in a distributed
     step, whether any process's flag is set (an all-reduce), so that every process goes on while
     one still has trials and all run as many steps (their collectives pair up). Returns the number
@@ -41,15 +41,17 @@ def settle(fn: Callable[[], object], device: torch.device, warmup: int,
         fn()
     if device.type != "cuda":
         return warmup
+    from ..kernels.launch_tuner import unpaced_trials
     from ..kernels.selection import trial_launches
 
-    for extra in range(1, MAX_SETTLE_RUNS + 1):
-        before = trial_launches()
-        fn()
-        torch.cuda.synchronize(device)
-        on_trial = trial_launches() != before
-        if not (any_rank(on_trial) if any_rank else on_trial):
-            break
+    with unpaced_trials():  # (a warm-up tunes: the trials back to back, as recom_rec.tune runs them)
+        for extra in range(1, MAX_SETTLE_RUNS + 1):
+            before = trial_launches()
+            fn()
+            torch.cuda.synchronize(device)
+            on_trial = trial_launches() != before
+            if not (any_rank(on_trial) if any_rank else on_trial):
+                break
     return warmup + extra
 
 

@@ -34,7 +34,9 @@ decided choice, or the default.
 Tests and tools force one choice with :meth:`LaunchOrderTuner.force` (the product always measures).
 With ``RECOM_REC_CACHE`` set, decisions are also kept on disk (its ``decisions.json``) and a shape
 the file knows is decided at its first call (decision_cache.py). A candidate clearly slower than
-the default after DROP_AFTER samples each stops being tried. Where the package ships a prior for
+the default after DROP_AFTER samples each stops being tried, and one clearly faster becomes the
+default at once. Timed trials are paced so that they cost a shape's calls at most TRIAL_BUDGET of
+their time (``unpaced_trials`` lifts that for tuning ahead of time). Where the package ships a prior for
 the GPU's architecture (decision_prior.py: decisions recorded on other machines), a shape it
 predicts for starts on the predicted choice, which is then the default, and only it and the
 runner-up are measured, with any candidate the recorded shapes behind the prediction were not
@@ -43,6 +45,7 @@ decision was measured among). Decisions taken out of another process (``recom_re
 and put into this one (``recom_rec.use_kernel_decisions``, ``recom_rec.load_exported``) are looked
 up ahead of the file, the same way: a shape they know is decided at its first call.
 """
+import contextlib
 import math
 import statistics
 import threading
@@ -81,6 +84,14 @@ DROP_MARGIN = 0.25
 # most MAX_HOLD_MS (a first call may compile for seconds). Held only while a shape is on trial.
 HOLD_SLACK_MS = 0.02
 MAX_HOLD_MS = 2.0
+# A shape's timed trials may cost its calls at most TRIAL_BUDGET of their time: a timed launch (its
+# hold, and a slower candidate's extra device time) waits until the shape's calls so far leave room
+# for it, the shape running its default untimed meanwhile. A trial behind a hold of twice the host's
+# call cost a host-bound call ~2-25x its time (a 0.07 ms kernel behind a ~0.9 ms call: 1.7 ms a call
+# for 90 calls in a row, perf-notes v55), where issue 51 allows a shape's first calls a few percent
+# over the predicted choice's alone. ``recom_rec.tune`` and the benchmarks' warm-up run trials
+# unpaced (``unpaced_trials``): tuning is what they are for.
+TRIAL_BUDGET = 0.03
 # torch.cuda._sleep counts clock cycles: at 3 GHz, above any GPU's clock, a hold lasts at least as
 # long as asked.
 HOLD_CYCLES_PER_MS = 3_000_000
@@ -119,6 +130,25 @@ def _power_of_two_at_least(n: int) -> int:
 
 def _orders_for(shape) -> Tuple[bool, ...]:
     return (FEATURE_MAJOR, BAG_MAJOR) if shape.num_features <= MAX_BAG_MAJOR_FEATURES else (FEATURE_MAJOR,)
+
+
+_UNPACED = threading.local()
+
+
+@contextlib.contextmanager
+def unpaced_trials():
+    """Within it (this thread), every tuner runs its trials back to back, unbudgeted: for tuning
+    ahead of time (``recom_rec.tune``, a benchmark's warm-up)."""
+    depth = getattr(_UNPACED, "depth", 0)
+    _UNPACED.depth = depth + 1
+    try:
+        yield
+    finally:
+        _UNPACED.depth = depth
+
+
+def trials_unpaced() -> bool:
+    return getattr(_UNPACED, "depth", 0) > 0
 
 
 def record_timing_event(device: torch.device):
@@ -228,9 +258,57 @@ class _ShapeTrials:
     host: Dict[object, List[float]] = field(default_factory=dict)  # the host's ms in the same trials' calls
     in_flight: List[Tuple[object, object, object, float]] = field(default_factory=list)  # (choice, start, end, host)
     host_ms: float = MAX_HOLD_MS  # the host's time in the shape's last call
+    # The pacing's ledger (TRIAL_BUDGET): the shape's calls' time while on trial as the default takes
+    # them (the longer of its host call and its device time), and what the trials cost beyond that:
+    # a timed launch's hold, and another candidate's extra device time and extra host time (its
+    # first launch's compile, say).
+    calls: int = 0
+    calls_host_ms: float = 0.0
+    trials_ms: float = 0.0
+    default_host_ms: float = 0.0  # the host's time in the default's last call
 
     def hold_ms(self) -> float:
         return min(MAX_HOLD_MS, 2 * self.host_ms + HOLD_SLACK_MS)
+
+    def device_ms(self, choice) -> float:
+        """The choice's median device time so far (0 before its first sample)."""
+        samples = self.samples.get(choice)
+        return statistics.median(samples) if samples else 0.0
+
+    def _extra_ms(self, choice, host_ms: float) -> float:
+        """What a call of ``choice`` costs beyond the default's (device and host)."""
+        if choice == self.default:
+            return 0.0
+        return max(0.0, self.device_ms(choice) - self.device_ms(self.default)) + \
+            max(0.0, host_ms - self.default_host_ms)
+
+    def trial_cost(self, choice) -> float:
+        """A timed launch of ``choice`` now: its hold, and its extra time as measured so far."""
+        host = self.host.get(choice)
+        return self.hold_ms() + self._extra_ms(choice, statistics.median(host) if host else 0.0)
+
+    def calls_ms(self) -> float:
+        """The calls' time: their host time, or their count at the default's device time once
+        measured if more (the sum of the longer of the two, from below)."""
+        return max(self.calls_host_ms, self.calls * self.device_ms(self.default))
+
+    def account(self, choice, host_ms: float, hold_ms: Optional[float]) -> None:
+        """Enters one call of ``choice`` (``hold_ms``: the hold ahead of it, None if untimed)."""
+        if choice == self.default:
+            self.default_host_ms = host_ms
+        self.calls += 1
+        self.calls_host_ms += self.default_host_ms
+        self.trials_ms += (hold_ms or 0.0) + self._extra_ms(choice, host_ms)
+
+    def affords(self, choice, budget: float) -> bool:
+        """Whether a timed launch of ``choice`` now keeps the trials within ``budget`` of the calls.
+        The default's first timed launch always may: until it is measured, the calls' time is
+        only their host time, which a device-bound shape's calls far exceed (one hold, ~2 calls
+        of a host-bound shape)."""
+        if choice == self.default and not self.samples.get(choice) and \
+                not any(c == choice for c, *_ in self.in_flight):
+            return True
+        return self.trials_ms + self.trial_cost(choice) <= budget * self.calls_ms()
 
     def plan_rounds(self, n: int) -> None:
         for k in range(self.rounds, self.rounds + n):
@@ -276,10 +354,13 @@ class LaunchOrderTuner:
                  candidates: Optional[Callable] = None, default=DEFAULT_ORDER,
                  host_path: Optional[Callable[[object], object]] = None, hold: Callable = hold_device,
                  clock: Callable[[], float] = time.perf_counter, cache_name: Optional[str] = None,
-                 prior: Optional[Callable[[torch.device], object]] = None):
+                 prior: Optional[Callable[[torch.device], object]] = None,
+                 trial_budget: Optional[float] = TRIAL_BUDGET):
         if not 1 <= min_trials <= max_trials:
             raise ValueError(f"need 1 <= min_trials <= max_trials (got {min_trials}, {max_trials})")
         self.min_trials, self.max_trials, self.margin, self.z = min_trials, max_trials, margin, z
+        # at most this share of an undecided shape's call time goes to its timed trials (None: no pacing)
+        self.trial_budget = trial_budget
         self.names = names
         # ``candidates(shape)``: the choices to measure for a shape (default: both launch orders,
         # bag-major only where the features fit the grid's y axis); ``default`` runs undecided
@@ -348,7 +429,8 @@ class LaunchOrderTuner:
                 return run(cached)
         default, trial_candidates = self._start(shape, candidates, device)
         if self._capturing(device):
-            return run(default)
+            trials = self._trials.get(shape)
+            return run(trials.default if trials is not None else default)
         with self._lock:
             self.trial_launches += 1
             order, timed = self._next_launch(shape, trial_candidates, default)
@@ -358,20 +440,22 @@ class LaunchOrderTuner:
                 self._decided_on[shape] = device
             self._to_cache(shape, order, trial_candidates, device)
             return run(order)
+        hold_ms = None
         if timed:  # the device busy until the call has queued the trial's kernels
-            self._hold(device, trials.hold_ms())
+            hold_ms = trials.hold_ms()
+            self._hold(device, hold_ms)
             start = self._record_event(device)
         began = self._clock()
         result = run(order)
         host_ms = trials.host_ms = (self._clock() - began) * 1e3
-        if not timed:
-            return result
-        end = self._record_event(device)
+        end = self._record_event(device) if timed else None
         with self._lock:
             # else another thread decided meanwhile, or the trials were forgotten and begun anew:
-            # this sample belongs to none
+            # this call belongs to none
             if self._trials.get(shape) is trials:
-                trials.in_flight.append((order, start, end, host_ms))
+                trials.account(order, host_ms, hold_ms)
+                if timed:
+                    trials.in_flight.append((order, start, end, host_ms))
         return result
 
     def _drop_clear_losers(self, trials: "_ShapeTrials") -> None:
@@ -395,6 +479,29 @@ class LaunchOrderTuner:
         if losers:
             trials.candidates = tuple(c for c in trials.candidates if c not in losers)
             trials.planned = [(c, timed) for c, timed in trials.planned if c not in losers]
+
+    def _promote_clear_winner(self, trials: "_ShapeTrials") -> None:
+        """The default's mirror of _drop_clear_losers: a candidate whose slowest sample, after
+        DROP_AFTER samples each, beats the default's fastest by DROP_MARGIN becomes the default at
+        once (the one with the lowest median, if several): the shape's untimed calls run it while
+        the trials go on, and it is what the others must clearly beat. A misprediction then costs a
+        shape's first calls a few launches, not MIN_TRIALS rounds."""
+        default = trials.default
+        ours = trials.samples.get(default, [])
+        if len(ours) < DROP_AFTER:
+            return
+        winners = []
+        for c in trials.candidates:
+            theirs = trials.samples.get(c, [])
+            if c == default or len(theirs) < DROP_AFTER:
+                continue
+            differ = self.host_path is not None and self.host_path(c) != self.host_path(default)
+            mine = [max(d, h) for d, h in zip(theirs, trials.host[c])] if differ else theirs
+            base = [max(d, h) for d, h in zip(ours, trials.host[default])] if differ else ours
+            if max(mine) * (1 + DROP_MARGIN) < min(base):
+                winners.append((statistics.median(mine), c))
+        if winners:
+            trials.default = min(winners, key=lambda w: w[0])[1]
 
     def _from_cache(self, shape, candidates, device: torch.device):
         """The kept choice for ``shape`` (then decided here too): an imported decision's, else the
@@ -469,18 +576,23 @@ class LaunchOrderTuner:
             trials = self._trials[shape] = _ShapeTrials(candidates, default, [(c, False) for c in candidates])
             trials.plan_rounds(self.min_trials)
         trials.collect_finished()
+        self._promote_clear_winner(trials)
         self._drop_clear_losers(trials)
-        if trials.all_in():
-            choice, clear = decide(trials.candidates, trials.samples, default, self.margin, self.z, trials.host,
-                                   self.host_path)
+        if trials.all_in() or len(trials.candidates) == 1:  # (the others all dropped: nothing to compare)
+            choice, clear = decide(trials.candidates, trials.samples, trials.default, self.margin, self.z,
+                                   trials.host, self.host_path)
             if clear or trials.rounds >= self.max_trials:
                 self._decided[shape] = choice
                 del self._trials[shape]
                 return choice, False
             trials.plan_rounds(min(2, self.max_trials - trials.rounds))  # one more A B B A pair
         if trials.planned:
+            choice, timed = trials.planned[0]
+            if timed and self.trial_budget is not None and not trials_unpaced() \
+                    and not trials.affords(choice, self.trial_budget):
+                return trials.default, False  # paced: the shape's calls have not paid for it yet
             return trials.planned.pop(0)
-        return default, False  # wait for samples, untimed
+        return trials.default, False  # wait for samples, untimed
 
     def forget(self) -> None:
         """Drop every decision and trial. A model built where a freed one's weights were gets the
