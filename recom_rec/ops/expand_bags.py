@@ -91,9 +91,9 @@ class _EagerExpandBags(torch.autograd.Function):
         ctx.dims_gcd = dims_gcd
         if dims_gcd:
             whole = dims_gcd * pooled.element_size() % 16 == 0
-            limits, report = check if check is not None else (None, None)
+            limits, claim, words = (check[0], check[1].claim, check[1].words) if check is not None else (None,) * 3
             return _cuda_ext().expand_rows_forward(pooled.contiguous(), inverse.contiguous(), col_feature, whole,
-                                                   limits, report and report.claim, report and report.words)
+                                                   limits, claim, words)
         if check is not None and pooled.is_cuda and pooled.dtype != torch.float64:
             return _triton().forward(pooled, inverse, col_feature, check)
         return _expand(pooled, inverse, col_feature)
