@@ -572,15 +572,22 @@ def test_paced_trials_still_decide_and_a_device_bound_shape_s_run_nearly_back_to
 
 def test_unpaced_trials_run_back_to_back():
     """recom_rec.tune and the benchmarks' warm-up tune on purpose: within unpaced_trials the
-    trials run as without a budget."""
+    trials run as without a budget; outside it the same tuner paces them again."""
     from recom_rec.kernels.launch_tuner import TRIAL_BUDGET, unpaced_trials
 
     unpaced = FakeStream({F: 0.07, B: 0.063}, host_ms=0.9)
-    launch(unpaced.tuner(), unpaced, 30)
+    unpaced_tuner = unpaced.tuner()
     paced = FakeStream({F: 0.07, B: 0.063}, host_ms=0.9)
     tuner = paced.tuner(trial_budget=TRIAL_BUDGET)
+    launch(unpaced_tuner, unpaced, 10)
     with unpaced_trials():
-        launch(tuner, paced, 30)
-    assert paced.log == unpaced.log
-    launch(tuner, paced, 30)  # (outside it: paced again)
-    assert len(paced.holds()) < len(unpaced.holds()) + 30
+        launch(tuner, paced, 10)
+    assert paced.log == unpaced.log and len(paced.holds()) == 8  # (2 untimed, then 8 timed back to back)
+    launch(unpaced_tuner, unpaced, 8)
+    launch(tuner, paced, 8)  # outside it: the 0.9 ms calls do not pay for another ~1.8 ms hold yet
+    assert len(unpaced.holds()) == 16 and len(paced.holds()) == 8
+    assert tuner.decisions() == {} and unpaced_tuner.decisions() == {}
+    # the trials it ran are not held against the paced ones: the next comes after ~70 calls
+    # (1.82 ms at 3% of 0.9 ms calls), not after the ~540 that their holds would take to pay off
+    launch(tuner, paced, 100)
+    assert len(paced.holds()) >= 9

@@ -293,12 +293,14 @@ class _ShapeTrials:
         return max(self.calls_host_ms, self.calls * self.device_ms(self.default))
 
     def account(self, choice, host_ms: float, hold_ms: Optional[float]) -> None:
-        """Enters one call of ``choice`` (``hold_ms``: the hold ahead of it, None if untimed)."""
+        """Enters one call of ``choice`` (``hold_ms``: the hold ahead of it, None if untimed). What
+        trials cost within ``unpaced_trials`` was asked for, and is not held against later ones."""
         if choice == self.default:
             self.default_host_ms = host_ms
         self.calls += 1
         self.calls_host_ms += self.default_host_ms
-        self.trials_ms += (hold_ms or 0.0) + self._extra_ms(choice, host_ms)
+        if not trials_unpaced():
+            self.trials_ms += (hold_ms or 0.0) + self._extra_ms(choice, host_ms)
 
     def affords(self, choice, budget: float) -> bool:
         """Whether a timed launch of ``choice`` now keeps the trials within ``budget`` of the calls.
