@@ -21,9 +21,11 @@ KERNEL_BACKENDS = ["torch", "triton"] + (["cuda"] if DEVICE.type == "cuda" else 
 def capture_forward(forward, warmup_runs: int):
     """A CUDA graph of ``forward()`` and the output it writes on each replay. ``forward`` runs
     ``warmup_runs`` times on a side stream first (launch tuners decide, report slots exist)."""
+    from recom_rec.kernels.launch_tuner import unpaced_trials
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), unpaced_trials():  # (their trials back to back, as recom_rec.tune runs them)
         for _ in range(warmup_runs):
             forward()
     torch.cuda.current_stream().wait_stream(side)
