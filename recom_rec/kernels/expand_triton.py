@@ -24,14 +24,15 @@ MOVED_BLOCK = 1024
 @triton.jit
 def _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, num_bags, BLOCK_B: tl.constexpr,
           BLOCK_C: tl.constexpr):
-    """The program's rows b, columns c, mask, each column's feature f and each element's bag (a bag
-    outside [0, num_bags) reads bag 0: the reads stay in bounds whatever the inverse indices hold)."""
+    """The program's rows b, columns c, mask, each column's feature f, each element's bag (a bag
+    outside [0, num_bags) reads bag 0: the reads stay in bounds whatever the inverse indices hold)
+    and its inverse index as given."""
     b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (b < batch)[:, None] & (c < cols)[None, :]
     f = tl.load(col_feature_ptr + c, mask=c < cols, other=0).to(tl.int64)
     bag = tl.load(inverse_ptr + f[None, :] * inverse_stride + b[:, None], mask=mask, other=0).to(tl.int64)
-    return b, c, mask, f, tl.where((bag >= 0) & (bag < num_bags), bag, 0)
+    return b, c, mask, f, tl.where((bag >= 0) & (bag < num_bags), bag, 0), bag
 
 
 # The batch, the inverse indices' row stride (the batch too) and the bags change with every batch:
@@ -41,23 +42,21 @@ def _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, num_bags, B
 def _expand_forward_kernel(pooled_ptr, inverse_ptr, col_feature_ptr, out_ptr, batch, cols, inverse_stride, num_bags,
                            limit_ptr, claim_ptr, report_ptr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
                            CHECK: tl.constexpr):
-    b, c, mask, f, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, num_bags, BLOCK_B,
-                               BLOCK_C)
+    b, c, mask, f, src, bag = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, num_bags, BLOCK_B,
+                                    BLOCK_C)
     v = tl.load(pooled_ptr + src * cols + c[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + b[:, None] * cols + c[None, :], v, mask=mask)
     if CHECK:
-        _report_bad_bags(inverse_ptr, limit_ptr, claim_ptr, report_ptr, b, mask, f, inverse_stride, BLOCK_B,
-                         BLOCK_C)
+        _report_bad_bags(limit_ptr, claim_ptr, report_ptr, b, mask, f, bag, BLOCK_B, BLOCK_C)
 
 
 @triton.jit
-def _report_bad_bags(inverse_ptr, limit_ptr, claim_ptr, report_ptr, b, mask, f, inverse_stride,
-                     BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+def _report_bad_bags(limit_ptr, claim_ptr, report_ptr, b, mask, f, bag, BLOCK_B: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
     """The input check (ops/input_check.py): reports the program's first element whose inverse
     index lies outside its feature's bags in this batch, ``[0, limit[f])`` (an index past a
     feature's own bags but inside the padded ones reads an empty bag: not out of bounds, but not
     the user's row either)."""
-    bag = tl.load(inverse_ptr + f[None, :] * inverse_stride + b[:, None], mask=mask, other=0).to(tl.int64)
     limit = tl.broadcast_to(tl.load(limit_ptr + f).to(tl.int64)[None, :], (BLOCK_B, BLOCK_C))
     bad = mask & ((bag < 0) | (bag >= limit))
     if tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0:
@@ -89,8 +88,8 @@ def _moved_features_kernel(inverse_ptr, moved_ptr, batch, inverse_stride, BLOCK:
 @triton.jit(do_not_specialize=["batch", "inverse_stride", "num_bags"])
 def _expand_backward_kernel(grad_ptr, inverse_ptr, col_feature_ptr, moved_ptr, grad_pooled_ptr, batch, cols,
                             inverse_stride, num_bags, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    b, c, mask, f, src = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, num_bags, BLOCK_B,
-                               BLOCK_C)
+    b, c, mask, f, src, _ = _tile(inverse_ptr, col_feature_ptr, batch, cols, inverse_stride, num_bags, BLOCK_B,
+                                  BLOCK_C)
     g = tl.load(grad_ptr + b[:, None] * cols + c[None, :], mask=mask, other=0.0)
     summed = (tl.load(moved_ptr + f, mask=c < cols, other=1) != 0)[None, :]
     # an identity feature's row b is its bag b and no other row adds to it: a store, same bits

@@ -218,6 +218,15 @@ def relative_gain(current: List[float], challenger: List[float]) -> Tuple[float,
     return 1.0 - m_new / m_cur, error
 
 
+def sample_costs(samples: Dict[object, List[float]], host: Optional[Dict[object, List[float]]],
+                 host_path: Optional[Callable[[object], object]], choice, other) -> List[float]:
+    """``choice``'s samples as compared with ``other``'s: its device times, or, where the two
+    choices' host paths differ, each trial's longer of device and host time."""
+    if host is None or host_path is None or host_path(choice) == host_path(other):
+        return samples[choice]
+    return [max(d, h) for d, h in zip(samples[choice], host[choice])]
+
+
 def decide(candidates: tuple, samples: Dict[object, List[float]], default, margin: float = MARGIN,
            z: float = CONFIDENCE_Z, host: Optional[Dict[object, List[float]]] = None,
            host_path: Optional[Callable[[object], object]] = None) -> Tuple[object, bool]:
@@ -231,14 +240,9 @@ def decide(candidates: tuple, samples: Dict[object, List[float]], default, margi
     the host's time (``host``, the same trials in the same order)."""
     current = default if default in candidates else candidates[0]
     clear = True
-
-    def cost(choice, other):
-        if host is None or host_path is None or host_path(choice) == host_path(other):
-            return samples[choice]
-        return [max(d, h) for d, h in zip(samples[choice], host[choice])]
-
     for challenger in [c for c in candidates if c != current]:
-        gain, error = relative_gain(cost(current, challenger), cost(challenger, current))
+        gain, error = relative_gain(sample_costs(samples, host, host_path, current, challenger),
+                                    sample_costs(samples, host, host_path, challenger, current))
         if gain - z * error > margin:
             current = challenger
         elif gain + z * error > margin:
@@ -460,24 +464,21 @@ class LaunchOrderTuner:
                     trials.in_flight.append((order, start, end, host_ms))
         return result
 
+    def _early_comparisons(self, trials: "_ShapeTrials"):
+        """(candidate, its costs, the default's) for every other candidate, once both have
+        DROP_AFTER samples (sample_costs: as decide compares them)."""
+        default = trials.default
+        if len(trials.samples.get(default, ())) < DROP_AFTER:
+            return []
+        return [(c, sample_costs(trials.samples, trials.host, self.host_path, c, default),
+                 sample_costs(trials.samples, trials.host, self.host_path, default, c))
+                for c in trials.candidates if c != default and len(trials.samples.get(c, ())) >= DROP_AFTER]
+
     def _drop_clear_losers(self, trials: "_ShapeTrials") -> None:
         """Stops trying a candidate once it is clearly slower than the default: after DROP_AFTER
         samples each, its fastest sample above the default's slowest by DROP_MARGIN (the user's
         calls run the candidates on trial; a clear loser need not run MIN_TRIALS times)."""
-        default = trials.default
-        ours = trials.samples.get(default, [])
-        if len(ours) < DROP_AFTER:
-            return
-        losers = []
-        for c in trials.candidates:
-            theirs = trials.samples.get(c, [])
-            if c == default or len(theirs) < DROP_AFTER:
-                continue
-            differ = self.host_path is not None and self.host_path(c) != self.host_path(default)
-            mine = [max(d, h) for d, h in zip(theirs, trials.host[c])] if differ else theirs
-            base = [max(d, h) for d, h in zip(ours, trials.host[default])] if differ else ours
-            if min(mine) > max(base) * (1 + DROP_MARGIN):
-                losers.append(c)
+        losers = [c for c, mine, base in self._early_comparisons(trials) if min(mine) > max(base) * (1 + DROP_MARGIN)]
         if losers:
             trials.candidates = tuple(c for c in trials.candidates if c not in losers)
             trials.planned = [(c, timed) for c, timed in trials.planned if c not in losers]
@@ -488,20 +489,8 @@ class LaunchOrderTuner:
         once (the one with the lowest median, if several): the shape's untimed calls run it while
         the trials go on, and it is what the others must clearly beat. A misprediction then costs a
         shape's first calls a few launches, not MIN_TRIALS rounds."""
-        default = trials.default
-        ours = trials.samples.get(default, [])
-        if len(ours) < DROP_AFTER:
-            return
-        winners = []
-        for c in trials.candidates:
-            theirs = trials.samples.get(c, [])
-            if c == default or len(theirs) < DROP_AFTER:
-                continue
-            differ = self.host_path is not None and self.host_path(c) != self.host_path(default)
-            mine = [max(d, h) for d, h in zip(theirs, trials.host[c])] if differ else theirs
-            base = [max(d, h) for d, h in zip(ours, trials.host[default])] if differ else ours
-            if max(mine) * (1 + DROP_MARGIN) < min(base):
-                winners.append((statistics.median(mine), c))
+        winners = [(statistics.median(mine), c) for c, mine, base in self._early_comparisons(trials)
+                   if max(mine) * (1 + DROP_MARGIN) < min(base)]
         if winners:
             trials.default = min(winners, key=lambda w: w[0])[1]
 
