@@ -591,3 +591,21 @@ def test_unpaced_trials_run_back_to_back():
     # (1.82 ms at 3% of 0.9 ms calls), not after the ~540 that their holds would take to pay off
     launch(tuner, paced, 100)
     assert len(paced.holds()) >= 9
+
+
+def test_unpaced_trials_reach_other_threads():
+    """autograd runs a CUDA backward on a thread of its own: the backward's tuners, called there
+    while recom_rec.tune's passes run, take their trials unpaced too."""
+    import threading
+
+    from recom_rec.kernels.launch_tuner import TRIAL_BUDGET, unpaced_trials
+
+    unpaced = FakeStream({F: 0.07, B: 0.063}, host_ms=0.9)
+    launch(unpaced.tuner(), unpaced, 10)
+    paced = FakeStream({F: 0.07, B: 0.063}, host_ms=0.9)
+    tuner = paced.tuner(trial_budget=TRIAL_BUDGET)
+    with unpaced_trials():
+        worker = threading.Thread(target=launch, args=(tuner, paced, 10))
+        worker.start()
+        worker.join()
+    assert paced.log == unpaced.log and len(paced.holds()) == 8

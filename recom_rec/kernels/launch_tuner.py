@@ -132,23 +132,29 @@ def _orders_for(shape) -> Tuple[bool, ...]:
     return (FEATURE_MAJOR, BAG_MAJOR) if shape.num_features <= MAX_BAG_MAJOR_FEATURES else (FEATURE_MAJOR,)
 
 
-_UNPACED = threading.local()
+# Process-wide, not per thread: autograd runs a CUDA backward on its own device thread, so the
+# backward's tuners inside ``recom_rec.tune`` would otherwise stay paced (v57: a shape tuned for
+# 1,000 passes still on trial).
+_UNPACED_DEPTH = 0
+_UNPACED_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def unpaced_trials():
-    """Within it (this thread), every tuner runs its trials back to back, unbudgeted: for tuning
-    ahead of time (``recom_rec.tune``, a benchmark's warm-up)."""
-    depth = getattr(_UNPACED, "depth", 0)
-    _UNPACED.depth = depth + 1
+    """Within it, every tuner runs its trials back to back, unbudgeted, in every thread (autograd's
+    backward threads too): for tuning ahead of time (``recom_rec.tune``, a benchmark's warm-up)."""
+    global _UNPACED_DEPTH
+    with _UNPACED_LOCK:
+        _UNPACED_DEPTH += 1
     try:
         yield
     finally:
-        _UNPACED.depth = depth
+        with _UNPACED_LOCK:
+            _UNPACED_DEPTH -= 1
 
 
 def trials_unpaced() -> bool:
-    return getattr(_UNPACED, "depth", 0) > 0
+    return _UNPACED_DEPTH > 0
 
 
 def record_timing_event(device: torch.device):
