@@ -219,45 +219,57 @@ def test_every_cuda_forward_launch_gives_the_reference_and_the_same_bits(dims, b
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA kernels run on a GPU (CI compiles them: test_kernels_compile)")
-@pytest.mark.parametrize("dim", [12, 100, 232, 600, 1024])
-@pytest.mark.parametrize("weighted,pooling,data_type", [(False, PoolingType.SUM, DataType.FP32),
-                                                        (True, PoolingType.SUM, DataType.FP32),
-                                                        (False, PoolingType.MEAN, DataType.BF16),
-                                                        (True, PoolingType.MEAN, DataType.FP16)])
-def test_a_row_read_in_the_scalar_layout_gives_the_16_byte_layouts_bits(dim, weighted, pooling, data_type):
-    """The forward reads a feature's rows 16 bytes at a time only where its columns are aligned; the
-    same rows at an odd output column take the scalar layout. Table "c" holds "a"'s weights and
-    reads "a"'s ids one column past a 16-byte boundary (after "b", one column wide): every launch
-    must give "c" exactly "a"'s sums, whatever its columns a lane and rows in flight."""
+@pytest.mark.parametrize("dim", [12, 100, 128, 232, 600, 1024])
+@pytest.mark.parametrize("pad_rows", [8, 9, 10, 11])
+@pytest.mark.parametrize("last", [False, True])
+def test_a_row_read_at_any_alignment_gives_the_aligned_reads_bits(dim, pad_rows, last):
+    """The forward reads a table's rows 16 bytes at a time from their aligned address, or from up to
+    3 elements before it (a table whose base is not a multiple of 4), or element by element (odd
+    dims; a shifted last table; the extra chunk past a warp); it stores the sums 16 bytes at a time
+    or column by column (an odd output column or width). Table "c" holds "a"'s weights and reads
+    "a"'s ids, its base shifted by ``pad_rows`` % 4 elements (table "b", one column wide, before
+    it), at an odd output column, or last in the buffer: every launch must give "c" exactly "a"'s
+    sums (sum and mean, sample weights, fp32, bf16 and fp16 rows)."""
     from recom_rec.kernels import pooled_cuda, selection
 
-    tables = [EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=rows, feature_names=[n], pooling=pooling,
-                                 data_type=data_type)
-              for n, d, rows in (("a", dim, 64), ("b", 1, 8), ("c", dim, 64), ("d", 3, 8))]
-    g = torch.Generator().manual_seed(dim)
-    batch = 9
-    lengths = torch.randint(0, 41, (batch,), generator=g)
-    lengths[0] = 0
-    ids = torch.randint(0, 64, (int(lengths.sum()),), generator=g)
-    other = torch.randint(0, 8, (batch,), generator=g)
-    values = torch.cat([ids, other, ids, other])
-    weights = torch.rand(values.numel(), generator=g) if weighted else None
-    if weighted:  # "c" weighs its ids as "a" does
-        weights[ids.numel() + batch: 2 * ids.numel() + batch] = weights[:ids.numel()]
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["a", "b", "c", "d"], values=values, weights=weights,
-                                              lengths=torch.cat([lengths, torch.ones(batch, dtype=torch.long)] * 2))
-    module = recom_rec.EmbeddingBagCollection(Case(tables, kjt, weighted).fresh_tables(), is_weighted=weighted,
-                                              device=DEVICE, backend="auto")
-    state = module.state_dict()
-    state["embedding_bags.c.weight"] = state["embedding_bags.a.weight"].clone()
-    module.load_state_dict(state)
-    launches = pooled_cuda.forward_launches(pooled_cuda.ForwardLaunchShape(0, 4, batch, 2 * dim + 4, dim, 1,
-                                                                           torch.float32, torch.int64, weighted))
-    try:
-        for launch in launches:
-            selection.force_forward(selection.CUDA + launch)
-            with torch.no_grad():
-                out = module(kjt.to(DEVICE))
-            assert torch.equal(out["c"], out["a"]), launch
-    finally:
-        selection.force_forward(None)
+    for weighted, pooling, data_type in ((False, PoolingType.SUM, DataType.FP32),
+                                         (True, PoolingType.SUM, DataType.FP32),
+                                         (False, PoolingType.MEAN, DataType.BF16),
+                                         (True, PoolingType.MEAN, DataType.FP16)):
+        layout = [("a", dim, 64), ("b", 1, pad_rows), ("c", dim, 64), ("d", 3, 8)]
+        if last:
+            layout = layout[:2] + layout[3:] + layout[2:3]
+        tables = [EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=rows, feature_names=[n], pooling=pooling,
+                                     data_type=data_type) for n, d, rows in layout]
+        g = torch.Generator().manual_seed(dim + pad_rows)
+        batch = 9
+        lengths = torch.randint(0, 41, (batch,), generator=g)
+        lengths[0] = 0
+        ids = torch.randint(0, 64, (int(lengths.sum()),), generator=g)
+        other = {n: torch.randint(0, rows, (batch,), generator=g) for n, _, rows in layout if n in "bd"}
+        by_key = {"a": (ids, lengths), "c": (ids, lengths), "b": (other["b"], torch.ones(batch, dtype=torch.long)),
+                  "d": (other["d"], torch.ones(batch, dtype=torch.long))}
+        keys = [n for n, _, _ in layout]
+        values = torch.cat([by_key[k][0] for k in keys])
+        weights = None
+        if weighted:  # "c" weighs its ids as "a" does
+            drawn = {k: torch.rand(by_key[k][0].numel(), generator=g) for k in keys}
+            drawn["c"] = drawn["a"]
+            weights = torch.cat([drawn[k] for k in keys])
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, weights=weights,
+                                                  lengths=torch.cat([by_key[k][1] for k in keys]))
+        module = recom_rec.EmbeddingBagCollection(Case(tables, kjt, weighted).fresh_tables(), is_weighted=weighted,
+                                                  device=DEVICE, backend="auto")
+        state = module.state_dict()
+        state["embedding_bags.c.weight"] = state["embedding_bags.a.weight"].clone()
+        module.load_state_dict(state)
+        launches = pooled_cuda.forward_launches(pooled_cuda.ForwardLaunchShape(0, 4, batch, 2 * dim + 4, dim, 1,
+                                                                               torch.float32, torch.int64, weighted))
+        try:
+            for launch in launches:
+                selection.force_forward(selection.CUDA + launch)
+                with torch.no_grad():
+                    out = module(kjt.to(DEVICE))
+                assert torch.equal(out["c"], out["a"]), (launch, weighted, data_type)
+        finally:
+            selection.force_forward(None)

@@ -17,7 +17,8 @@ int main(int argc, char** argv) {
   const SyntheticLayout lay = synthetic_layout(T, rows, D, B, ids, zipf, META_W);
   const int64_t n = lay.lookups(), total_dim = lay.total_dim();
   float *flat, *out;
-  CHECK(cudaMalloc(&flat, sizeof(float) * T * rows * D));
+  const int64_t flat_numel = T * rows * D;
+  CHECK(cudaMalloc(&flat, sizeof(float) * flat_numel));
   CHECK(cudaMalloc(&out, sizeof(float) * B * total_dim));
   CHECK(cudaMemset(flat, 0, sizeof(float) * T * rows * D));
   int64_t *dv = to_device(lay.values), *doff = to_device(lay.offsets), *dmeta = to_device(lay.meta),
@@ -44,7 +45,10 @@ int main(int argc, char** argv) {
 #endif
   const InputCheck chk{n, T * B, claim, report};
   auto launch = [&] {
-#ifdef RECOM_REC_FORWARD_ROUNDS
+#if defined(RECOM_REC_FORWARD_FLAT_NUMEL)
+    kernel<<<shape.grid, FORWARD_THREADS>>>(flat, dv, doff, nullptr, dmeta, dkey, out, B, total_dim, bag_major,
+                                            shape.round_bag_blocks, shape.items, chk, flat_numel);
+#elif defined(RECOM_REC_FORWARD_ROUNDS)
     kernel<<<shape.grid, FORWARD_THREADS>>>(flat, dv, doff, nullptr, dmeta, dkey, out, B, total_dim, bag_major,
                                             shape.round_bag_blocks, shape.items, chk);
 #else

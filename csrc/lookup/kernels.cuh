@@ -69,6 +69,10 @@ __device__ __forceinline__ void store4(T* p, float4 v) {
   h[0] = from_f<T>(v.x); h[1] = from_f<T>(v.y); h[2] = from_f<T>(v.z); h[3] = from_f<T>(v.w);
   *reinterpret_cast<uint2*>(p) = u;
 }
+// Component e of v (e known at compile time once unrolled: no local memory).
+__device__ __forceinline__ float& comp(float4& v, int e) {
+  return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+}
 __device__ __forceinline__ float4 fma4(float4 g, float s, float4 acc) {
   return make_float4(acc.x + g.x * s, acc.y + g.y * s, acc.z + g.z * s, acc.w + g.w * s);
 }
@@ -104,15 +108,10 @@ __host__ __device__ __forceinline__ int piece_lane_class(int64_t dim) {
   return c;
 }
 
-// A feature's rows can be read 4 wide when every address it touches is 16-byte aligned
-// (8-byte for two-byte types): dim, table base and output column multiples of 4.
-__device__ __forceinline__ bool vec_ok(int64_t dim, int64_t base, int64_t col, int64_t total_dim) {
-  return (dim % 4 == 0) && (base % 4 == 0) && (col % 4 == 0) && (total_dim % 4 == 0);
-}
-
 // ---- the input check: input_check.cuh ------------------------------------------------------
 #define RECOM_REC_INPUT_CHECK 1  // tools/*_kernel_bench.cu: the kernels take an InputCheck
 #define RECOM_REC_FORWARD_ROUNDS 1  // tools/forward_kernel_bench.cu: the forward takes round_bag_blocks, items
+#define RECOM_REC_FORWARD_FLAT_NUMEL 1  // ... and the flat buffer's length (shifted 16-byte reads)
 
 // An id clamped into its table; with TRACK, `bad` notes that it was not. The bag is searched for
 // the id to report after the loops (report_bad_ids). Rows of one 16-byte chunk a lane carry the
@@ -145,12 +144,16 @@ __device__ __forceinline__ void report_bad_ids(const InputCheck& c, const I* __r
 // ---- forward ---------------------------------------------------------------------------------
 // One bag's sum over chunks c0, c0 + G, ... (V of them, those below `chunks`) of 16-byte columns,
 // U rows a step: V * U loads in flight a lane. Rows are added in input order (bit-identical to the
-// one-chunk loop and to the Triton kernel in fp32).
+// one-chunk loop, to the scalar layout's and to the Triton kernel in fp32). `table` is 16-byte
+// aligned: the table's start, or `shift` elements before it, so that chunk c holds columns 4c -
+// shift .. 4c + 3 - shift (those outside [0, dim) are read, summed and not stored). The sums are
+// stored 16 bytes at a time where the feature's output columns are aligned (`out_vec`), else
+// column by column.
 template <typename W, typename I, int V, int U, bool TRACK, bool PREFETCH = false>
 __device__ __forceinline__ void pool_vec(const W* __restrict__ table, const I* __restrict__ values,
                                          const float* __restrict__ psw, int64_t start, int64_t end, int64_t dim,
                                          int c0, int G, int chunks, float inv, float* __restrict__ o, int64_t rows,
-                                         bool& bad) {
+                                         bool& bad, int shift = 0, bool out_vec = true) {
   float4 acc[V];
   bool on[V];
 #pragma unroll
@@ -202,7 +205,14 @@ __device__ __forceinline__ void pool_vec(const W* __restrict__ table, const I* _
   for (int k = 0; k < V; ++k) {
     if (on[k]) {
       acc[k].x *= inv; acc[k].y *= inv; acc[k].z *= inv; acc[k].w *= inv;
-      store4(o + 4 * (c0 + k * G), acc[k]);
+      const int c = 4 * (c0 + k * G) - shift;  // the chunk's first column
+      if (out_vec) {
+        store4(o + c, acc[k]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (c + e >= 0 && c + e < dim) o[c + e] = comp(acc[k], e);
+      }
     }
   }
 }
@@ -278,7 +288,7 @@ __global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 
     const W* __restrict__ flat, const I* __restrict__ values, const I* __restrict__ offsets,
     const float* __restrict__ psw, const int64_t* __restrict__ meta, const int64_t* __restrict__ key_index,
     float* __restrict__ out, int64_t batch_size, int64_t total_dim, bool bag_major, int64_t round_bag_blocks,
-    int64_t items, InputCheck chk) {
+    int64_t items, InputCheck chk, int64_t flat_numel) {
   for (int64_t item = ROUNDS ? blockIdx.x : 0; !ROUNDS || item < items; item += gridDim.x) {
     const unsigned feature = ROUNDS ? (unsigned)(item / round_bag_blocks) : bag_major ? blockIdx.y : blockIdx.x;
     const int64_t bag_block = ROUNDS ? item % round_bag_blocks : bag_major ? blockIdx.x : blockIdx.y;
@@ -287,12 +297,26 @@ __global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 
     const int64_t dim = m[0], base = m[1], col = m[2], rows = m[4];
     const bool mean = m[3] == 1;
     const int64_t key = key_index[feature];
-    const bool vec = vec_ok(dim, base, col, total_dim);
+    // Rows are read 16 bytes at a time (8 for two-byte types) where dim is a multiple of 4: from the
+    // aligned address at or before the table's base, `shift` = base % 4 elements (the same for every
+    // row; one chunk more where it is not 0). A shifted table's last row reads up to 3 elements past
+    // it: only where the buffer holds them, and in the one-chunk kernel only where the extra chunk
+    // still fits a warp. Before (v55), any misaligned base, column or output width took the scalar
+    // layout for the whole row (drawn layouts: every feature, 0.60-0.79x fbgemm's forward).
+    // The 4-rows kernel keeps the rule before (16-byte reads only where base, column and width are
+    // aligned): its 40 registers spilled 24 bytes with the shift.
+    constexpr bool SHIFTS = ROWS != 4;
+    const int shift = (int)(base & 3);
+    const bool out_vec = shift == 0 && col % 4 == 0 && total_dim % 4 == 0;
+    const bool vec = dim % 4 == 0 && (SHIFTS ? shift == 0 || ((MAXV > 1 || dim / 4 < 32) &&
+                                                               base + rows * dim + 4 - shift <= flat_numel)
+                                             : out_vec);
+    const W* table = flat + base - (vec ? shift : 0);
     if (chk.claim && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {  // lengths adding up to the values
       const int64_t first = offsets[0], last = offsets[chk.last_offset];
       if (first != 0 || last != chk.num_values) report_bad(chk, REPORT_TOTAL, -1, -1, first, last);
     }
-    const int chunks = vec ? (int)(dim / 4) : (int)dim;
+    const int chunks = vec ? (int)(dim / 4) + (shift ? 1 : 0) : (int)dim;
     const int G = group_lanes(chunks);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int sub = lane / G, sl = lane % G;
@@ -321,24 +345,25 @@ __global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 
           // and it was up to 14% slower; the 4-rows kernel spills with it at its 40 registers,
           // the wide rows' kernel more than before (perf-notes v29).
           if (sl < chunks && MAXV == 1 && ROWS == 8 && G >= 4)
-            pool_vec<W, I, 1, ROWS, true, true>(flat + base, values, psw, start, end, dim, sl, G, chunks, inv, o, rows,
-                                                bad);
+            pool_vec<W, I, 1, ROWS, true, true>(table, values, psw, start, end, dim, sl, G, chunks, inv, o, rows, bad,
+                                                shift, out_vec);
           else if (sl < chunks)
-            pool_vec<W, I, 1, ROWS, true>(flat + base, values, psw, start, end, dim, sl, G, chunks, inv, o, rows, bad);
+            pool_vec<W, I, 1, ROWS, true>(table, values, psw, start, end, dim, sl, G, chunks, inv, o, rows, bad,
+                                          shift, out_vec);
           if (bad && chk.claim) report_bad_ids(chk, values, start, end, 0, 1, rows, feature, b);
         } else {
           bool unused = false;
           for (int c0 = sl; c0 < chunks; c0 += MAXV * G) {
             const int left = per_lane - (c0 - sl) / G;  // this lane's chunks from c0 on
             if (MAXV >= 4 && left >= 3) {
-              pool_vec<W, I, 4, 2, false>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o, rows,
-                                          unused);
+              pool_vec<W, I, 4, 2, false>(table, values, psw, start, end, dim, c0, G, chunks, inv, o, rows, unused,
+                                          shift, out_vec);
             } else if (MAXV >= 2 && left >= 2) {
-              pool_vec<W, I, 2, 4, false>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o, rows,
-                                          unused);
+              pool_vec<W, I, 2, 4, false>(table, values, psw, start, end, dim, c0, G, chunks, inv, o, rows, unused,
+                                          shift, out_vec);
             } else {
-              pool_vec<W, I, 1, ROWS, false>(flat + base, values, psw, start, end, dim, c0, G, chunks, inv, o, rows,
-                                             unused);
+              pool_vec<W, I, 1, ROWS, false>(table, values, psw, start, end, dim, c0, G, chunks, inv, o, rows, unused,
+                                             shift, out_vec);
             }
           }
           if (chk.claim) {  // re-read rather than kept through the loops (registers)
@@ -351,7 +376,7 @@ __global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 
         // as its 16-byte path holds), four rows' loads in flight each.
         bool bad = false;
         for (int c0 = sl; c0 < dim; c0 += MAXV * G)
-          pool_scalar<W, I, MAXV, 4>(flat + base, values, psw, start, end, dim, c0, G, inv, o, rows, bad);
+          pool_scalar<W, I, MAXV, 4>(table, values, psw, start, end, dim, c0, G, inv, o, rows, bad);
         if (bad && chk.claim) report_bad_ids(chk, values, start, end, 0, 1, rows, feature, b);
       }
     }
@@ -413,10 +438,6 @@ __device__ __forceinline__ float apply1(float w, float g, float* s1, float* s2, 
   const float m_hat = mm / (1.f - expf(t * logf(h.beta1)));
   const float v_hat = vv / (1.f - expf(t * logf(h.beta2)));
   return w - h.lr * (m_hat / (sqrtf(v_hat) + h.eps)) - h.lr * h.wd * h.decoupled * w;
-}
-
-__device__ __forceinline__ float& comp(float4& v, int e) {
-  return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
 }
 
 // Which columns of a row one lane of a group of G covers. It holds V float4 chunks: chunk k is
