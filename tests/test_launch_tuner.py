@@ -609,3 +609,83 @@ def test_unpaced_trials_reach_other_threads():
         worker.start()
         worker.join()
     assert paced.log == unpaced.log and len(paced.holds()) == 8
+
+
+class _CompilingStream(_LoggedStream):
+    """A candidate whose first launch in the process compiles: ``compile_ms`` more of the host's
+    time on its first call (a Triton JIT), logged per call in ``host_log``."""
+
+    def __init__(self, ms, host_ms, compiles, compile_ms):
+        super().__init__(ms, host_ms=host_ms)
+        self.compiles, self.compile_ms, self.host_log = set(compiles), compile_ms, []
+
+    def run(self, bag_major):
+        before = self.host_s
+        if bag_major in self.compiles:
+            self.compiles.discard(bag_major)
+            self.host_s += self.compile_ms / 1e3
+        result = super().run(bag_major)
+        self.host_log.append((self.host_s - before) * 1e3)
+        return result
+
+
+def _compiling_user_ms(stream) -> float:
+    """As _user_ms, each call's own host time (a compile's included)."""
+    total, hold = 0.0, 0.0
+    runs, hosts = iter(stream.device_log), iter(stream.host_log)
+    for entry in stream.log:
+        if entry[0] == "hold":
+            hold = entry[1]
+        elif entry[0] == "run":
+            total += hold + max(next(hosts), next(runs))
+            hold = 0.0
+    return total
+
+
+def test_a_candidate_s_first_launch_compile_is_paced_like_a_trial():
+    """Issue 51: a Triton candidate's first launch compiles (~450 ms, v55) on the user's call. With
+    its expected cost given, that launch waits until the shape's calls leave room for it in the
+    budget, so a host-bound shape's first 100 calls run the default alone; without, the compile
+    lands in the first calls and costs them several times their time."""
+    from recom_rec.kernels.launch_tuner import TRIAL_BUDGET
+
+    def run(first_launch_ms, calls=100):
+        stream = _CompilingStream({F: 0.07, B: 0.063}, host_ms=0.9, compiles=[B], compile_ms=450.0)
+        tuner = stream.tuner(trial_budget=TRIAL_BUDGET, first_launch_ms=first_launch_ms)
+        launch(tuner, stream, calls)
+        return stream, _compiling_user_ms(stream) / (calls * 0.9)
+
+    paced, cost = run(lambda choice: 450.0 if choice == B else 0.0)
+    assert B not in paced.launches and cost <= 1 + TRIAL_BUDGET
+    unpaced, cost = run(None)
+    assert B in unpaced.launches[:3] and cost > 5
+
+
+def test_a_paced_first_launch_comes_once_the_calls_pay_for_it_and_the_shape_decides():
+    """Device-bound (10 ms kernels): a 450 ms first launch fits 3% of the calls after ~1,500 of
+    them; then the candidate is tried, measured faster, and taken. The compile it measured becomes
+    the estimate for the next shape's first launch of it, which measures ~0 once compiled."""
+    from recom_rec.kernels.launch_tuner import TRIAL_BUDGET
+
+    stream = _CompilingStream({F: 10.0, B: 7.0}, host_ms=0.05, compiles=[B], compile_ms=450.0)
+    tuner = stream.tuner(trial_budget=TRIAL_BUDGET, first_launch_ms=lambda choice: 450.0 if choice == B else 0.0)
+    launch(tuner, stream, 1400)
+    assert B not in stream.launches
+    launch(tuner, stream, 300)
+    assert B in stream.launches and tuner.decisions() == {shape(): "bags"}
+    assert tuner.first_launch_estimate(B) == pytest.approx(450.0, rel=0.01)
+    other = shape(num_features=13)
+    launch(tuner, stream, 2, other)  # its default's first call; the estimate still the compile's
+    assert stream.launches[-2:] == [F, F]
+    assert tuner.first_launch_estimate(F) == 0.0
+
+
+def test_a_first_launch_within_unpaced_trials_runs_at_once():
+    """recom_rec.tune: the compile is what tuning ahead of time is for."""
+    from recom_rec.kernels.launch_tuner import TRIAL_BUDGET, unpaced_trials
+
+    stream = _CompilingStream({F: 0.07, B: 0.063}, host_ms=0.9, compiles=[B], compile_ms=450.0)
+    tuner = stream.tuner(trial_budget=TRIAL_BUDGET, first_launch_ms=lambda choice: 450.0 if choice == B else 0.0)
+    with unpaced_trials():
+        launch(tuner, stream, 2)
+    assert stream.launches == [F, B]

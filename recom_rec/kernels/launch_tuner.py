@@ -92,6 +92,11 @@ MAX_HOLD_MS = 2.0
 # over the predicted choice's alone. ``recom_rec.tune`` and the benchmarks' warm-up run trials
 # unpaced (``unpaced_trials``): tuning is what they are for.
 TRIAL_BUDGET = 0.03
+# A candidate's first launch, untimed, is paced too, at what it is expected to cost beyond the
+# default's call: the tuner's ``first_launch_ms`` (a Triton kernel's JIT, ~450 ms on the H200, v55)
+# until one has been measured in this process, then the last measured. Unpaced, the first call of
+# every new shape class ran the Triton candidate's compile: 555 ms of a drawn layout's first 10
+# forwards (v55), 1.4 s of a serving stream's first 100 requests on a fresh machine (v57).
 # torch.cuda._sleep counts clock cycles: at 3 GHz, above any GPU's clock, a hold lasts at least as
 # long as asked.
 HOLD_CYCLES_PER_MS = 3_000_000
@@ -276,6 +281,7 @@ class _ShapeTrials:
     calls_host_ms: float = 0.0
     trials_ms: float = 0.0
     default_host_ms: float = 0.0  # the host's time in the default's last call
+    launched: set = field(default_factory=set)  # the choices launched for the shape so far
 
     def hold_ms(self) -> float:
         return min(MAX_HOLD_MS, 2 * self.host_ms + HOLD_SLACK_MS)
@@ -322,6 +328,11 @@ class _ShapeTrials:
             return True
         return self.trials_ms + self.trial_cost(choice) <= budget * self.calls_ms()
 
+    def affords_first_launch(self, expected_ms: float, budget: float) -> bool:
+        """Whether another candidate's first (untimed) launch, expected to cost ``expected_ms``
+        beyond the default's call, keeps the trials within ``budget`` of the calls."""
+        return self.trials_ms + expected_ms <= budget * self.calls_ms()
+
     def plan_rounds(self, n: int) -> None:
         for k in range(self.rounds, self.rounds + n):
             self.planned += trial_round(self.candidates, k)
@@ -367,12 +378,18 @@ class LaunchOrderTuner:
                  host_path: Optional[Callable[[object], object]] = None, hold: Callable = hold_device,
                  clock: Callable[[], float] = time.perf_counter, cache_name: Optional[str] = None,
                  prior: Optional[Callable[[torch.device], object]] = None,
-                 trial_budget: Optional[float] = TRIAL_BUDGET):
+                 trial_budget: Optional[float] = TRIAL_BUDGET,
+                 first_launch_ms: Optional[Callable[[object], float]] = None):
         if not 1 <= min_trials <= max_trials:
             raise ValueError(f"need 1 <= min_trials <= max_trials (got {min_trials}, {max_trials})")
         self.min_trials, self.max_trials, self.margin, self.z = min_trials, max_trials, margin, z
         # at most this share of an undecided shape's call time goes to its timed trials (None: no pacing)
         self.trial_budget = trial_budget
+        # ``first_launch_ms(choice)``: what a choice's first launch in the process is expected to
+        # cost beyond the default's call (a JIT compile) before one is measured (None: nothing);
+        # then the last measured, per choice
+        self._first_launch_ms = first_launch_ms or (lambda choice: 0.0)
+        self._first_launch_seen: Dict[object, float] = {}
         self.names = names
         # ``candidates(shape)``: the choices to measure for a shape (default: both launch orders,
         # bag-major only where the features fit the grid's y axis); ``default`` runs undecided
@@ -465,6 +482,9 @@ class LaunchOrderTuner:
             # else another thread decided meanwhile, or the trials were forgotten and begun anew:
             # this call belongs to none
             if self._trials.get(shape) is trials:
+                if order not in trials.launched and order != trials.default:
+                    self._first_launch_seen[order] = max(0.0, host_ms - trials.default_host_ms)
+                trials.launched.add(order)
                 trials.account(order, host_ms, hold_ms)
                 if timed:
                     trials.in_flight.append((order, start, end, host_ms))
@@ -565,6 +585,12 @@ class LaunchOrderTuner:
         unmeasured = prior.unmeasured(self.cache_name, shape, [self.names[c] for c in candidates])
         return [c for c in ranked if c in candidates], [by_name[n] for n in unmeasured if n in by_name]
 
+    def first_launch_estimate(self, choice) -> float:
+        """What ``choice``'s first launch for a shape is expected to cost beyond the default's call:
+        the last such launch measured in this process, else ``first_launch_ms``."""
+        seen = self._first_launch_seen.get(choice)
+        return seen if seen is not None else self._first_launch_ms(choice)
+
     def _next_launch(self, shape, candidates: tuple, default) -> Tuple[object, bool]:
         """(choice, whether to time it) for an undecided shape; decides it once its samples are
         in and the verdict is clear (or MAX_TRIALS samples did not make it clear)."""
@@ -585,9 +611,19 @@ class LaunchOrderTuner:
             trials.plan_rounds(min(2, self.max_trials - trials.rounds))  # one more A B B A pair
         if trials.planned:
             choice, timed = trials.planned[0]
-            if timed and self.trial_budget is not None and not trials_unpaced() \
-                    and not trials.affords(choice, self.trial_budget):
-                return trials.default, False  # paced: the shape's calls have not paid for it yet
+            if self.trial_budget is not None and not trials_unpaced():
+                if timed and not trials.affords(choice, self.trial_budget):
+                    return trials.default, False  # paced: the shape's calls have not paid for it yet
+                if not timed and choice != trials.default and choice not in trials.launched and \
+                        not trials.affords_first_launch(self.first_launch_estimate(choice), self.trial_budget):
+                    # paced: its first launch (a compile) waits likewise; the default's first timed
+                    # launch goes ahead of it (the budget is a share of the calls' device time too)
+                    first_timed = (trials.default, True)
+                    if first_timed in trials.planned and not trials.samples.get(trials.default) and \
+                            not any(c == trials.default for c, *_ in trials.in_flight):
+                        trials.planned.remove(first_timed)
+                        return first_timed
+                    return trials.default, False
             return trials.planned.pop(0)
         return trials.default, False  # wait for samples, untimed
 

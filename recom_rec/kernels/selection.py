@@ -44,8 +44,12 @@ class ForwardChoiceShape(tuple):
 
 # The CUDA launches are one call to the extension with other flags: device time decides among them.
 # Triton's launch costs the host more, so it is compared on the longer of its device and host times.
+# A Triton candidate's first launch in a process compiles (or loads) its kernel: ~450-540 ms on the
+# H200 (v55), paid on the user's call; the tuner paces that launch as a trial of this cost.
+TRITON_FIRST_LAUNCH_MS = 450.0
 FORWARD = LaunchOrderTuner(names={c: c for c in CHOICES}, candidates=_candidates, default=CUDA_FEATURES,
-                           host_path=lambda choice: choice == TRITON, cache_name="forward")
+                           host_path=lambda choice: choice == TRITON, cache_name="forward",
+                           first_launch_ms=lambda choice: TRITON_FIRST_LAUNCH_MS if choice == TRITON else 0.0)
 
 
 def force_forward(choice: Optional[str]) -> None:
