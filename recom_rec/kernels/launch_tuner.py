@@ -35,8 +35,9 @@ Tests and tools force one choice with :meth:`LaunchOrderTuner.force` (the produc
 With ``RECOM_REC_CACHE`` set, decisions are also kept on disk (its ``decisions.json``) and a shape
 the file knows is decided at its first call (decision_cache.py). A candidate clearly slower than
 the default after DROP_AFTER samples each stops being tried, and one clearly faster becomes the
-default at once. Timed trials are paced so that they cost a shape's calls at most TRIAL_BUDGET of
-their time (``unpaced_trials`` lifts that for tuning ahead of time). Where the package ships a prior for
+default at once. Timed trials, and another candidate's first launch (a Triton compile), are paced
+so that they cost a shape's calls at most TRIAL_BUDGET of their time (``unpaced_trials`` lifts that
+for tuning ahead of time). Where the package ships a prior for
 the GPU's architecture (decision_prior.py: decisions recorded on other machines), a shape it
 predicts for starts on the predicted choice, which is then the default, and only it and the
 runner-up are measured, with any candidate the recorded shapes behind the prediction were not

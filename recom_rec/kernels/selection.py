@@ -3,7 +3,8 @@ them (issue 18), rather than by a rule on dims.
 
 The candidates compute the same pooled output: the Triton kernel, and the CUDA kernel's launches
 (feature-major or bag-major, 8 or 4 rows in flight a lane: pooled_cuda.FORWARD_LAUNCHES). The
-first launches of a shape run each once untimed, then in A B B A order timed with CUDA events
+first launches of a shape run each once untimed (Triton's, which compiles, paced by the tuner's
+budget), then in A B B A order timed with CUDA events
 (the kernels' device time; against Triton, whose launch costs the host more, the longer of device
 and host time); the shape keeps the default (CUDA feature-major) unless another is clearly faster, by
 launch_tuner.MARGIN beyond the samples' spread (launch_tuner.LaunchOrderTuner, whose key includes
