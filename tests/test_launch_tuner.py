@@ -1,6 +1,8 @@
 """The forward's launch-order tuner on the CPU: a fake stream whose launches take the time the test
 sets per order, and fake CUDA events that finish when the test says so."""
+import itertools
 import random
+from typing import Optional
 
 import pytest
 import torch
@@ -506,16 +508,18 @@ def test_a_clearly_faster_candidate_becomes_the_default_early():
     assert stream.launches[-4:] == [B] * 4
 
 
-def _user_ms(stream, host_ms: float) -> float:
+def _user_ms(stream, host_ms: Optional[float] = None) -> float:
     """The calls' time as their user sees it: each call the longer of its host and its device time,
-    a timed one after its hold (the fake device times of the log's launches, in order)."""
+    a timed one after its hold (the fake device times of the log's launches, in order). The host's
+    time a call: ``host_ms``, or each call's own (``stream.host_log``)."""
     total, hold = 0.0, 0.0
     runs = iter(stream.device_log)
+    hosts = iter(stream.host_log) if host_ms is None else itertools.repeat(host_ms)
     for entry in stream.log:
         if entry[0] == "hold":
             hold = entry[1]
         elif entry[0] == "run":
-            total += hold + max(host_ms, next(runs))
+            total += hold + max(next(hosts), next(runs))
             hold = 0.0
     return total
 
@@ -629,19 +633,6 @@ class _CompilingStream(_LoggedStream):
         return result
 
 
-def _compiling_user_ms(stream) -> float:
-    """As _user_ms, each call's own host time (a compile's included)."""
-    total, hold = 0.0, 0.0
-    runs, hosts = iter(stream.device_log), iter(stream.host_log)
-    for entry in stream.log:
-        if entry[0] == "hold":
-            hold = entry[1]
-        elif entry[0] == "run":
-            total += hold + max(next(hosts), next(runs))
-            hold = 0.0
-    return total
-
-
 def test_a_candidate_s_first_launch_compile_is_paced_like_a_trial():
     """Issue 51: a Triton candidate's first launch compiles (~450 ms, v55) on the user's call. With
     its expected cost given, that launch waits until the shape's calls leave room for it in the
@@ -653,7 +644,7 @@ def test_a_candidate_s_first_launch_compile_is_paced_like_a_trial():
         stream = _CompilingStream({F: 0.07, B: 0.063}, host_ms=0.9, compiles=[B], compile_ms=450.0)
         tuner = stream.tuner(trial_budget=TRIAL_BUDGET, first_launch_ms=first_launch_ms)
         launch(tuner, stream, calls)
-        return stream, _compiling_user_ms(stream) / (calls * 0.9)
+        return stream, _user_ms(stream) / (calls * 0.9)
 
     paced, cost = run(lambda choice: 450.0 if choice == B else 0.0)
     assert B not in paced.launches and cost <= 1 + TRIAL_BUDGET

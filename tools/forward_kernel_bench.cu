@@ -20,7 +20,7 @@ int main(int argc, char** argv) {
   const int64_t flat_numel = T * rows * D;
   CHECK(cudaMalloc(&flat, sizeof(float) * flat_numel));
   CHECK(cudaMalloc(&out, sizeof(float) * B * total_dim));
-  CHECK(cudaMemset(flat, 0, sizeof(float) * T * rows * D));
+  CHECK(cudaMemset(flat, 0, sizeof(float) * flat_numel));
   int64_t *dv = to_device(lay.values), *doff = to_device(lay.offsets), *dmeta = to_device(lay.meta),
           *dkey = to_device(lay.key_index);
 

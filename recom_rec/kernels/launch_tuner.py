@@ -282,7 +282,6 @@ class _ShapeTrials:
     calls_host_ms: float = 0.0
     trials_ms: float = 0.0
     default_host_ms: float = 0.0  # the host's time in the default's last call
-    launched: set = field(default_factory=set)  # the choices launched for the shape so far
 
     def hold_ms(self) -> float:
         return min(MAX_HOLD_MS, 2 * self.host_ms + HOLD_SLACK_MS)
@@ -327,12 +326,12 @@ class _ShapeTrials:
         if choice == self.default and not self.samples.get(choice) and \
                 not any(c == choice for c, *_ in self.in_flight):
             return True
-        return self.trials_ms + self.trial_cost(choice) <= budget * self.calls_ms()
+        return self.fits(self.trial_cost(choice), budget)
 
-    def affords_first_launch(self, expected_ms: float, budget: float) -> bool:
-        """Whether another candidate's first (untimed) launch, expected to cost ``expected_ms``
-        beyond the default's call, keeps the trials within ``budget`` of the calls."""
-        return self.trials_ms + expected_ms <= budget * self.calls_ms()
+    def fits(self, cost_ms: float, budget: float) -> bool:
+        """Whether a launch costing ``cost_ms`` beyond the default's call keeps the trials within
+        ``budget`` of the calls."""
+        return self.trials_ms + cost_ms <= budget * self.calls_ms()
 
     def plan_rounds(self, n: int) -> None:
         for k in range(self.rounds, self.rounds + n):
@@ -483,9 +482,8 @@ class LaunchOrderTuner:
             # else another thread decided meanwhile, or the trials were forgotten and begun anew:
             # this call belongs to none
             if self._trials.get(shape) is trials:
-                if order not in trials.launched and order != trials.default:
+                if not timed and order != trials.default:  # (untimed, only a candidate's first launch)
                     self._first_launch_seen[order] = max(0.0, host_ms - trials.default_host_ms)
-                trials.launched.add(order)
                 trials.account(order, host_ms, hold_ms)
                 if timed:
                     trials.in_flight.append((order, start, end, host_ms))
@@ -615,8 +613,9 @@ class LaunchOrderTuner:
             if self.trial_budget is not None and not trials_unpaced():
                 if timed and not trials.affords(choice, self.trial_budget):
                     return trials.default, False  # paced: the shape's calls have not paid for it yet
-                if not timed and choice != trials.default and choice not in trials.launched and \
-                        not trials.affords_first_launch(self.first_launch_estimate(choice), self.trial_budget):
+                # (the planned untimed launches are the candidates' first)
+                if not timed and choice != trials.default and \
+                        not trials.fits(self.first_launch_estimate(choice), self.trial_budget):
                     # paced: its first launch (a compile) waits likewise; the default's first timed
                     # launch goes ahead of it (the budget is a share of the calls' device time too)
                     first_timed = (trials.default, True)
