@@ -821,7 +821,10 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
     }
     const int32_t f = active ? pay.feature_of(o_first) : 0;
     const int64_t* m = a.meta + (int64_t)f * META_W;
-    const RowLanes L = row_lanes(active ? m[0] : 1, m[1], pay.grad_vec && m[2] % 4 == 0, sl, G);
+    // (an odd dim's last chunk reads up to 3 columns past the row: inside the output's row, or the
+    // padded copy's, but not past a row that grad_rows names, which may end its buffer)
+    const RowLanes L = row_lanes(active ? m[0] : 1, m[1],
+                                 pay.grad_vec && m[2] % 4 == 0 && (m[0] % 4 == 0 || pay.grad_rows == nullptr), sl, G);
     const bool finish = active && !split;
     const int64_t row_at = m[1] + ((int64_t)key - m[5]) * L.dim;
     const float state = row_state<OPT>(a.s1, (int64_t)key, finish);
