@@ -448,8 +448,10 @@ __device__ __forceinline__ float apply1(float w, float g, float* s1, float* s2, 
 // only where its addresses are aligned too ("rows16": dim and base multiples of 4); else column by
 // column at the same columns. So a row of any dim or base reads its gradient 16 bytes at a time
 // where the gradient's layout allows (ops/gradient_layout.py pads it so): before (v57), a dim or
-// base off a multiple of 4 took the scalar layout, 4 bytes a lookup a lane. A chunk past the
-// row's end (an odd dim's last) holds zeros: its loads are masked (`tail`).
+// base off a multiple of 4 took the scalar layout, 4 bytes a lookup a lane. An odd dim's last chunk
+// also sums up to 3 columns past the row's end (the next feature's, or the padding): never stored,
+// and zeroed (`tail`) where a row is finished, before its sum of squares and its update (masking
+// each load instead spilled the piece kernel at V = 1, 36 bytes with row-wise Adagrad).
 struct RowLanes {
   bool vec, rows16;
   int sl, G;
@@ -459,7 +461,7 @@ struct RowLanes {
     const int c = vec ? 4 * (sl + k * G) + e : sl + (4 * k + e) * G;
     return c < dim ? c : -1;
   }
-  // v with the columns of chunk k past the row's end zeroed (vec: an odd dim's last chunk reads
+  // v with the columns of chunk k past the row's end zeroed (vec: an odd dim's last chunk sums
   // the next feature's columns or the padding).
   __device__ __forceinline__ float4 tail(int k, float4 v) const {
     if (vec && (dim & 3)) {
@@ -502,7 +504,7 @@ struct RowLanes {
       if (c >= 0) {
         const float* q = g + c;
         if ((reinterpret_cast<uintptr_t>(q) & 15) == 0) {
-          acc = fma4(ODD ? tail(k, load4(q)) : load4(q), s, acc);
+          acc = fma4(load4(q), s, acc);
         } else if (!ODD || (dim & 3) == 0) {
           acc.x += __ldg(q) * s; acc.y += __ldg(q + 1) * s; acc.z += __ldg(q + 2) * s; acc.w += __ldg(q + 3) * s;
         } else {  // an odd dim's last chunk: its columns past the row's end may lie past the buffer's
@@ -527,7 +529,6 @@ struct RowLanes {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         v[k] = at(k, 0) >= 0 ? load4(g + at(k, 0)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        if (ODD) v[k] = tail(k, v[k]);
       }
 #pragma unroll
       for (int k = 0; k < V; ++k)
@@ -604,11 +605,15 @@ __device__ __forceinline__ float row_state(const float* s1, int64_t key, bool fi
 // accumulator `state` (both read by the caller, early: row_state): the optimizer (OPT >= 0) or the
 // gradient written as the row (OPT < 0). Every lane of the warp calls it (row-wise Adagrad's
 // shuffles); `finish` says whether this group's row is done here.
-template <typename W, int OPT, int V>
+template <typename W, int OPT, int V, bool ODD = true>
 __device__ __forceinline__ void finish_row(float4 (&acc)[V], float4 (&w)[V], float state, const RowLanes& L,
                                            bool finish, W* out, int64_t row_at, int64_t key, float* s1, float* s2,
                                            const Hyper& h, float t) {
   W* row = out + row_at;
+#pragma unroll
+  for (int k = 0; k < V; ++k)
+    if (ODD) acc[k] = L.tail(k, acc[k]);  // an odd dim's last chunk: only the row's columns (ODD false:
+                                          // the caller's 4-wide rows have dims that are multiples of 4)
   if (OPT < 0) {
     if (finish) {
 #pragma unroll
@@ -878,7 +883,7 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
             const float c = __shfl_sync(gmask, my_c, jj, G);
 #pragma unroll
             for (int k = 0; k < V; ++k)
-              if (L.at(k, 0) >= 0) acc[k] = fma4(L.tail(k, mine[((jj % RING) * V + k) * PIECE_THREADS]), c, acc[k]);
+              if (L.at(k, 0) >= 0) acc[k] = fma4(mine[((jj % RING) * V + k) * PIECE_THREADS], c, acc[k]);
           }
           copy_wait<0>();
           j = j0 + here;
@@ -907,7 +912,7 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
           for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int k = 0; k < V; ++k)
-              g[u][k] = jj + u < here && L.at(k, 0) >= 0 ? L.tail(k, load4(grad + q[u] + L.at(k, 0)))
+              g[u][k] = jj + u < here && L.at(k, 0) >= 0 ? load4(grad + q[u] + L.at(k, 0))
                                                          : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
           for (int u = 0; u < U; ++u)
@@ -1194,7 +1199,7 @@ __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton
 #pragma unroll
           for (int k = 0; k < V; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
           if (f) L.add_row<V, false>(acc, g, s[u]);
-          finish_row<W, OPT, V>(acc, w[u], state[u], L, f, out, base + (key[u] - row_base) * dim, key[u], a.s1,
+          finish_row<W, OPT, V, false>(acc, w[u], state[u], L, f, out, base + (key[u] - row_base) * dim, key[u], a.s1,
                                 a.s2, h, t);
         }
       }
@@ -1361,7 +1366,7 @@ __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ ro
       w[k] = (OPT >= 0 && active) ? row.L.load_rw(out + row.row_at, k) : acc[k];
     }
     add_partials<V, false>(acc, row.L, a, start, 0, active ? count : 0);
-    finish_row<W, OPT, V>(acc, w, state, row.L, active, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
+    finish_row<W, OPT, V, false>(acc, w, state, row.L, active, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
   }
 }
 
@@ -1408,7 +1413,7 @@ __global__ void __launch_bounds__(256) long_row_kernel(const K* __restrict__ row
           }
         }
       }
-      finish_row<W, OPT, V>(acc, w, state, row.L, first, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
+      finish_row<W, OPT, V, false>(acc, w, state, row.L, first, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
     }
     __syncthreads();  // the next row's sums overwrite these
   }
