@@ -1147,9 +1147,16 @@ __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton
   const int G = (OPT == 2 && (V != 1 || !row_vec)) ? a.G : own;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / G, sl = lane % G;
   const int per_warp = 32 / G;
-  // (the 4-wide layout only where the row is aligned too: the mixed layout's masks spilled this
-  // kernel, 24 bytes at V = 1; its gradient rows are one a bag, read from L1/L2)
-  const RowLanes L{row_vec, row_vec, sl, G, dim};
+  // Row-wise Adagrad: the piece kernel's layout for the row (every path must give a row the same
+  // bits, and its sum of squares follows the layout); its 4-wide gradient rows are aligned here (a
+  // bag's row at an aligned column of an aligned width; not where grad_rows name the rows and the
+  // dim is odd), so add_row never takes the unaligned loads an odd dim would need guarded. The
+  // other optimizers' bits do not depend on the layout: the 4-wide one only where the row is
+  // aligned too (the odd dims' masks spilled this kernel, 28 bytes at V = 1 with SGD).
+  constexpr bool ODD = OPT == 2;
+  const RowLanes L = ODD ? row_lanes(dim, base, grad_vec && col % 4 == 0 && (dim % 4 == 0 || grad_rows == nullptr),
+                                     sl, G)
+                         : RowLanes{row_vec, row_vec, sl, G, dim};
   float t;
   const Hyper h = read_hyper<OPT>(a, t);
   const int64_t stride = (int64_t)gridDim.x * (blockDim.x >> 5) * per_warp;
@@ -1199,7 +1206,7 @@ __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton
 #pragma unroll
           for (int k = 0; k < V; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
           if (f) L.add_row<V, false>(acc, g, s[u]);
-          finish_row<W, OPT, V, false>(acc, w[u], state[u], L, f, out, base + (key[u] - row_base) * dim, key[u], a.s1,
+          finish_row<W, OPT, V, ODD>(acc, w[u], state[u], L, f, out, base + (key[u] - row_base) * dim, key[u], a.s1,
                                 a.s2, h, t);
         }
       }
