@@ -493,3 +493,35 @@ def test_module_used_twice_in_one_graph_applies_both_batches(backend, through_op
         (_loss(ours(first).values(), 0) + _loss(ours(second).values(), 1)).backward()
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
+@pytest.mark.parametrize("optimizer,kwargs", [  # (rates that keep hot rows' weights small: fp32 sums compared)
+    ("sgd", {"lr": 0.02}),
+    ("rowwise_adagrad", {"lr": 0.05, "eps": 1e-8}),
+    ("adagrad", {"lr": 0.05, "eps": 1e-8}),
+    ("adam", {"lr": 0.01}),
+])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dims", [(5, 12, 7, 16), (3, 131, 8)])
+def test_tables_off_a_multiple_of_4_train_as_the_torch_backend(backend, optimizer, kwargs, weighted, dims):
+    """Odd dims put the output's width and the later tables' bases off a multiple of 4: the CUDA
+    backward reads its gradient rows 16 bytes at a time from a padded copy (ops/gradient_layout.py)
+    and updates such rows column by column. Tables of 5 rows at batch 64 make rows of more than 32
+    lookups (split rows) besides pieces; weighted batches keep the unpadded gradient."""
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=5 + 40 * (i % 2),
+                                 feature_names=[f"f{i}"]) for i, d in enumerate(dims)]
+    batches = [make_kjt(tables, batch_size=64, max_len=6, seed=300 + s, is_weighted=weighted, shuffle_keys=False,
+                        zero_fraction=0.1).to(DEVICE) for s in range(2)]
+    trained = {}
+    for b in ("torch", backend):
+        torch.manual_seed(0)
+        module = _fused_module(tables, b, optimizer, **kwargs) if not weighted else None
+        if weighted:
+            module = recom_rec.EmbeddingBagCollection(tables, is_weighted=True, device=DEVICE, backend=b)
+            module.enable_fused_optimizer(optimizer, **kwargs)
+        for step, kjt in enumerate(batches):
+            _loss(module(kjt).values(), step).backward()
+        trained[b] = module.state_dict()
+    for k, v in trained["torch"].items():
+        torch.testing.assert_close(trained[backend][k], v, rtol=1e-5, atol=1e-5, msg=k)

@@ -441,12 +441,19 @@ __device__ __forceinline__ float apply1(float w, float g, float* s1, float* s2, 
 }
 
 // Which columns of a row one lane of a group of G covers. It holds V float4 chunks: chunk k is
-// columns 4 * (sl + k * G) .. + 3 of a row whose addresses are 16-byte aligned ("vec"), else
+// columns 4 * (sl + k * G) .. + 3 where the gradient rows are 16-byte aligned ("vec"), else
 // element e of chunk k is column sl + (4 * k + e) * G. V = 1 covers dims up to 128 (G = 32) with
-// few registers; V = 4 covers 512. Partial sums use the same columns, so any kernel reads back
-// what another wrote.
+// few registers; V = 4 covers 512. Partial sums are stored by column, so any kernel reads back
+// what another wrote. The row's own accesses (weights, states, partial sums) are 16 bytes wide
+// only where its addresses are aligned too ("rows16": dim and base multiples of 4); else column by
+// column at the same columns. So a row of any dim or base reads its gradient 16 bytes at a time
+// where the gradient's layout allows (ops/gradient_layout.py pads it so): before (v57), a dim or
+// base off a multiple of 4 took the scalar layout, 4 bytes a lookup a lane. An odd dim's last chunk
+// also sums up to 3 columns past the row's end (the next feature's, or the padding): never stored,
+// and zeroed (`tail`) where a row is finished, before its sum of squares and its update (masking
+// each load instead spilled the piece kernel at V = 1, 36 bytes with row-wise Adagrad).
 struct RowLanes {
-  bool vec;
+  bool vec, rows16;
   int sl, G;
   int64_t dim;
   // Column of element e of chunk k, or -1 past the row's end.
@@ -454,9 +461,19 @@ struct RowLanes {
     const int c = vec ? 4 * (sl + k * G) + e : sl + (4 * k + e) * G;
     return c < dim ? c : -1;
   }
+  // v with the columns of chunk k past the row's end zeroed (vec: an odd dim's last chunk sums
+  // the next feature's columns or the padding).
+  __device__ __forceinline__ float4 tail(int k, float4 v) const {
+    if (vec && (dim & 3)) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (at(k, e) < 0) comp(v, e) = 0.f;
+    }
+    return v;
+  }
   template <typename T>
   __device__ __forceinline__ void store(T* dst, int k, float4 v) const {
-    if (vec) {
+    if (rows16) {
       if (at(k, 0) >= 0) store4(dst + at(k, 0), v);
     } else {
 #pragma unroll
@@ -467,7 +484,7 @@ struct RowLanes {
   template <typename T>
   __device__ __forceinline__ float4 load_rw(const T* src, int k) const {
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (vec) {
+    if (rows16) {
       if (at(k, 0) >= 0) v = load4_rw(src + at(k, 0));
     } else {
 #pragma unroll
@@ -478,7 +495,9 @@ struct RowLanes {
   }
   // Adds chunk k of gradient row g, scaled. In the vec layout the row's address is checked too:
   // features that share a table can sit at output columns of different alignment, and the piece's
-  // layout follows its first lookup's feature.
+  // layout follows its first lookup's feature. ODD false: the caller's vec rows have dims that are
+  // multiples of 4 (the singleton kernel: the odd dims' masks spilled it).
+  template <bool ODD = true>
   __device__ __forceinline__ void add(float4& acc, const float* g, int k, float s) const {
     if (vec) {
       const int c = at(k, 0);
@@ -486,8 +505,12 @@ struct RowLanes {
         const float* q = g + c;
         if ((reinterpret_cast<uintptr_t>(q) & 15) == 0) {
           acc = fma4(load4(q), s, acc);
-        } else {
+        } else if (!ODD || (dim & 3) == 0) {
           acc.x += __ldg(q) * s; acc.y += __ldg(q + 1) * s; acc.z += __ldg(q + 2) * s; acc.w += __ldg(q + 3) * s;
+        } else {  // an odd dim's last chunk: its columns past the row's end may lie past the buffer's
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (at(k, e) >= 0) comp(acc, e) += __ldg(q + e) * s;
         }
       }
     } else {
@@ -499,29 +522,31 @@ struct RowLanes {
   // All V chunks of gradient row g, scaled, added to acc. In the vec layout with g 16-byte aligned
   // the V loads are issued before the first add (per-chunk `add` would branch on each address and
   // serialise them: V round trips a lookup on wide rows). Same sums, same order per chunk.
-  template <int V>
+  template <int V, bool ODD = true>
   __device__ __forceinline__ void add_row(float4 (&acc)[V], const float* g, float s) const {
     if (vec && (reinterpret_cast<uintptr_t>(g) & 15) == 0) {
       float4 v[V];
 #pragma unroll
-      for (int k = 0; k < V; ++k) v[k] = at(k, 0) >= 0 ? load4(g + at(k, 0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int k = 0; k < V; ++k) {
+        v[k] = at(k, 0) >= 0 ? load4(g + at(k, 0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
 #pragma unroll
       for (int k = 0; k < V; ++k)
         if (at(k, 0) >= 0) acc[k] = fma4(v[k], s, acc[k]);
     } else {
 #pragma unroll
-      for (int k = 0; k < V; ++k) add(acc[k], g, k, s);
+      for (int k = 0; k < V; ++k) add<ODD>(acc[k], g, k, s);
     }
   }
 };
 
-// A table's rows (weights, states, partial sums) can take the 4-wide layout when their addresses
-// are 16-byte aligned: dim and base multiples of 4. The piece kernel also wants its gradient rows
-// aligned (`grad_vec`: grad_output's start, its width and the feature's column): where they are
-// not, lane-per-column scalar loads stay coalesced, and four scalar loads a lane would not. Either
-// layout writes partial sums by column, so the pieces of one row may differ.
+// The 4-wide column layout where the gradient rows are aligned (`grad_vec`: grad_output's start,
+// its width and the feature's column): where they are not, lane-per-column scalar loads stay
+// coalesced, and four scalar loads a lane would not. The row's own accesses are 16 bytes wide
+// where its addresses are aligned too: dim and base multiples of 4. Either layout writes partial
+// sums by column, so the pieces of one row may differ.
 __device__ __forceinline__ RowLanes row_lanes(int64_t dim, int64_t base, bool grad_vec, int sl, int G) {
-  return RowLanes{dim % 4 == 0 && base % 4 == 0 && grad_vec, sl, G, dim};
+  return RowLanes{grad_vec, grad_vec && dim % 4 == 0 && base % 4 == 0, sl, G, dim};
 }
 
 // Row-wise Adagrad's sum of squares of a row, the same bits for every lane layout (G lanes of V
@@ -580,11 +605,15 @@ __device__ __forceinline__ float row_state(const float* s1, int64_t key, bool fi
 // accumulator `state` (both read by the caller, early: row_state): the optimizer (OPT >= 0) or the
 // gradient written as the row (OPT < 0). Every lane of the warp calls it (row-wise Adagrad's
 // shuffles); `finish` says whether this group's row is done here.
-template <typename W, int OPT, int V>
+template <typename W, int OPT, int V, bool ODD = true>
 __device__ __forceinline__ void finish_row(float4 (&acc)[V], float4 (&w)[V], float state, const RowLanes& L,
                                            bool finish, W* out, int64_t row_at, int64_t key, float* s1, float* s2,
                                            const Hyper& h, float t) {
   W* row = out + row_at;
+#pragma unroll
+  for (int k = 0; k < V; ++k)
+    if (ODD) acc[k] = L.tail(k, acc[k]);  // an odd dim's last chunk: only the row's columns (ODD false:
+                                          // the caller's 4-wide rows have dims that are multiples of 4)
   if (OPT < 0) {
     if (finish) {
 #pragma unroll
@@ -610,9 +639,8 @@ __device__ __forceinline__ void finish_row(float4 (&acc)[V], float4 (&w)[V], flo
     float4 nw;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int c = L.at(k, L.vec ? 0 : e);
-      const int64_t a = row_at + c + (L.vec ? e : 0);
-      comp(nw, e) = c >= 0 ? apply1<OPT>(comp(w[k], e), comp(acc[k], e), s1, s2, a, row_step, h, t) : 0.f;
+      const int c = L.at(k, e);  // (vec: an odd dim's last chunk has columns past the row's end)
+      comp(nw, e) = c >= 0 ? apply1<OPT>(comp(w[k], e), comp(acc[k], e), s1, s2, row_at + c, row_step, h, t) : 0.f;
     }
     L.store(row, k, nw);
   }
@@ -798,7 +826,10 @@ __global__ void __launch_bounds__(256, V >= 8 ? 2 : V == 4 ? 3 : 4)
     }
     const int32_t f = active ? pay.feature_of(o_first) : 0;
     const int64_t* m = a.meta + (int64_t)f * META_W;
-    const RowLanes L = row_lanes(active ? m[0] : 1, m[1], pay.grad_vec && m[2] % 4 == 0, sl, G);
+    // (an odd dim's last chunk reads up to 3 columns past the row: inside the output's row, or the
+    // padded copy's, but not past a row that grad_rows names, which may end its buffer)
+    const RowLanes L = row_lanes(active ? m[0] : 1, m[1],
+                                 pay.grad_vec && m[2] % 4 == 0 && (m[0] % 4 == 0 || pay.grad_rows == nullptr), sl, G);
     const bool finish = active && !split;
     const int64_t row_at = m[1] + ((int64_t)key - m[5]) * L.dim;
     const float state = row_state<OPT>(a.s1, (int64_t)key, finish);
@@ -1116,7 +1147,16 @@ __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton
   const int G = (OPT == 2 && (V != 1 || !row_vec)) ? a.G : own;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane / G, sl = lane % G;
   const int per_warp = 32 / G;
-  const RowLanes L = row_lanes(dim, base, grad_vec && col % 4 == 0, sl, G);
+  // Row-wise Adagrad: the piece kernel's layout for the row (every path must give a row the same
+  // bits, and its sum of squares follows the layout); its 4-wide gradient rows are aligned here (a
+  // bag's row at an aligned column of an aligned width; not where grad_rows name the rows and the
+  // dim is odd), so add_row never takes the unaligned loads an odd dim would need guarded. The
+  // other optimizers' bits do not depend on the layout: the 4-wide one only where the row is
+  // aligned too (the odd dims' masks spilled this kernel, 28 bytes at V = 1 with SGD).
+  constexpr bool ODD = OPT == 2;
+  const RowLanes L = ODD ? row_lanes(dim, base, grad_vec && col % 4 == 0 && (dim % 4 == 0 || grad_rows == nullptr),
+                                     sl, G)
+                         : RowLanes{row_vec, row_vec, sl, G, dim};
   float t;
   const Hyper h = read_hyper<OPT>(a, t);
   const int64_t stride = (int64_t)gridDim.x * (blockDim.x >> 5) * per_warp;
@@ -1165,8 +1205,8 @@ __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton
           float4 acc[V];
 #pragma unroll
           for (int k = 0; k < V; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (f) L.add_row<V>(acc, g, s[u]);
-          finish_row<W, OPT, V>(acc, w[u], state[u], L, f, out, base + (key[u] - row_base) * dim, key[u], a.s1,
+          if (f) L.add_row<V, false>(acc, g, s[u]);
+          finish_row<W, OPT, V, ODD>(acc, w[u], state[u], L, f, out, base + (key[u] - row_base) * dim, key[u], a.s1,
                                 a.s2, h, t);
         }
       }
@@ -1287,7 +1327,10 @@ __device__ __forceinline__ SplitRow split_row_of(const Payload& pay, const Piece
                                                  int64_t start, K key, bool active, int sl, int G) {
   const int32_t f = active ? pay.feature_of(order[start]) : 0;
   const int64_t* m = a.meta + (int64_t)f * META_W;
-  const RowLanes L = row_lanes(active ? m[0] : 1, m[1], true, sl, G);
+  // (partials are stored by column, so a split row takes any layout: the 4-wide one where its
+  // addresses are aligned, as before v57)
+  const int64_t dim = active ? m[0] : 1;
+  const RowLanes L = row_lanes(dim, m[1], dim % 4 == 0 && m[1] % 4 == 0, sl, G);
   return SplitRow{L, m[1] + ((int64_t)key - m[5]) * L.dim};
 }
 
@@ -1330,7 +1373,7 @@ __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ ro
       w[k] = (OPT >= 0 && active) ? row.L.load_rw(out + row.row_at, k) : acc[k];
     }
     add_partials<V, false>(acc, row.L, a, start, 0, active ? count : 0);
-    finish_row<W, OPT, V>(acc, w, state, row.L, active, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
+    finish_row<W, OPT, V, false>(acc, w, state, row.L, active, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
   }
 }
 
@@ -1377,7 +1420,7 @@ __global__ void __launch_bounds__(256) long_row_kernel(const K* __restrict__ row
           }
         }
       }
-      finish_row<W, OPT, V>(acc, w, state, row.L, first, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
+      finish_row<W, OPT, V, false>(acc, w, state, row.L, first, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
     }
     __syncthreads();  // the next row's sums overwrite these
   }

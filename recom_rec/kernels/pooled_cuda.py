@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from ..ops.gradient_layout import aligned_gradient
 from . import cuda_ext, pooled_triton
 from .launch_tuner import MAX_BAG_MAJOR_FEATURES, ForwardLaunchShape, LaunchOrderTuner
 
@@ -209,6 +210,11 @@ def _cuda_pieces(plan, grad_output, feature_meta, n, partials, partial_stride, o
     """The piece and split-row kernels on a _cuda_plan, then the rows of one lookup. ``grad_rows``:
     see run_backward (a packed plan's)."""
     row_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi, _, packed_batch, singles = plan
+    if packed_batch > 0 and grad_rows is None:
+        # 16-byte gradient reads for the aligned rows (gradient_layout). A packed plan's pieces
+        # compute each lookup's gradient row from its feature and bag, so they follow the padded
+        # meta; an unpacked plan's rows were computed at the output's own columns.
+        grad_output, feature_meta = aligned_gradient(grad_output, feature_meta)
     ext = cuda_ext.extension()
     ext.piece_update(row_key, order, src, scale, feature, bag_scale, packed_batch, grad_output, feature_meta, pieces,
                      split_rows, counts, n, partials, partial_stride, out, state1, state2, hyper, step, opt, max_dim,

@@ -1,0 +1,70 @@
+"""The pooled output's gradient laid out for 16-byte reads: each feature's columns moved to a
+column that is a multiple of 4.
+
+The CUDA backward reads a lookup's gradient row 16 bytes at a time only where the row's address
+allows it: the output width, the feature's first column and the buffer's start all multiples of 4
+(kernels.cuh ``row_lanes``). A group with any table dim off a multiple of 4 has an output width
+and columns off it, and then every one of its features' gradient rows is read 4 bytes at a time,
+a lane a column (perf-notes v57: 0% of the gradient bytes in the 16-byte layout at 19 of 27 drawn
+layouts). One copy of the gradient into a padded layout (~2x its bytes, once a step) lets the
+features whose rows are aligned read 16 bytes at a time.
+
+The padded column of a feature is ``4 * ceil(col / 4) + 4 * rank``, ``rank`` its place among the
+group's features by output column: the features stay in order and cannot overlap (the next one's
+column is past this one's end by at least 1), and the width is at most the output's rounded up
+plus 4 a feature. Everything is computed on the device from ``feature_meta`` (no host sync), once
+per meta tensor. The padding columns are left unwritten: no kernel reads a column past its
+feature's dim.
+"""
+import weakref
+from typing import Dict, Tuple
+
+import torch
+
+from .layout import META_DIM, META_OUT_COL
+
+_CACHE: Dict[int, Tuple[weakref.ref, int, int, torch.Tensor, torch.Tensor]] = {}
+
+
+def padded_width(width: int, num_features: int) -> int:
+    """The padded gradient's width: the output's, rounded up to 4, plus 4 a feature."""
+    return (width + 3) // 4 * 4 + 4 * num_features
+
+
+def _padded_columns(feature_meta: torch.Tensor, width: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(meta with each feature's padded first column, ``[width]`` int64: each output column's
+    column in the padded layout)."""
+    cols, dims = feature_meta[:, META_OUT_COL], feature_meta[:, META_DIM]
+    order = torch.argsort(cols)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    padded = (cols + 3) // 4 * 4 + 4 * rank
+    meta = feature_meta.clone()
+    meta[:, META_OUT_COL] = padded
+    shift = (padded - cols)[order]
+    index = torch.arange(width, device=feature_meta.device) + \
+        torch.repeat_interleave(shift, dims[order], output_size=width)
+    return meta, index
+
+
+def aligned_gradient(grad_output: torch.Tensor, feature_meta: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(gradient, feature_meta)`` for the backward's kernels: as given where the gradient's rows
+    are already 16-byte aligned (width a multiple of 4, the start aligned); else the gradient
+    copied into the padded layout and the meta with the padded columns. The group's features must
+    cover its output's columns (as the module's layout does)."""
+    batch, width = grad_output.shape
+    aligned = width % 4 == 0 and grad_output.data_ptr() % 16 == 0 and grad_output.is_contiguous()
+    if aligned or batch == 0 or feature_meta.shape[0] == 0:
+        return grad_output, feature_meta
+    key = id(feature_meta)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is feature_meta and hit[1] == feature_meta._version and hit[2] == width:
+        meta, index = hit[3], hit[4]
+    else:
+        meta, index = _padded_columns(feature_meta, width)
+        for k in [k for k, v in _CACHE.items() if v[0]() is None]:  # (the dead modules' entries)
+            del _CACHE[k]
+        _CACHE[key] = (weakref.ref(feature_meta), feature_meta._version, width, meta, index)
+    padded = grad_output.new_empty(batch, padded_width(width, feature_meta.shape[0]))
+    padded.index_copy_(1, index, grad_output.contiguous())
+    return padded, meta

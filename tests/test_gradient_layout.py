@@ -1,0 +1,61 @@
+"""The pooled gradient's padded layout (ops/gradient_layout.py): every feature's columns moved,
+in order, to a column that is a multiple of 4, values unchanged."""
+import pytest
+import torch
+
+from recom_rec.ops.gradient_layout import aligned_gradient, padded_width
+from recom_rec.ops.layout import META_DIM, META_OUT_COL, META_WIDTH
+
+
+def _meta(dims, order):
+    """A group's meta: features of ``dims`` whose output columns come in ``order``."""
+    cols, col = [0] * len(dims), 0
+    for i in order:
+        cols[i], col = col, col + dims[i]
+    meta = torch.zeros(len(dims), META_WIDTH, dtype=torch.int64)
+    meta[:, META_DIM] = torch.tensor(dims)
+    meta[:, META_OUT_COL] = torch.tensor(cols)
+    return meta, col
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_each_feature_moves_to_an_aligned_column_with_its_values(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 9, (1,), generator=g))
+    dims = torch.randint(1, 40, (n,), generator=g).tolist()
+    if sum(dims) % 4 == 0:
+        dims[0] += 1  # (an aligned width is passed through: tested below)
+    meta, width = _meta(dims, torch.randperm(n, generator=g).tolist())
+    grad = torch.randn(int(torch.randint(1, 6, (1,), generator=g)), width, generator=g)
+    padded, moved = aligned_gradient(grad, meta)
+    assert padded.shape == (grad.shape[0], padded_width(width, n))
+    spans = []
+    for i, d in enumerate(dims):
+        src, dst = int(meta[i, META_OUT_COL]), int(moved[i, META_OUT_COL])
+        assert dst % 4 == 0
+        assert dst + (d + 3) // 4 * 4 <= padded.shape[1]  # (a 16-byte read of the last chunk stays inside)
+        assert torch.equal(padded[:, dst:dst + d], grad[:, src:src + d])
+        spans.append((dst, dst + d))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= padded.shape[1]
+    assert torch.equal(moved[:, [c for c in range(META_WIDTH) if c != META_OUT_COL]],
+                       meta[:, [c for c in range(META_WIDTH) if c != META_OUT_COL]])
+
+
+def test_an_aligned_gradient_is_passed_through():
+    meta, width = _meta([4, 8, 12], [2, 0, 1])
+    grad = torch.randn(3, width)
+    padded, moved = aligned_gradient(grad, meta)
+    assert padded is grad and moved is meta
+
+
+def test_the_columns_are_worked_out_once_per_meta_and_again_after_it_changes():
+    meta, width = _meta([3, 6], [0, 1])
+    grad = torch.randn(2, width)
+    _, first = aligned_gradient(grad, meta)
+    _, again = aligned_gradient(grad, meta)
+    assert again is first and first is not meta
+    meta[:, META_OUT_COL] = torch.tensor([6, 0])  # the same features, the other order
+    padded, moved = aligned_gradient(grad, meta)
+    assert moved is not first and int(moved[1, META_OUT_COL]) == 0 and int(moved[0, META_OUT_COL]) == 12
+    assert torch.equal(padded[:, 12:15], grad[:, 6:9]) and torch.equal(padded[:, 0:6], grad[:, 0:6])
