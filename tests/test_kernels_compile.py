@@ -28,12 +28,11 @@ _INSTANTIATE = r'''
 #include "{source}"
 namespace {{
 template __global__ void pooled_forward_kernel<{w}, {i}, {maxv}, {rows}>(const {w}*, const {i}*, const {i}*, const float*,
-    const int64_t*, const int64_t*, float*, int64_t, int64_t, bool, int64_t, int64_t, InputCheck, int64_t);
+    const int64_t*, const int64_t*, float*, int64_t, int64_t, bool, int64_t, int64_t, InputCheck);
 template __global__ void pooled_forward_kernel<{w}, {i}, 1, 4>(const {w}*, const {i}*, const {i}*, const float*,
-    const int64_t*, const int64_t*, float*, int64_t, int64_t, bool, int64_t, int64_t, InputCheck, int64_t);
+    const int64_t*, const int64_t*, float*, int64_t, int64_t, bool, int64_t, int64_t, InputCheck);
 template __global__ void pooled_forward_kernel<{w}, {i}, {maxv}, {rows}, true>(const {w}*, const {i}*, const {i}*,
-    const float*, const int64_t*, const int64_t*, float*, int64_t, int64_t, bool, int64_t, int64_t, InputCheck,
-    int64_t);
+    const float*, const int64_t*, const int64_t*, float*, int64_t, int64_t, bool, int64_t, int64_t, InputCheck);
 template __global__ void piece_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const int32_t*, Payload, const float*,
     PieceArgs, {w}*);
 template __global__ void split_row_kernel<{w}, {i}, {opt}, {v}>(const {i}*, const int32_t*, Payload, PieceArgs,

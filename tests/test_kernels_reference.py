@@ -219,18 +219,19 @@ def test_every_cuda_forward_launch_gives_the_reference_and_the_same_bits(dims, b
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA kernels run on a GPU (CI compiles them: test_kernels_compile)")
-@pytest.mark.parametrize("dim", [12, 100, 101, 128, 232, 233, 600, 601, 1024])
+@pytest.mark.parametrize("dim", [5, 12, 100, 101, 127, 128, 232, 233, 497, 600, 601, 1024])
 @pytest.mark.parametrize("pad_rows", [8, 9, 10, 11])
 @pytest.mark.parametrize("last", [False, True])
 def test_a_row_read_at_any_alignment_gives_the_aligned_reads_bits(dim, pad_rows, last):
     """The forward reads a table's rows 16 bytes at a time from their aligned address, or from up to
-    3 elements before it (a table whose base is not a multiple of 4), or element by element (odd
-    dims; a shifted last table; the extra chunk past a warp); it stores the sums 16 bytes at a time
-    or column by column (an odd output column or width). Table "c" holds "a"'s weights and reads
-    "a"'s ids, its base shifted by ``pad_rows`` % 4 elements (table "b", one column wide, before
-    it), at an odd output column, or last in the buffer: every launch must give "c" exactly "a"'s
-    sums (sum and mean, sample weights, fp32, bf16 and fp16 rows). At an odd dim both take the
-    column-by-column layout, at 1, 2 or 4 columns a lane a pass over the bag."""
+    3 elements before it (a table whose base is not a multiple of 4, also last in the buffer, its
+    last row read up to 3 elements past the buffer's end); rows of an odd dim, each at its own
+    offset, 16 bytes at a time realigned across lanes (passes of up to 31 chunks: at dims 127 and
+    497 a row's last chunk starts a pass) or, in the 4-rows launch, element by element; it stores
+    the sums 16 bytes at a time or column by column (an odd output column or width). Table "c"
+    holds "a"'s weights and reads "a"'s ids, its base shifted by ``pad_rows`` % 4 elements (table
+    "b", one column wide, before it), at an odd output column, or last in the buffer: every launch
+    must give "c" exactly "a"'s sums (sum and mean, sample weights, fp32, bf16 and fp16 rows)."""
     from recom_rec.kernels import cuda_ext, pooled_cuda, selection
 
     assert cuda_ext.build_error() is None  # (else every forced launch would run Triton)

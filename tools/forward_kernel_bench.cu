@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
 #endif
   const InputCheck chk{n, T * B, claim, report};
   auto launch = [&] {
-#if defined(RECOM_REC_FORWARD_FLAT_NUMEL)
+#if defined(RECOM_REC_FORWARD_FLAT_NUMEL)  // kernels of v55-v57, which took the buffer's length
     kernel<<<shape.grid, FORWARD_THREADS>>>(flat, dv, doff, nullptr, dmeta, dkey, out, B, total_dim, bag_major,
                                             shape.round_bag_blocks, shape.items, chk, flat_numel);
 #elif defined(RECOM_REC_FORWARD_ROUNDS)

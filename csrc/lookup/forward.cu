@@ -46,7 +46,7 @@ at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, cons
           <<<grid, FORWARD_THREADS, 0, stream>>>(
               wptr<W>(flat), values.data_ptr<I>(), offsets.data_ptr<I>(), w, meta.data_ptr<int64_t>(),
               key_index.data_ptr<int64_t>(), out.data_ptr<float>(), batch_size, total_dim, bag_major,
-              shape.round_bag_blocks, shape.items, chk, flat.numel());
+              shape.round_bag_blocks, shape.items, chk);
     };
     auto by_rounds = [&](auto index, auto maxv, auto rows) {
       if (rounds > 1) launch(index, maxv, rows, std::true_type{});

@@ -111,7 +111,6 @@ __host__ __device__ __forceinline__ int piece_lane_class(int64_t dim) {
 // ---- the input check: input_check.cuh ------------------------------------------------------
 #define RECOM_REC_INPUT_CHECK 1  // tools/*_kernel_bench.cu: the kernels take an InputCheck
 #define RECOM_REC_FORWARD_ROUNDS 1  // tools/forward_kernel_bench.cu: the forward takes round_bag_blocks, items
-#define RECOM_REC_FORWARD_FLAT_NUMEL 1  // ... and the flat buffer's length (shifted 16-byte reads)
 
 // An id clamped into its table; with TRACK, `bad` notes that it was not. The bag is searched for
 // the id to report after the loops (report_bad_ids). Rows of one 16-byte chunk a lane carry the
@@ -262,6 +261,61 @@ __device__ __forceinline__ void pool_scalar(const W* __restrict__ table, const I
     if (on[k]) o[c0 + k * G] = acc[k] * inv;
 }
 
+// Columns 4c .. 4c + 3 of a row whose aligned chunk c holds columns 4c - s .. 4c + 3 - s (`a`), the
+// next chunk being `n` (its last element is never needed).
+__device__ __forceinline__ float4 realign(float4 a, float4 n, int s) {
+  return make_float4(s == 0 ? a.x : s == 1 ? a.y : s == 2 ? a.z : a.w,
+                     s == 0 ? a.y : s == 1 ? a.z : s == 2 ? a.w : n.x,
+                     s == 0 ? a.z : s == 1 ? a.w : s == 2 ? n.x : n.y,
+                     s == 0 ? a.w : s == 1 ? n.x : s == 2 ? n.y : n.z);
+}
+// Lane `src`'s first three elements of v, among the G lanes of `mask`.
+__device__ __forceinline__ float4 shfl3(unsigned mask, float4 v, int src, int G) {
+  return make_float4(__shfl_sync(mask, v.x, src, G), __shfl_sync(mask, v.y, src, G), __shfl_sync(mask, v.z, src, G),
+                     0.f);
+}
+
+// One bag's sum over output chunk cb + sl (4 columns) of rows that start at any element (a dim off
+// a multiple of 4: each row its own offset s = start % 4), U rows a step. Each lane reads the row's
+// aligned 16-byte chunk at its index (columns 4c - s .. 4c + 3 - s) and takes the rest of its
+// columns from the next chunk, which the next lane read; the group's last lane only feeds (the
+// caller's passes advance by G - 1 chunks). So odd rows are read 16 bytes at a time, where column
+// by column they took 4x the load instructions (v57: a dim-333 table read from L2 at half
+// fbgemm's rate). Each column's rows are added in input order with pool_scalar's arithmetic: the
+// same bits. All G lanes of the group call it (the shuffle).
+template <typename W, typename I, int U>
+__device__ __forceinline__ void pool_realigned(const W* __restrict__ flat, const I* __restrict__ values,
+                                               const float* __restrict__ psw, int64_t start, int64_t end,
+                                               int64_t base, int64_t dim, int cb, int sl, int G, unsigned mask,
+                                               float inv, float* __restrict__ o, int64_t rows, bool& bad) {
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int c = cb + sl;  // this lane's chunk
+  for (int64_t i = start; i < end; i += U) {
+    float4 r[U];
+    int s[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const bool in = i + u < end;
+      const int64_t at = base + (in ? checked_id<true>(values, i + u, rows, bad) : 0) * dim;
+      s[u] = (int)(at & 3);
+      const bool held = 4 * c < dim + s[u];  // the chunk holds some of the row
+      r[u] = (in && held) ? load4(flat + (at - s[u]) + 4 * c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (i + u < end) {  // the same for the group's lanes (one bag)
+        const float sc = psw ? psw[i + u] : 1.f;
+        acc = fma4(realign(r[u], shfl3(mask, r[u], (sl + 1) & (G - 1), G), s[u]), sc, acc);
+      }
+    }
+  }
+  if (sl < G - 1 && 4 * c < dim) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (4 * c + e < dim) o[4 * c + e] = comp(acc, e) * inv;
+  }
+}
+
 // Grid (features, blocks of bags), or (blocks of bags, features) when `bag_major`: blocks are
 // scheduled x-fastest, so feature-major runs every feature's first bags at once (the output rows
 // of those bags are written together) and bag-major runs one feature's bags at once (its table's
@@ -288,7 +342,7 @@ __global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 
     const W* __restrict__ flat, const I* __restrict__ values, const I* __restrict__ offsets,
     const float* __restrict__ psw, const int64_t* __restrict__ meta, const int64_t* __restrict__ key_index,
     float* __restrict__ out, int64_t batch_size, int64_t total_dim, bool bag_major, int64_t round_bag_blocks,
-    int64_t items, InputCheck chk, int64_t flat_numel) {
+    int64_t items, InputCheck chk) {
   for (int64_t item = ROUNDS ? blockIdx.x : 0; !ROUNDS || item < items; item += gridDim.x) {
     const unsigned feature = ROUNDS ? (unsigned)(item / round_bag_blocks) : bag_major ? blockIdx.y : blockIdx.x;
     const int64_t bag_block = ROUNDS ? item % round_bag_blocks : bag_major ? blockIdx.x : blockIdx.y;
@@ -299,24 +353,26 @@ __global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 
     const int64_t key = key_index[feature];
     // Rows are read 16 bytes at a time (8 for two-byte types) where dim is a multiple of 4: from the
     // aligned address at or before the table's base, `shift` = base % 4 elements (the same for every
-    // row; one chunk more where it is not 0). A shifted table's last row reads up to 3 elements past
-    // it: only where the buffer holds them, and in the one-chunk kernel only where the extra chunk
-    // still fits a warp. Before (v55), any misaligned base, column or output width took the scalar
-    // layout for the whole row (drawn layouts: every feature, 0.60-0.79x fbgemm's forward).
-    // The 4-rows kernel keeps the rule before (16-byte reads only where base, column and width are
-    // aligned): its 40 registers spilled 24 bytes with the shift.
+    // row; one chunk more where it is not 0), in the one-chunk kernel only where the extra chunk
+    // still fits a warp. Rows of other dims start at any offset: pool_realigned reads them 16 bytes
+    // at a time too. An aligned read that holds an element of the buffer stays on that element's
+    // page, so the up to 3 elements read past the buffer's last row cannot fault; they are summed
+    // into columns that are not stored. (Until v58 a shifted table last in its buffer, and every
+    // odd dim, were read element by element: a drawn layout's forward at 0.56x fbgemm's.)
+    // The 4-rows kernel keeps the rule of v55 (16-byte reads only where base, column and width are
+    // aligned, else element by element): its 40 registers spilled 24 bytes with the shift.
     constexpr bool SHIFTS = ROWS != 4;
     const int shift = (int)(base & 3);
     const bool out_vec = shift == 0 && col % 4 == 0 && total_dim % 4 == 0;
-    const bool vec = dim % 4 == 0 && (SHIFTS ? shift == 0 || ((MAXV > 1 || dim / 4 < 32) &&
-                                                               base + rows * dim + 4 - shift <= flat_numel)
-                                             : out_vec);
+    const bool vec = dim % 4 == 0 && (SHIFTS ? shift == 0 || MAXV > 1 || dim / 4 < 32 : out_vec);
+    const bool realign = SHIFTS && !vec;
     const W* table = flat + base - (vec ? shift : 0);
     if (chk.claim && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {  // lengths adding up to the values
       const int64_t first = offsets[0], last = offsets[chk.last_offset];
       if (first != 0 || last != chk.num_values) report_bad(chk, REPORT_TOTAL, -1, -1, first, last);
     }
-    const int chunks = vec ? (int)(dim / 4) + (shift ? 1 : 0) : (int)dim;
+    const int out_chunks = (int)((dim + 3) / 4);
+    const int chunks = vec ? (int)(dim / 4) + (shift ? 1 : 0) : realign ? out_chunks + 1 : (int)dim;
     const int G = group_lanes(chunks);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int sub = lane / G, sl = lane % G;
@@ -371,9 +427,19 @@ __global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 
             if (bag_in_values(s, e, chk.num_values)) report_bad_ids(chk, values, s, e, sl, G, rows, feature, b);
           }
         }
+      } else if (realign) {
+        // Passes of one chunk a lane, advancing by the group's chunks less the one that only feeds
+        // its neighbour; 4 rows in flight a lane in the one-chunk kernel, 2 in the wider ones (4
+        // spilled 36-80 bytes there, as did passes of 2 or 4 chunks a lane: 28-92).
+        bool bad = false;
+        const unsigned mask = G == 32 ? 0xffffffffu : ((1u << G) - 1) << (sub * G);
+        for (int cb = 0; cb < out_chunks; cb += G - 1)
+          pool_realigned<W, I, MAXV == 1 ? 4 : 2>(flat, values, psw, start, end, base, dim, cb, sl, G, mask, inv, o,
+                                                  rows, bad);
+        if (bad && chk.claim) report_bad_ids(chk, values, start, end, 0, 1, rows, feature, b);
       } else {
-        // Scalar columns (unaligned rows, odd dims): a lane's columns up to MAXV at a time (as many
-        // as its 16-byte path holds), four rows' loads in flight each.
+        // Scalar columns (the 4-rows kernel's unaligned rows): a lane's columns up to MAXV at a time
+        // (as many as its 16-byte path holds), four rows' loads in flight each.
         bool bad = false;
         for (int c0 = sl; c0 < dim; c0 += MAXV * G)
           pool_scalar<W, I, MAXV, 4>(table, values, psw, start, end, dim, c0, G, inv, o, rows, bad);
