@@ -27,8 +27,10 @@ def build(name, text, defines, bench, out, kernel_pattern):
     src = out / f"pooled_{name}.cu"
     src.write_text(text)
     exe = out / f"{bench.stem}_{name}"
+    # -I: the variant, written under `out`, still includes its neighbours (input_check.cuh, since v56)
     r = subprocess.run(["nvcc", "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-Xptxas=-v",
-                        f'-DKERNEL_SOURCE="{src}"', *defines, str(bench), "-o", str(exe)], capture_output=True, text=True)
+                        f"-I{SOURCE.parent}", f'-DKERNEL_SOURCE="{src}"', *defines, str(bench), "-o", str(exe)],
+                       capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"{name}: nvcc failed\n{r.stderr[-3000:]}")
     kernels, current, spill = [], None, 0
