@@ -23,8 +23,8 @@ def test_each_feature_moves_to_an_aligned_column_with_its_values(seed):
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 9, (1,), generator=g))
     dims = torch.randint(1, 40, (n,), generator=g).tolist()
-    if sum(dims) % 4 == 0:
-        dims[0] += 1  # (an aligned width is passed through: tested below)
+    if all(d % 4 == 0 for d in dims):
+        dims[0] += 1  # (aligned columns are passed through: tested below; any odd dim puts a column or the width off)
     meta, width = _meta(dims, torch.randperm(n, generator=g).tolist())
     grad = torch.randn(int(torch.randint(1, 6, (1,), generator=g)), width, generator=g)
     padded, moved = aligned_gradient(grad, meta)
@@ -47,6 +47,19 @@ def test_an_aligned_gradient_is_passed_through():
     grad = torch.randn(3, width)
     padded, moved = aligned_gradient(grad, meta)
     assert padded is grad and moved is meta
+
+
+def test_columns_off_a_multiple_of_4_are_padded_at_a_width_that_is_one():
+    """Dims 3 and 5 end at column 8: the width says nothing of the columns between."""
+    dims = [3, 5, 4]
+    meta, width = _meta(dims, [0, 1, 2])
+    assert width % 4 == 0 and int(meta[1, META_OUT_COL]) == 3
+    grad = torch.randn(2, width)
+    padded, moved = aligned_gradient(grad, meta)
+    assert padded is not grad and bool((moved[:, META_OUT_COL] % 4 == 0).all())
+    for i, d in enumerate(dims):
+        src, dst = int(meta[i, META_OUT_COL]), int(moved[i, META_OUT_COL])
+        assert torch.equal(padded[:, dst:dst + d], grad[:, src:src + d])
 
 
 def test_the_columns_are_worked_out_once_per_meta_and_again_after_it_changes():

@@ -3,11 +3,14 @@ column that is a multiple of 4.
 
 The CUDA backward reads a lookup's gradient row 16 bytes at a time only where the row's address
 allows it: the output width, the feature's first column and the buffer's start all multiples of 4
-(kernels.cuh ``row_lanes``). A group with any table dim off a multiple of 4 has an output width
-and columns off it, and then every one of its features' gradient rows is read 4 bytes at a time,
-a lane a column (perf-notes v57: 0% of the gradient bytes in the 16-byte layout at 19 of 27 drawn
-layouts). One copy of the gradient into a padded layout (~2x its bytes, once a step) lets the
-features whose rows are aligned read 16 bytes at a time.
+(kernels.cuh ``row_lanes``). A group with any table dim off a multiple of 4 has columns off it
+(and mostly its width too), and then those features' gradient rows are read 4 bytes at a time, a
+lane a column (perf-notes v57: 0% of the gradient bytes in the 16-byte layout at 19 of 27 drawn
+layouts). One copy of the gradient into a padded layout (~2x its bytes, once a step) lets every
+feature read 16 bytes at a time. A width that is a multiple of 4 does not say the columns are:
+about a quarter of the drawn layouts with odd dims have such a width, most of their gradient bytes
+at columns off a multiple of 4 (v58); their columns are read on the host once per meta tensor
+(one wait for the device, not under a CUDA graph's capture).
 
 The padded column of a feature is ``4 * ceil(col / 4) + 4 * rank``, ``rank`` its place among the
 group's features by output column: the features stay in order and cannot overlap (the next one's
@@ -17,13 +20,15 @@ per meta tensor. The padding columns are left unwritten: no kernel reads a colum
 feature's dim.
 """
 import weakref
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from .layout import META_DIM, META_OUT_COL
 
-_CACHE: Dict[int, Tuple[weakref.ref, int, int, torch.Tensor, torch.Tensor]] = {}
+# id(meta) -> (meta, its _version, the output's width, (padded meta, column index) or None where the
+# meta's columns are all aligned already)
+_CACHE: Dict[int, Tuple[weakref.ref, int, int, Optional[Tuple[torch.Tensor, torch.Tensor]]]] = {}
 
 
 def padded_width(width: int, num_features: int) -> int:
@@ -47,24 +52,43 @@ def _padded_columns(feature_meta: torch.Tensor, width: int) -> Tuple[torch.Tenso
     return meta, index
 
 
+def _columns_aligned(feature_meta: torch.Tensor) -> Optional[bool]:
+    """Whether every feature's output column is a multiple of 4; None where it cannot be read now
+    (a CUDA graph is being captured: a read from the device would break the capture)."""
+    if feature_meta.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    return bool((feature_meta[:, META_OUT_COL] % 4 == 0).all())
+
+
 def aligned_gradient(grad_output: torch.Tensor, feature_meta: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(gradient, feature_meta)`` for the backward's kernels: as given where the gradient's rows
-    are already 16-byte aligned (width a multiple of 4, the start aligned); else the gradient
-    copied into the padded layout and the meta with the padded columns. The group's features must
-    cover its output's columns (as the module's layout does)."""
+    """``(gradient, feature_meta)`` for the backward's kernels: as given where every feature's
+    gradient rows are already 16-byte aligned (width and columns multiples of 4, the start
+    aligned); else the gradient copied into the padded layout and the meta with the padded
+    columns. The group's features must cover its output's columns (as the module's layout does)."""
     batch, width = grad_output.shape
-    aligned = width % 4 == 0 and grad_output.data_ptr() % 16 == 0 and grad_output.is_contiguous()
-    if aligned or batch == 0 or feature_meta.shape[0] == 0:
+    if batch == 0 or feature_meta.shape[0] == 0:
         return grad_output, feature_meta
+    rows_aligned = grad_output.data_ptr() % 16 == 0 and grad_output.is_contiguous()
     key = id(feature_meta)
     hit = _CACHE.get(key)
     if hit is not None and hit[0]() is feature_meta and hit[1] == feature_meta._version and hit[2] == width:
-        meta, index = hit[3], hit[4]
+        padding = hit[3]
     else:
-        meta, index = _padded_columns(feature_meta, width)
+        if width % 4 == 0:
+            aligned = _columns_aligned(feature_meta)
+            if aligned is None:  # (not cached: read after the capture)
+                return grad_output, feature_meta
+        else:
+            aligned = False
+        padding = None if aligned else _padded_columns(feature_meta, width)
         for k in [k for k, v in _CACHE.items() if v[0]() is None]:  # (the dead modules' entries)
             del _CACHE[k]
-        _CACHE[key] = (weakref.ref(feature_meta), feature_meta._version, width, meta, index)
+        _CACHE[key] = (weakref.ref(feature_meta), feature_meta._version, width, padding)
+    if padding is None:
+        if rows_aligned:
+            return grad_output, feature_meta
+        padding = _padded_columns(feature_meta, width)  # (a misaligned gradient: rare, not cached)
+    meta, index = padding
     padded = grad_output.new_empty(batch, padded_width(width, feature_meta.shape[0]))
     padded.index_copy_(1, index, grad_output.contiguous())
     return padded, meta
