@@ -15,9 +15,9 @@ at columns off a multiple of 4 (v58); their columns are read on the host once pe
 The padded column of a feature is ``4 * ceil(col / 4) + 4 * rank``, ``rank`` its place among the
 group's features by output column: the features stay in order and cannot overlap (the next one's
 column is past this one's end by at least 1), and the width is at most the output's rounded up
-plus 4 a feature. Everything is computed on the device from ``feature_meta`` (no host sync), once
-per meta tensor. The padding columns are left unwritten: no kernel reads a column past its
-feature's dim.
+plus 4 a feature. The padded columns are computed on the device from ``feature_meta``, once per
+meta tensor, as is whether its columns are aligned (that one read on the host). The padding columns
+are left unwritten: no kernel reads a column past its feature's dim.
 """
 import weakref
 from typing import Dict, Optional, Tuple
@@ -26,9 +26,20 @@ import torch
 
 from .layout import META_DIM, META_OUT_COL
 
-# id(meta) -> (meta, its _version, the output's width, (padded meta, column index) or None where the
-# meta's columns are all aligned already)
-_CACHE: Dict[int, Tuple[weakref.ref, int, int, Optional[Tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+class _MetaLayout:
+    """What one meta tensor's features need: whether their columns are all aligned, and the padded
+    layout (meta, column index), computed when first needed."""
+
+    def __init__(self, meta: torch.Tensor, width: int, aligned: bool) -> None:
+        self.meta_ref, self.version, self.width, self.aligned = weakref.ref(meta), meta._version, width, aligned
+        self.padding: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    def holds(self, meta: torch.Tensor, width: int) -> bool:
+        return self.meta_ref() is meta and self.version == meta._version and self.width == width
+
+
+_CACHE: Dict[int, _MetaLayout] = {}  # id(meta) -> its layout
 
 
 def padded_width(width: int, num_features: int) -> int:
@@ -68,27 +79,20 @@ def aligned_gradient(grad_output: torch.Tensor, feature_meta: torch.Tensor) -> T
     batch, width = grad_output.shape
     if batch == 0 or feature_meta.shape[0] == 0:
         return grad_output, feature_meta
-    rows_aligned = grad_output.data_ptr() % 16 == 0 and grad_output.is_contiguous()
     key = id(feature_meta)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is feature_meta and hit[1] == feature_meta._version and hit[2] == width:
-        padding = hit[3]
-    else:
-        if width % 4 == 0:
-            aligned = _columns_aligned(feature_meta)
-            if aligned is None:  # (not cached: read after the capture)
-                return grad_output, feature_meta
-        else:
-            aligned = False
-        padding = None if aligned else _padded_columns(feature_meta, width)
-        for k in [k for k, v in _CACHE.items() if v[0]() is None]:  # (the dead modules' entries)
-            del _CACHE[k]
-        _CACHE[key] = (weakref.ref(feature_meta), feature_meta._version, width, padding)
-    if padding is None:
-        if rows_aligned:
+    layout = _CACHE.get(key)
+    if layout is None or not layout.holds(feature_meta, width):
+        aligned = _columns_aligned(feature_meta) if width % 4 == 0 else False
+        if aligned is None:  # (not cached: read after the capture)
             return grad_output, feature_meta
-        padding = _padded_columns(feature_meta, width)  # (a misaligned gradient: rare, not cached)
-    meta, index = padding
+        for k in [k for k, v in _CACHE.items() if v.meta_ref() is None]:  # (the dead modules' entries)
+            del _CACHE[k]
+        layout = _CACHE[key] = _MetaLayout(feature_meta, width, aligned)
+    if layout.aligned and grad_output.data_ptr() % 16 == 0 and grad_output.is_contiguous():
+        return grad_output, feature_meta
+    if layout.padding is None:
+        layout.padding = _padded_columns(feature_meta, width)
+    meta, index = layout.padding
     padded = grad_output.new_empty(batch, padded_width(width, feature_meta.shape[0]))
     padded.index_copy_(1, index, grad_output.contiguous())
     return padded, meta
