@@ -182,7 +182,7 @@ def test_wide_rows_and_long_bags_against_reference(backend, dims):
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA kernels run on a GPU (CI compiles them: test_kernels_compile)")
 @pytest.mark.parametrize("dims,batch", [((4, 8, 16, 64, 128), 9), ((3, 17, 128), 9), ((200, 8), 9), ((1024, 12), 9),
-                                        ((20, 36, 68, 100, 124), 45)])
+                                        ((696, 579, 12), 9), ((20, 36, 68, 100, 124), 45)])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_every_cuda_forward_launch_gives_the_reference_and_the_same_bits(dims, batch, index_dtype):
     """Each launch the tuner may pick (feature- or bag-major, 8 or 4 rows in flight a lane, bag-major
@@ -190,7 +190,9 @@ def test_every_cuda_forward_launch_gives_the_reference_and_the_same_bits(dims, b
     steps and their tails), sum and mean, sample weights, fp32 and bf16 rows: the reference's sums,
     and the same bits from every launch (the sums' order is the bag's). Dims whose 16-byte chunks
     are not a power of two leave some of a group's lanes idle, and at batch 45 each table's bags
-    take several blocks (8 bags a block at a group's widest dim of 124)."""
+    take several blocks (8 bags a block at a group's widest dim of 124). Dims 696 and 579 take the
+    rounds kernel's deeper passes of wide rows (3 rows of 4 chunks, then 8 of 2; an odd dim's
+    realigned passes at 8 rows)."""
     from recom_rec.kernels import pooled_cuda, selection
 
     for weighted, data_type in ((False, DataType.FP32), (True, DataType.FP32), (False, DataType.BF16)):

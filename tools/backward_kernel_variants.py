@@ -98,6 +98,10 @@ VARIANTS = {
     "no-ring-v8": (_replace("return V == 8 ? 2 :", "return V == 8 ? 0 :"), []),
     # the ring only where groups have 8 lanes or more (the fewest-lanes paths give V = 4 groups of 4)
     "ring-g8": (_replace("if (RING > 0 && together) {", "if (RING > 0 && together && G >= 8) {"), []),
+    # v59: deeper rings where two or three blocks an SM leave shared memory for them: V = 8 three
+    # lookups (96 KB a block; two lookups ahead in flight, not one), V = 4 four (64 KB a block)
+    "ring-v8-3": (_replace("return V == 8 ? 2 :", "return V == 8 ? 3 :"), []),
+    "ring-v4-4": (_replace("V == 8 ? 2 : V == 4 ? 3 :", "V == 8 ? 2 : V == 4 ? 4 :"), []),
 }
 
 

@@ -46,6 +46,17 @@ def _bounds(text, blocks):
     return text[:start] + f"__launch_bounds__(256, {blocks})" + text[end:]
 
 
+def _replace_all(pairs):
+    """Textual replacements, each of which must be in the source."""
+    def change(text):
+        for old, new in pairs:
+            if old not in text:
+                raise SystemExit(f"variant: {old!r} is not in the source")
+            text = text.replace(old, new)
+        return text
+    return change
+
+
 # name: (source change, nvcc defines)
 VARIANTS = {
     "product": (lambda t: t, []),  # 8 rows in flight a lane
@@ -53,6 +64,20 @@ VARIANTS = {
     "no-report": (lambda t: t, ["-DFORWARD_NO_REPORT"]),  # ids clamped, the report off (validate_inputs=False)
     "all-paths-2blocks": (lambda t: _bounds(t, 2), ["-DFORWARD_MAXV=4"]),  # the kernel before v17
     "all-paths": (lambda t: _bounds(t, 4), ["-DFORWARD_MAXV=4"]),
+    # v59: rows wider than 256 columns (MAXV = 4) at twice the rows in flight a pass (4 rows of 4
+    # chunks, 8 of 2), in 64 registers (spills?) or at two blocks an SM: a small batch's long bags
+    # of wide rows are one warp's chain of dependent loads (a drawn layout at B = 115: 0.76x fbgemm)
+    "wide-rows2x": (_replace_all([("pool_vec<W, I, 4, 2, false>", "pool_vec<W, I, 4, 4, false>"),
+                                  ("pool_vec<W, I, 2, 4, false>", "pool_vec<W, I, 2, MAXV >= 4 ? 8 : 4, false>")]), []),
+    "wide-rows2x-2blocks": (lambda t: _replace_all([("pool_vec<W, I, 4, 2, false>", "pool_vec<W, I, 4, 4, false>"),
+                                                    ("pool_vec<W, I, 2, 4, false>", "pool_vec<W, I, 2, MAXV >= 4 ? 8 : 4, false>"),
+                                                    ("__launch_bounds__(256, ROUNDS ? 2 :", "__launch_bounds__(256, ROUNDS || MAXV >= 4 ? 2 :")])(t), []),
+    # and the odd-dim rows' realigned passes there at 8 rows in flight, not 2
+    "wide-rows2x-odd8-2blocks": (lambda t: _replace_all([
+        ("pool_vec<W, I, 4, 2, false>", "pool_vec<W, I, 4, 4, false>"),
+        ("pool_vec<W, I, 2, 4, false>", "pool_vec<W, I, 2, MAXV >= 4 ? 8 : 4, false>"),
+        ("pool_realigned<W, I, MAXV == 1 ? 4 : 2>", "pool_realigned<W, I, MAXV == 1 ? 4 : MAXV >= 4 ? 8 : 2>"),
+        ("__launch_bounds__(256, ROUNDS ? 2 :", "__launch_bounds__(256, ROUNDS || MAXV >= 4 ? 2 :")])(t), []),
 }
 
 

@@ -391,7 +391,13 @@ __global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 
       if (vec) {
         // A lane holds up to four of the row's 16-byte chunks (dims up to 512 in one pass at G = 32;
         // wider rows take more passes) and walks the bag once per pass: 4 to 8 rows' loads in flight
-        // a lane, the bag's ids read once rather than once per chunk (v13, perf-notes).
+        // a lane, the bag's ids read once rather than once per chunk (v13, perf-notes). The rounds
+        // kernel of rows past 256 columns (two blocks an SM, 128 registers) keeps more rows in
+        // flight: 3 of 4 chunks, 8 of 2. A small batch's long bags of wide rows are each one warp's
+        // chain of dependent loads (v59's bench, 4 and 8 rows at two blocks an SM: dims 300-696 at
+        // B = 115-256 with 100-250 ids a bag 12-31% faster; at four blocks an SM those passes
+        // spilled 1.7 KB, and two blocks slowed large batches' odd dims by 30%, so only the rounds
+        // kernel, which runs at two anyway; 4 rows of 4 chunks spilled 16 bytes there, 3 none).
         const int per_lane = (chunks + G - 1) / G;
         if (MAXV == 1 || per_lane == 1) {  // one chunk a lane: the flag through the loop
           bool bad = false;
@@ -412,11 +418,11 @@ __global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 
           for (int c0 = sl; c0 < chunks; c0 += MAXV * G) {
             const int left = per_lane - (c0 - sl) / G;  // this lane's chunks from c0 on
             if (MAXV >= 4 && left >= 3) {
-              pool_vec<W, I, 4, 2, false>(table, values, psw, start, end, dim, c0, G, chunks, inv, o, rows, unused,
-                                          shift, out_vec);
+              pool_vec<W, I, 4, ROUNDS ? 3 : 2, false>(table, values, psw, start, end, dim, c0, G, chunks, inv, o,
+                                                       rows, unused, shift, out_vec);
             } else if (MAXV >= 2 && left >= 2) {
-              pool_vec<W, I, 2, 4, false>(table, values, psw, start, end, dim, c0, G, chunks, inv, o, rows, unused,
-                                          shift, out_vec);
+              pool_vec<W, I, 2, ROUNDS && MAXV >= 4 ? 8 : 4, false>(table, values, psw, start, end, dim, c0, G,
+                                                                    chunks, inv, o, rows, unused, shift, out_vec);
             } else {
               pool_vec<W, I, 1, ROWS, false>(table, values, psw, start, end, dim, c0, G, chunks, inv, o, rows, unused,
                                              shift, out_vec);
@@ -430,12 +436,13 @@ __global__ void __launch_bounds__(256, ROUNDS ? 2 : ROWS == 4 ? (sizeof(I) == 8 
       } else if (realign) {
         // Passes of one chunk a lane, advancing by the group's chunks less the one that only feeds
         // its neighbour; 4 rows in flight a lane in the one-chunk kernel, 2 in the wider ones (4
-        // spilled 36-80 bytes there, as did passes of 2 or 4 chunks a lane: 28-92).
+        // spilled 36-80 bytes there, as did passes of 2 or 4 chunks a lane: 28-92), 8 in the rounds
+        // kernel of rows past 256 columns (128 registers, see the 16-byte passes above).
         bool bad = false;
         const unsigned mask = G == 32 ? 0xffffffffu : ((1u << G) - 1) << (sub * G);
         for (int cb = 0; cb < out_chunks; cb += G - 1)
-          pool_realigned<W, I, MAXV == 1 ? 4 : 2>(flat, values, psw, start, end, base, dim, cb, sl, G, mask, inv, o,
-                                                  rows, bad);
+          pool_realigned<W, I, MAXV == 1 ? 4 : ROUNDS && MAXV >= 4 ? 8 : 2>(flat, values, psw, start, end, base, dim,
+                                                                            cb, sl, G, mask, inv, o, rows, bad);
         if (bad && chk.claim) report_bad_ids(chk, values, start, end, 0, 1, rows, feature, b);
       } else {
         // Scalar columns (the 4-rows kernel's unaligned rows): a lane's columns up to MAXV at a time
