@@ -72,3 +72,28 @@ def test_the_columns_are_worked_out_once_per_meta_and_again_after_it_changes():
     padded, moved = aligned_gradient(grad, meta)
     assert moved is not first and int(moved[1, META_OUT_COL]) == 0 and int(moved[0, META_OUT_COL]) == 12
     assert torch.equal(padded[:, 12:15], grad[:, 6:9]) and torch.equal(padded[:, 0:6], grad[:, 0:6])
+
+
+def test_during_a_capture_the_layout_is_worked_out_on_the_device_and_not_kept(monkeypatch):
+    """Under a CUDA graph's capture the meta cannot be read on the host: an odd width still gets
+    the padded layout (computed where the meta is), a width that is a multiple of 4 the gradient as
+    given; neither is kept, so the first step after the capture reads the meta."""
+    from recom_rec.ops import gradient_layout
+
+    dims = [3, 6]
+    meta, width = _meta(dims, [1, 0])
+    grad = torch.randn(2, width)
+    expected, expected_meta = aligned_gradient(grad, meta.clone())
+    captured_meta, aligned_width_meta = meta.clone(), _meta([3, 5, 4], [0, 1, 2])[0]
+    monkeypatch.setattr(gradient_layout, "_host_meta", lambda m: None)
+    padded, moved = aligned_gradient(grad, captured_meta)
+    assert torch.equal(moved, expected_meta)
+    for i, d in enumerate(dims):
+        dst = int(moved[i, META_OUT_COL])
+        assert torch.equal(padded[:, dst:dst + d], expected[:, dst:dst + d])
+    grad12 = torch.randn(2, 12)
+    passed, same = aligned_gradient(grad12, aligned_width_meta)
+    assert passed is grad12 and same is aligned_width_meta
+    monkeypatch.undo()
+    padded, moved = aligned_gradient(grad12, aligned_width_meta)  # read now: dims 3 and 5 put column 3 off
+    assert padded is not grad12 and bool((moved[:, META_OUT_COL] % 4 == 0).all())

@@ -15,9 +15,12 @@ at columns off a multiple of 4 (v58); their columns are read on the host once pe
 The padded column of a feature is ``4 * ceil(col / 4) + 4 * rank``, ``rank`` its place among the
 group's features by output column: the features stay in order and cannot overlap (the next one's
 column is past this one's end by at least 1), and the width is at most the output's rounded up
-plus 4 a feature. The padded columns are computed on the device from ``feature_meta``, once per
-meta tensor, as is whether its columns are aligned (that one read on the host). The padding columns
-are left unwritten: no kernel reads a column past its feature's dim.
+plus 4 a feature. Both the padded columns and whether the columns are aligned are worked out once
+per meta tensor, on the host from one copy of the meta, and the layout copied to the device: on
+the device the dozen small torch ops took 167 ms of a process's first training step, loading
+their kernels (argsort alone 75 ms; v59, against fbgemm's whole first step of 78 ms). During a
+CUDA graph's capture, where the meta cannot be read, the padded layout is computed on the device
+as before. The padding columns are left unwritten: no kernel reads a column past its feature's dim.
 """
 import weakref
 from typing import Dict, Optional, Tuple
@@ -29,10 +32,12 @@ from .layout import META_DIM, META_OUT_COL
 
 class _MetaLayout:
     """What one meta tensor's features need: whether their columns are all aligned, and the padded
-    layout (meta, column index), computed when first needed."""
+    layout (meta, column index), computed when first needed from the meta's host copy."""
 
-    def __init__(self, meta: torch.Tensor, width: int, aligned: bool) -> None:
-        self.meta_ref, self.version, self.width, self.aligned = weakref.ref(meta), meta._version, width, aligned
+    def __init__(self, meta: torch.Tensor, width: int, host_meta: torch.Tensor) -> None:
+        self.meta_ref, self.version, self.width = weakref.ref(meta), meta._version, width
+        self.host_meta = host_meta
+        self.aligned = width % 4 == 0 and bool((host_meta[:, META_OUT_COL] % 4 == 0).all())
         self.padding: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     def holds(self, meta: torch.Tensor, width: int) -> bool:
@@ -49,7 +54,7 @@ def padded_width(width: int, num_features: int) -> int:
 
 def _padded_columns(feature_meta: torch.Tensor, width: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(meta with each feature's padded first column, ``[width]`` int64: each output column's
-    column in the padded layout)."""
+    column in the padded layout), on ``feature_meta``'s device."""
     cols, dims = feature_meta[:, META_OUT_COL], feature_meta[:, META_DIM]
     order = torch.argsort(cols)
     rank = torch.empty_like(order)
@@ -63,12 +68,12 @@ def _padded_columns(feature_meta: torch.Tensor, width: int) -> Tuple[torch.Tenso
     return meta, index
 
 
-def _columns_aligned(feature_meta: torch.Tensor) -> Optional[bool]:
-    """Whether every feature's output column is a multiple of 4; None where it cannot be read now
-    (a CUDA graph is being captured: a read from the device would break the capture)."""
+def _host_meta(feature_meta: torch.Tensor) -> Optional[torch.Tensor]:
+    """The meta on the host; None where it cannot be read now (a CUDA graph is being captured: a
+    read from the device would break the capture)."""
     if feature_meta.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    return bool((feature_meta[:, META_OUT_COL] % 4 == 0).all())
+    return feature_meta.cpu()
 
 
 def aligned_gradient(grad_output: torch.Tensor, feature_meta: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -82,17 +87,27 @@ def aligned_gradient(grad_output: torch.Tensor, feature_meta: torch.Tensor) -> T
     key = id(feature_meta)
     layout = _CACHE.get(key)
     if layout is None or not layout.holds(feature_meta, width):
-        aligned = _columns_aligned(feature_meta) if width % 4 == 0 else False
-        if aligned is None:  # (not cached: read after the capture)
-            return grad_output, feature_meta
+        host_meta = _host_meta(feature_meta)
+        if host_meta is None:  # a capture: nothing cached (the meta is read after it)
+            if width % 4 == 0:  # (its columns unknown: the gradient as given, read 4 bytes at a time)
+                return grad_output, feature_meta
+            meta, index = _padded_columns(feature_meta, width)  # (on the device, into the graph)
+            return _padded(grad_output, feature_meta.shape[0], index), meta
         for k in [k for k, v in _CACHE.items() if v.meta_ref() is None]:  # (the dead modules' entries)
             del _CACHE[k]
-        layout = _CACHE[key] = _MetaLayout(feature_meta, width, aligned)
+        layout = _CACHE[key] = _MetaLayout(feature_meta, width, host_meta)
     if layout.aligned and grad_output.data_ptr() % 16 == 0 and grad_output.is_contiguous():
         return grad_output, feature_meta
     if layout.padding is None:
-        layout.padding = _padded_columns(feature_meta, width)
+        meta, index = _padded_columns(layout.host_meta, width)
+        layout.padding = (meta.to(feature_meta.device), index.to(feature_meta.device))
     meta, index = layout.padding
-    padded = grad_output.new_empty(batch, padded_width(width, feature_meta.shape[0]))
+    return _padded(grad_output, feature_meta.shape[0], index), meta
+
+
+def _padded(grad_output: torch.Tensor, num_features: int, index: torch.Tensor) -> torch.Tensor:
+    """``grad_output`` copied into the padded layout (``index``: each column's padded column)."""
+    batch, width = grad_output.shape
+    padded = grad_output.new_empty(batch, padded_width(width, num_features))
     padded.index_copy_(1, index, grad_output.contiguous())
-    return padded, meta
+    return padded
