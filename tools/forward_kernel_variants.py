@@ -57,6 +57,15 @@ def _replace_all(pairs):
     return change
 
 
+# The rounds kernel's passes of rows past 256 columns (kernels.cuh), in every launch
+_WIDE_PASSES = [("pool_vec<W, I, 4, ROUNDS ? 3 : 2, false>", "pool_vec<W, I, 4, 4, false>"),
+                ("pool_vec<W, I, 2, ROUNDS && MAXV >= 4 ? 8 : 4, false>",
+                 "pool_vec<W, I, 2, MAXV >= 4 ? 8 : 4, false>"),
+                ("pool_realigned<W, I, MAXV == 1 ? 4 : ROUNDS && MAXV >= 4 ? 8 : 2>",
+                 "pool_realigned<W, I, MAXV == 1 ? 4 : MAXV >= 4 ? 8 : 2>")]
+_TWO_BLOCKS = [("__launch_bounds__(256, ROUNDS ? 2 :", "__launch_bounds__(256, ROUNDS || MAXV >= 4 ? 2 :")]
+
+
 # name: (source change, nvcc defines)
 VARIANTS = {
     "product": (lambda t: t, []),  # 8 rows in flight a lane
@@ -64,20 +73,13 @@ VARIANTS = {
     "no-report": (lambda t: t, ["-DFORWARD_NO_REPORT"]),  # ids clamped, the report off (validate_inputs=False)
     "all-paths-2blocks": (lambda t: _bounds(t, 2), ["-DFORWARD_MAXV=4"]),  # the kernel before v17
     "all-paths": (lambda t: _bounds(t, 4), ["-DFORWARD_MAXV=4"]),
-    # v59: rows wider than 256 columns (MAXV = 4) at twice the rows in flight a pass (4 rows of 4
-    # chunks, 8 of 2), in 64 registers (spills?) or at two blocks an SM: a small batch's long bags
-    # of wide rows are one warp's chain of dependent loads (a drawn layout at B = 115: 0.76x fbgemm)
-    "wide-rows2x": (_replace_all([("pool_vec<W, I, 4, 2, false>", "pool_vec<W, I, 4, 4, false>"),
-                                  ("pool_vec<W, I, 2, 4, false>", "pool_vec<W, I, 2, MAXV >= 4 ? 8 : 4, false>")]), []),
-    "wide-rows2x-2blocks": (lambda t: _replace_all([("pool_vec<W, I, 4, 2, false>", "pool_vec<W, I, 4, 4, false>"),
-                                                    ("pool_vec<W, I, 2, 4, false>", "pool_vec<W, I, 2, MAXV >= 4 ? 8 : 4, false>"),
-                                                    ("__launch_bounds__(256, ROUNDS ? 2 :", "__launch_bounds__(256, ROUNDS || MAXV >= 4 ? 2 :")])(t), []),
-    # and the odd-dim rows' realigned passes there at 8 rows in flight, not 2
-    "wide-rows2x-odd8-2blocks": (lambda t: _replace_all([
-        ("pool_vec<W, I, 4, 2, false>", "pool_vec<W, I, 4, 4, false>"),
-        ("pool_vec<W, I, 2, 4, false>", "pool_vec<W, I, 2, MAXV >= 4 ? 8 : 4, false>"),
-        ("pool_realigned<W, I, MAXV == 1 ? 4 : 2>", "pool_realigned<W, I, MAXV == 1 ? 4 : MAXV >= 4 ? 8 : 2>"),
-        ("__launch_bounds__(256, ROUNDS ? 2 :", "__launch_bounds__(256, ROUNDS || MAXV >= 4 ? 2 :")])(t), []),
+    # v59: rows wider than 256 columns (MAXV = 4) in every launch at the rounds kernel's deeper
+    # passes (4 rows of 4 chunks here, 8 of 2), in 64 registers (it spilled 1.7 KB) or at two blocks
+    # an SM (small batches 12-31% faster, an odd dim at B = 4,096 30% slower: so only the rounds
+    # kernel takes them, at 3 rows of 4 chunks), and the odd rows' realigned passes at 8 rows
+    "wide-rows2x": (_replace_all(_WIDE_PASSES[:2]), []),
+    "wide-rows2x-2blocks": (_replace_all(_WIDE_PASSES[:2] + _TWO_BLOCKS), []),
+    "wide-rows2x-odd8-2blocks": (_replace_all(_WIDE_PASSES + _TWO_BLOCKS), []),
 }
 
 
