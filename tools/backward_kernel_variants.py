@@ -59,7 +59,7 @@ def _prefetch_next_piece(text):
     const int32_t o_first = next_o;
     next = r + lg.stride < num ? a.pieces[r + lg.stride] : 0;
 """
-    tail = "    finish_row<W, OPT, V>(acc, w, L, finish, out, row_at, (int64_t)key, a.s1, a.s2, h, t);\n  }\n"
+    tail = "    finish_row<W, OPT, V>(acc, w, state, L, finish, out, row_at, (int64_t)key, a.s1, a.s2, h, t);\n  }\n"
     text = _replace(head, prefetched)(text)
     return _replace(tail, tail[:-4] + "    next_key = row_key[next >> 2];\n    next_o = order[next >> 2];\n  }\n")(text)
 
@@ -69,9 +69,11 @@ SAME = lambda t: t  # noqa: E731
 VARIANTS = {
     "product": (SAME, []),
     "old": None,  # --old-source, or the source at --old-revision (default: the last commit's)
-    "share-all-groups": (_replace("G >= 2 * U", "G >= U"), []),  # groups of 4 lanes share their sources too
+    # groups of 4 lanes share their sources too
+    "share-all-groups": (_replace("G >= 2 * piece_unroll(V);", "G >= piece_unroll(V);"), []),
     # pieces of at most U lookups (rows read a few times: short bags) resolve their own sources
-    "share-long-pieces": (_replace("G >= 2 * U;", "G >= 2 * U && len > U;"), []),
+    "share-long-pieces": (_replace("const bool together = piece_groups_share(V, G);",
+                                   "const bool together = piece_groups_share(V, G) && len > U;"), []),
     "v4-2blocks": (_replace("V == 4 ? 3 : 4", "V == 4 ? 2 : 4"), []),  # v19's three blocks an SM at V = 4, undone
     "prefetch-next-piece": (_prefetch_next_piece, []),
     # the fewest lanes a piece at four float4 each (piece_update's `lanes`), e.g. 4 at dim 64: four
@@ -79,11 +81,11 @@ VARIANTS = {
     "fewest-lanes": (SAME, ["-DPIECE_LANES=-1"]),
     "v1-5blocks": (_replace("V == 4 ? 3 : 4", "V == 4 ? 3 : 5"), []),  # V = 1 at 48 registers, 5 blocks an SM
     # 8 lookups in flight at V = 1, three blocks an SM (64 registers spilled 88-92 bytes)
-    "v1-unroll8": (lambda t: _replace("U = V >= 8 ? 1 : V == 4 ? 2 : 4;", "U = V >= 8 ? 1 : V == 4 ? 2 : 8;")(
+    "v1-unroll8": (lambda t: _replace("return V >= 8 ? 1 : V == 4 ? 2 : 4;", "return V >= 8 ? 1 : V == 4 ? 2 : 8;")(
         _replace("V == 4 ? 3 : 4", "V == 4 ? 3 : 3")(t)), []),
     # V = 4 (rows of 129-512 columns): four lookups in flight (v19's product; v20 took two, 7-14%
     # faster), the weights read with the gradients, or four blocks an SM
-    "v4-u4": (_replace("U = V >= 8 ? 1 : V == 4 ? 2 : 4;", "U = V >= 8 ? 1 : 4;"), []),
+    "v4-u4": (_replace("return V >= 8 ? 1 : V == 4 ? 2 : 4;", "return V >= 8 ? 1 : 4;"), []),
     "v4-early": (_replace("LATE_WEIGHTS = V >= 4;", "LATE_WEIGHTS = V >= 8;"), []),
     "v4-4blocks": (_replace("V == 4 ? 3 : 4", "V == 4 ? 4 : 4"), []),
     # rows of 129-256 columns at two float4 a lane over 32 lanes (V = 2) instead of four over 16
