@@ -186,11 +186,11 @@ class _OwnGradientPeer:
         self.peer.train_step(kjt)
 
 
-def sequence_peers(batch: int, dev, fbgemm: bool):
-    """(label, kjt, [(name, peer)]) of the sequence workload at ``batch``, on one set of weights."""
+def sequence_peers(w, dev, fbgemm: bool):
+    """(label, kjt, [(name, peer)]) of a sequence workload (bench.sequence.SequenceWorkload), on one
+    set of weights."""
     from recom_rec.bench import sequence
 
-    w = sequence.SequenceWorkload(batch, 10_000_000, [100_000, 16], (50, 2000))
     kjt = w.make_input(dev)
     torch.manual_seed(0)
     weights = [torch.empty(t.num_embeddings, w.dim, device=dev).uniform_(-0.01, 0.01) for t in w.tables()]
@@ -199,7 +199,7 @@ def sequence_peers(batch: int, dev, fbgemm: bool):
         peers.append(("fbgemm", sequence._Fbgemm(w, dev, True, kjt.keys())))
     for _, peer in peers:
         peer.load(weights)
-    return f"sequence-b{batch} ({kjt.values().numel():,} ids)", kjt, [(n, _OwnGradientPeer(peer)) for n, peer in peers]
+    return f"{w.label()} ({kjt.values().numel():,} ids)", kjt, [(n, _OwnGradientPeer(peer)) for n, peer in peers]
 
 
 def vbe_peers(dev, fbgemm: bool):
@@ -295,6 +295,9 @@ def main():
     p.add_argument("--random", nargs="*", default=[], metavar="SEED:INDEX",
                    help="the pooled layout random-INDEX that `bench --workloads random --seed SEED` draws, "
                    "instead of workloads")
+    p.add_argument("--random-sequence", nargs="*", default=[], metavar="SEED:INDEX",
+                   help="the sequence layout random-seq-INDEX that `bench --workloads random --seed SEED` draws "
+                   "(EmbeddingCollection, fused SGD), instead of workloads")
     p.add_argument("--dcnv2-shards", nargs="*", default=[],
                    help="RANK/WORLD: one rank's tables of the sharded-dlrm plan instead of workloads")
     p.add_argument("--timeline", action="store_true",
@@ -315,8 +318,14 @@ def main():
         del peers
         torch.cuda.empty_cache()
     sgd_args = argparse.Namespace(**{**vars(args), "optimizer": "sgd"})  # (the sequence and vbe steps fuse SGD)
-    for batch in args.sequence:
-        label, kjt, peers = sequence_peers(batch, dev, args.fbgemm)
+    from recom_rec.bench.random_layouts import random_unpooled_workloads
+    from recom_rec.bench.sequence import SequenceWorkload
+
+    sequences = [SequenceWorkload(batch, 10_000_000, [100_000, 16], (50, 2000)) for batch in args.sequence]
+    sequences += [random_unpooled_workloads(int(seed), 8, False)[0][int(index)]
+                  for seed, index in (spec.split(":") for spec in args.random_sequence)]
+    for w in sequences:
+        label, kjt, peers = sequence_peers(w, dev, args.fbgemm)
         for name, peer in peers:
             report_paths(sgd_args, label, name, peer, kjt, None, dev, seen_orders, seen_paths)
         del peers
@@ -330,7 +339,7 @@ def main():
     shards = [dcnv2_shard(spec) for spec in args.dcnv2_shards]
     drawn = [random_workloads(int(seed), int(index) + 1, False)[int(index)]
              for seed, index in (spec.split(":") for spec in args.random)]
-    named = [] if args.points or args.sequence or args.vbe or args.random else args.workloads
+    named = [] if args.points or sequences or args.vbe or args.random else args.workloads
     for w in shards or drawn or [get_workload(n, False) for n in named]:
         wname = w.name
         kjt = w.make_input(dev)
