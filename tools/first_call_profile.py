@@ -11,11 +11,14 @@ launches).
     RECOM_REC_PRIOR=off python3 tools/first_call_profile.py dlrm-dcnv2        # every candidate measured
     python3 tools/first_call_profile.py random-0 --draw SEED:COUNT --peer fbgemm
     python3 tools/first_call_profile.py dlrm-dcnv2 --python      # call 1's Python frames (cProfile)
+    python3 tools/first_call_profile.py random-0 --draw SEED:COUNT --phase sgd --decisions 200
+        # calls 1-200 timed (no profiler): ms a call by window, and the tuners' decisions as they stand
 
 torch.profiler shows Python work between ops only as its caller's self time (v47: 68 of call 1's
 74 ms were `_EagerLookup`'s own); --python names it: call 1 under cProfile, by cumulative time.
 """
 import argparse
+import statistics
 import time
 
 import torch
@@ -31,6 +34,9 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--device", default="cuda")
     p.add_argument("--python", action="store_true", help="call 1 under cProfile instead of torch.profiler")
+    p.add_argument("--decisions", type=int, default=0, metavar="CALLS",
+                   help="time CALLS calls (synchronized, no profiler) and print the decisions after calls 10, "
+                   "100 and CALLS instead")
     args = p.parse_args()
 
     from recom_rec.bench.peers import make_peer
@@ -55,6 +61,9 @@ def main() -> None:
         else:
             peer.train_step(kjt, grad)
 
+    if args.decisions:
+        timed_decisions(call, device, args.decisions, f"{args.workload} {args.peer} {args.phase}")
+        return
     if args.python:
         import cProfile
         import pstats
@@ -87,6 +96,33 @@ def main() -> None:
           + ", ".join(f"{ms:.1f}" for ms in walls))
     print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cpu_time_total", row_limit=args.top,
                                                       max_name_column_width=60))
+
+
+def timed_decisions(call, device, calls: int, label: str) -> None:
+    """Each call's wall time (synchronized), summed by window, and the kernel decisions taken by
+    calls 10, 100 and ``calls`` (a shape class still on trial is not among them)."""
+    import json
+
+    from recom_rec import kernel_decisions
+
+    marks, ms, shown = {1, 10, 100, calls}, [], None
+    for i in range(1, calls + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        ms.append((time.perf_counter() - t0) * 1e3)
+        if i in marks:
+            decided = {f"{tuner}: {shape}": choice for classes in kernel_decisions()["entries"].values()
+                       for tuner, shapes in classes.items() for shape, choice in shapes.items()}
+            start = max([m for m in marks if m < i], default=0)
+            print(f"{label}: calls 1-{i} {sum(ms):.1f} ms; calls {start + 1}-{i} {statistics.median(ms[start:]):.3f} "
+                  f"ms a call (median); decisions: {len(decided)}", flush=True)
+            if decided != shown:
+                print("  " + json.dumps(decided, default=str)[:1500], flush=True)
+                shown = decided
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from recom_rec.kernels import quantized_triton
 
 
 def rule(max_elems, max_b, warps_wide, warps_narrow):
+    """A tile rule that, as the product's did before v60, takes no more bags than the batch has."""
     def block_shape(max_dim, batch_size):
         block_d = max(16, triton.next_power_of_2(int(max_dim)))
         block_b = max(1, min(max_b, max_elems // block_d))
@@ -32,6 +33,7 @@ def rule(max_elems, max_b, warps_wide, warps_narrow):
 
 DEFAULT = quantized_triton.block_shape
 RULES = {  # (v14's first runs also had 8K-16K tiles with 2-8 warps: 0.5-0.9x of these)
+    "product": DEFAULT,
     "4K/64 w2-4": rule(4096, 64, 2, 4),
     "2K/32 w2-2": rule(2048, 32, 2, 2),
     "1K/16 w1-2": rule(1024, 16, 1, 2),

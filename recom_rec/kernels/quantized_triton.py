@@ -206,12 +206,12 @@ def block_shape(max_dim: int, batch_size: int):
     keep more rows in flight than few large ones. Measured on the H100 (tools/quant_tiles.py,
     docs/perf-notes.md v25, and "Quantized inference v2" for 2K-16K tiles with 2-8 warps): as
     fast as or faster than ~1K-element tiles on every inference workload and row type, by 10-18%
-    with INT4 rows. No more bags than the batch has (online batches)."""
+    with INT4 rows. One tile for every batch size, so a server's batches share one compiled kernel:
+    a tile per batch class (BLOCK_B clipped to the batch) compiled again for each, 1.0-1.3 s of a
+    stream's first 100 requests, and batches of 1-16 ran as fast either way (v60). ``batch_size``
+    stays in the signature for the rules tools/quant_tiles.py compares."""
     block_d = max(16, next_power_of_2(int(max_dim)))
-    block_b = max(1, min(8, 512 // block_d))
-    if isinstance(batch_size, int):  # a symbolic batch (export, dynamic shapes) keeps the full tile
-        block_b = min(block_b, next_power_of_2(max(1, batch_size)))
-    return block_b, block_d, 1
+    return max(1, min(8, 512 // block_d)), block_d, 1
 
 
 def _rounding(cuda_arithmetic: bool) -> int:
