@@ -43,6 +43,8 @@ LOOKUP_SOURCES = [
     "forward.cu",
     "plan.cu",
     "zeros.cu",
+    "padded_gradient.cu",
+    "step_counter.cu",
     "expand.cu",
     "backward.cu",
     "backward_none.cu",

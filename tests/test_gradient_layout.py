@@ -3,6 +3,8 @@ in order, to a column that is a multiple of 4, values unchanged."""
 import pytest
 import torch
 
+from ebc_cases import DEVICE
+from recom_rec.kernels import cuda_ext
 from recom_rec.ops.gradient_layout import aligned_gradient, padded_width
 from recom_rec.ops.layout import META_DIM, META_OUT_COL, META_WIDTH
 
@@ -40,6 +42,22 @@ def test_each_feature_moves_to_an_aligned_column_with_its_values(seed):
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= padded.shape[1]
     assert torch.equal(moved[:, [c for c in range(META_WIDTH) if c != META_OUT_COL]],
                        meta[:, [c for c in range(META_WIDTH) if c != META_OUT_COL]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300_001])  # (past 65,535 x 4: the GPU kernel's rows wrap its grid)
+def test_the_copy_keeps_every_value_of_each_dtype_on_the_device(dtype, rows):
+    if DEVICE.type == "cuda":
+        cuda_ext.build_error()  # (loads the extension where it can be: its kernel then copies)
+    dims = [3, 8, 5, 1, 13]
+    meta, width = _meta(dims, [2, 0, 4, 1, 3])
+    meta = meta.to(DEVICE)
+    grad = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)).to(dtype).to(DEVICE)
+    padded, moved = aligned_gradient(grad, meta)
+    assert padded.dtype == dtype and padded.device == grad.device
+    for i, d in enumerate(dims):
+        src, dst = int(meta[i, META_OUT_COL]), int(moved[i, META_OUT_COL])
+        assert torch.equal(padded[:, dst:dst + d], grad[:, src:src + d])
 
 
 def test_an_aligned_gradient_is_passed_through():

@@ -54,3 +54,9 @@ struct BackwardKernels {
   decltype(&singleton_update) singletons;
 };
 extern const BackwardKernels kBackwardNone, kBackwardSgd, kBackwardAdagrad, kBackwardRowwiseAdagrad, kBackwardAdam;
+
+// The backward's padded gradient (padded_gradient.cu): padded[r, column[c]] = grad[r, c].
+void pad_gradient_columns(const at::Tensor& grad, const at::Tensor& column, const at::Tensor& padded);
+
+// The fused optimizer's step counter plus one (step_counter.cu).
+void count_step(const at::Tensor& step);

@@ -24,4 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expand_rows_forward", &expand_rows_forward, "variable batch: pooled bags to output rows (CUDA)");
   m.def("expand_rows_backward", &expand_rows_backward, "variable batch: output rows' gradients to bags (CUDA)");
   m.def("singleton_update", &singleton_update, "backward of the rows of one lookup, in bag order (CUDA)");
+  m.def("pad_gradient_columns", &pad_gradient_columns, "backward: the gradient's columns to their padded columns (CUDA)");
+  m.def("count_step", &count_step, "the fused optimizer's step counter plus one (CUDA)");
 }

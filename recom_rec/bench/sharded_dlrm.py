@@ -34,7 +34,7 @@ PROFILED_STEPS = 5
 # Kernel names of the embedding lookups, forward and backward (ours: Triton's and csrc/lookup's,
 # every one of which a test checks here; fbgemm's TBE: split_embedding_*, linearize_index_*,
 # bounds_check_*) and their index sorts; NCCL's kernels that carry the all-to-alls.
-LOOKUP_KERNELS = re.compile(r"embedding|pooled|piece|plan_kernel|split_row|long_row|singleton|zero_untouched|expand_|moved_features|pad_offsets"
+LOOKUP_KERNELS = re.compile(r"embedding|pooled|piece|plan_kernel|split_row|long_row|singleton|zero_untouched|expand_|moved_features|pad_offsets|pad_columns|count_step"
                             r"|_row_key|linearize|bounds_check|radix|sort|lookup|bag", re.I)
 TOP_KERNELS = 12  # the costliest kernels kept per module (rank 0), to check the split against
 ALL_TO_ALL_KERNELS = re.compile(r"nccl.*(sendrecv|alltoall)", re.I)

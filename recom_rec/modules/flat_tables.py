@@ -22,6 +22,7 @@ from ..ops.backends import check_backend
 from ..ops.input_check import keep_reports, new_report_id
 from ..ops.layout import TableSlot
 from ..ops.plan import FusedStep
+from ..ops.step_counter import count_step
 from ..ops.tracing import fx_tracing
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import spec_from_optimizer
@@ -379,8 +380,7 @@ class FlatTables:
         if spec is None or not torch.is_grad_enabled():
             return None
         if self.training:
-            with torch.no_grad():
-                self._fused_step.add_(1)
+            count_step(self._fused_step)
         return FusedStep(spec.kind, [self._optimizer_states(g) for g in self._groups],
                          any(kind == "row" for _, kind in spec.state_names()), self._fused_hyper, self._fused_step)
 
