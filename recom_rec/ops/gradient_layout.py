@@ -106,6 +106,9 @@ def aligned_gradient(grad_output: torch.Tensor, feature_meta: torch.Tensor) -> T
     return _padded(grad_output, feature_meta.shape[0], index), meta
 
 
+_PADDED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the extension's pad_gradient_columns
+
+
 def _padded(grad_output: torch.Tensor, num_features: int, index: torch.Tensor) -> torch.Tensor:
     """``grad_output`` copied into the padded layout (``index``: each column's padded column), by
     the CUDA extension's kernel where it is loaded: torch's ``index_copy_`` loaded torch's indexing
@@ -118,6 +121,3 @@ def _padded(grad_output: torch.Tensor, num_features: int, index: torch.Tensor) -
     else:
         padded.index_copy_(1, index, grad_output.contiguous())
     return padded
-
-
-_PADDED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the extension's pad_gradient_columns
