@@ -84,9 +84,6 @@ def _jit_build(arch: Tuple[int, int], why: str, verbose: bool = False):
                                   build_directory=str(folder), verbose=verbose)
 
 
-_LOADED: list = []  # the extension, once _load() has it
-
-
 @lru_cache(maxsize=None)
 def _load():
     """(the extension module, where it came from)."""
@@ -94,19 +91,15 @@ def _load():
     with _lock:
         module, why_not = _installed(arch)
         if module is not None:
-            where = f"installed ({module.__file__})"
-        else:
-            module = _jit_build(arch, f"the CUDA lookup kernels have no usable installed build: {why_not}")
-            where = f"compiled on first use ({jit_cache_dir(arch, spec.lookup_sha256(spec.csrc_dir()))})"
-        if not _LOADED:
-            _LOADED.append(module)
-        return module, where
+            return module, f"installed ({module.__file__})"
+        return _jit_build(arch, f"the CUDA lookup kernels have no usable installed build: {why_not}"), \
+            f"compiled on first use ({jit_cache_dir(arch, spec.lookup_sha256(spec.csrc_dir()))})"
 
 
 def loaded():
     """The extension if this process has loaded it already, else None: never builds or loads it
     (for small kernels whose callers run on any backend, with torch's ops where it is not loaded)."""
-    return _LOADED[0] if _LOADED else None
+    return _load()[0] if _load.cache_info().currsize else None
 
 
 def extension():

@@ -114,10 +114,10 @@ def _padded(grad_output: torch.Tensor, num_features: int, index: torch.Tensor) -
     the CUDA extension's kernel where it is loaded: torch's ``index_copy_`` loaded torch's indexing
     kernels at its first launch in a process, ~22 ms of a first training step (perf-notes v60)."""
     batch, width = grad_output.shape
-    padded = grad_output.new_empty(batch, padded_width(width, num_features))
-    ext = cuda_ext.loaded() if grad_output.is_cuda and grad_output.dtype in _PADDED_DTYPES else None
+    grad, padded = grad_output.contiguous(), grad_output.new_empty(batch, padded_width(width, num_features))
+    ext = cuda_ext.loaded() if grad.is_cuda and grad.dtype in _PADDED_DTYPES else None
     if ext is not None:
-        ext.pad_gradient_columns(grad_output.contiguous(), index, padded)
+        ext.pad_gradient_columns(grad, index, padded)
     else:
-        padded.index_copy_(1, index, grad_output.contiguous())
+        padded.index_copy_(1, index, grad)
     return padded
