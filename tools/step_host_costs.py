@@ -46,7 +46,8 @@ def main() -> None:
     from recom_rec.bench.random_layouts import random_unpooled_workloads
     from recom_rec.kernels import cuda_ext, unpooled_triton
     from recom_rec.ops.step_counter import count_step
-    from recom_rec.ops.unpooled_embedding import _gradient_rows, segments_for
+    from recom_rec.ops.plan import group_states
+    from recom_rec.ops.unpooled_embedding import _as_pooled, _fused_update_impl, _gradient_rows, _on_kernels, segments_for
 
     device = torch.device(args.device)
     seed, index = (int(x) for x in args.layout.split(":"))
@@ -95,8 +96,26 @@ def main() -> None:
         table = rows[1].table
         items["Triton launch: the backward's row keys"] = lambda: unpooled_triton.backward_rows(
             values, segments, meta, n, table)
+        num_rows = flat.numel() // w.dim
+        items["_as_pooled (row keys, offsets, metadata)"] = lambda: _as_pooled(
+            values, segments, meta, n, w.dim, num_rows, rows[1], eager=True)
+        with torch.enable_grad():
+            fused = module._fused_step_for_forward()
+        if fused is not None and _on_kernels(module._plan.backend, device):
+            state1, state2 = group_states(fused, 0)
+            backend = module._plan.backend
+            items["the fused backward (_fused_update_impl, all of it)"] = lambda: _fused_update_impl(
+                rows[0], flat, state1, state2, fused.state1_is_row, fused.hyper, fused.step, values, segments,
+                meta, w.dim, fused.kind, backend, grad_rows=rows[1], eager=True)
     if device.type == "cuda" and cuda_ext.build_error() is None:
         items["count_step (the extension)"] = lambda: count_step(step)
+        if rows is not None:
+            from recom_rec.kernels import pooled_cuda
+
+            keys, ones, whole, first, _ = _as_pooled(values, segments, meta, n, w.dim, flat.numel() // w.dim,
+                                                     rows[1], eager=True)
+            items["pooled_cuda._cuda_plan (the extension's plan_backward)"] = lambda: pooled_cuda._cuda_plan(
+                keys, ones, None, whole, first, n, flat.numel() // w.dim, w.dim, n)
     print(f"{w.label()}: {w.describe()}; {n:,} ids; host us a call (median of {args.rounds} rounds of "
           f"{args.calls} calls, the device kept busy)")
     for name, fn in steps.items():
