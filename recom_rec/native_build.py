@@ -45,6 +45,7 @@ LOOKUP_SOURCES = [
     "zeros.cu",
     "padded_gradient.cu",
     "step_counter.cu",
+    "unpooled.cu",
     "expand.cu",
     "backward.cu",
     "backward_none.cu",

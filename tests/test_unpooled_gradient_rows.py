@@ -1,6 +1,6 @@
 """The EmbeddingCollection's eager backward reads each output row's gradient where autograd left it
 (ops/unpooled_embedding._gradient_rows): the row-key kernel writes where each row's gradient
-starts (unpooled_triton.backward_rows) from each feature's start and stride, the same rows as torch
+starts (unpooled_triton.backward_rows, and the CUDA extension's on a GPU) from each feature's start and stride, the same rows as torch
 ops over them (_torch_rows), and they hold each feature's gradient (a zero row for a feature
 without one). Also the cached arange that gives the backward's one-id bags their offsets."""
 import random
@@ -78,8 +78,18 @@ def _read(base, rows, held, dim):
     return torch.stack(out)
 
 
+def _backward_rows(impl, values, segments, meta, total, table):
+    """(row keys, gradient rows) by Triton's kernel or the CUDA extension's (csrc/lookup/unpooled.cu)."""
+    if impl == "triton":
+        return unpooled_triton.backward_rows(values, segments, meta, total, table)
+    from recom_rec.kernels import cuda_ext
+
+    return tuple(cuda_ext.extension().unpooled_row_keys(values, segments, meta, total, table, None, None, None))
+
+
+@pytest.mark.parametrize("impl", ["triton"] + (["cuda"] if DEVICE.type == "cuda" else []))
 @pytest.mark.parametrize("seed", range(10))
-def test_kernel_rows_equal_the_torch_rows(seed):
+def test_kernel_rows_equal_the_torch_rows(impl, seed):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     dim = rng.choice([1, 3, 4, 6, 8, 16, 33])
@@ -96,7 +106,7 @@ def test_kernel_rows_equal_the_torch_rows(seed):
 
         base, found, held = _gradient_rows(grads, counts, dim, DEVICE)
         assert found.num_outputs == total
-        keys, rows = unpooled_triton.backward_rows(values, segments, meta, total, found.table)
+        keys, rows = _backward_rows(impl, values, segments, meta, total, found.table)
         # torch ops over the same starts and strides, features found by their sizes
         sizes = torch.tensor([counts], dtype=torch.int64, device=DEVICE)
         assert torch.equal(rows, _torch_rows(torch.cat([found.table, sizes]), total))
@@ -106,7 +116,7 @@ def test_kernel_rows_equal_the_torch_rows(seed):
         # any starts and strides, 64-bit
         table = torch.stack([torch.randint(-(1 << 40), 1 << 40, (num_features,)),
                              torch.randint(0, 2, (num_features,)) * dim]).to(DEVICE)
-        _, rows = unpooled_triton.backward_rows(values, segments, meta, total, table)
+        _, rows = _backward_rows(impl, values, segments, meta, total, table)
         assert torch.equal(rows, _torch_rows(torch.cat([table, sizes]), total))
 
 

@@ -59,7 +59,10 @@ def _targets():
          (pooled_cuda, "_cuda_pieces", "          _cuda_pieces")]
     if cuda_ext.build_error() is None:
         ext = cuda_ext.extension()
-        t += [(ext, "plan_backward", "            ext.plan_backward"),
+        t += [(ext, "unpooled_forward", "        ext.unpooled_forward"),
+              (ext, "unpooled_row_keys", "      ext.unpooled_row_keys"),
+              (ext, "host_table", "  ext.host_table (segments, gradient rows)"),
+              (ext, "plan_backward", "            ext.plan_backward"),
               (ext, "piece_update", "            ext.piece_update"),
               (ext, "singleton_update", "            ext.singleton_update")]
     return t

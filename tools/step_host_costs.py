@@ -98,7 +98,7 @@ def main() -> None:
             values, segments, meta, n, table)
         num_rows = flat.numel() // w.dim
         items["_as_pooled (row keys, offsets, metadata)"] = lambda: _as_pooled(
-            values, segments, meta, n, w.dim, num_rows, rows[1], eager=True)
+            values, segments, meta, n, w.dim, num_rows, module._plan.backend, rows[1], eager=True)
         with torch.enable_grad():
             fused = module._fused_step_for_forward()
         if fused is not None and _on_kernels(module._plan.backend, device):
@@ -113,7 +113,7 @@ def main() -> None:
             from recom_rec.kernels import pooled_cuda
 
             keys, ones, whole, first, _ = _as_pooled(values, segments, meta, n, w.dim, flat.numel() // w.dim,
-                                                     rows[1], eager=True)
+                                                     module._plan.backend, rows[1], eager=True)
             items["pooled_cuda._cuda_plan (the extension's plan_backward)"] = lambda: pooled_cuda._cuda_plan(
                 keys, ones, None, whole, first, n, flat.numel() // w.dim, w.dim, n)
     print(f"{w.label()}: {w.describe()}; {n:,} ids; host us a call (median of {args.rounds} rounds of "

@@ -60,3 +60,21 @@ void pad_gradient_columns(const at::Tensor& grad, const at::Tensor& column, cons
 
 // The fused optimizer's step counter plus one (step_counter.cu).
 void count_step(const at::Tensor& step);
+
+// The unpooled lookup (unpooled.cu; recom_rec/kernels/unpooled_triton.py has the same in Triton):
+// `segments` int64 [4, F + 1] as ops/unpooled_embedding.py builds it. The forward's fp32 rows, one
+// per id; the row keys, with `grad_table` (int64 [2, F]) also each row's gradient row. With
+// `claim` and `report` (the input check's, as pooled_forward's) and the KJT's `offsets`, a bad id
+// is reported with its feature and batch index.
+at::Tensor unpooled_forward(const at::Tensor& flat, const at::Tensor& values, const at::Tensor& segments,
+                            const at::Tensor& meta, int64_t num_outputs, int64_t dim,
+                            const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& claim,
+                            const c10::optional<at::Tensor>& report);
+std::vector<at::Tensor> unpooled_row_keys(const at::Tensor& values, const at::Tensor& segments,
+                                          const at::Tensor& meta, int64_t num_outputs,
+                                          const c10::optional<at::Tensor>& grad_table,
+                                          const c10::optional<at::Tensor>& offsets,
+                                          const c10::optional<at::Tensor>& claim,
+                                          const c10::optional<at::Tensor>& report);
+// int64 [R, C] on `device` from host lists, through pinned memory without blocking.
+at::Tensor host_table(const std::vector<std::vector<int64_t>>& rows, const at::Device& device);

@@ -26,4 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("singleton_update", &singleton_update, "backward of the rows of one lookup, in bag order (CUDA)");
   m.def("pad_gradient_columns", &pad_gradient_columns, "backward: the gradient's columns to their padded columns (CUDA)");
   m.def("count_step", &count_step, "the fused optimizer's step counter plus one (CUDA)");
+  m.def("unpooled_forward", &unpooled_forward, "unpooled lookup: one fp32 row per id (CUDA)");
+  m.def("unpooled_row_keys", &unpooled_row_keys, "unpooled lookup: row keys, and gradient rows (CUDA)");
+  m.def("host_table", &host_table, "int64 host lists to a device tensor through pinned memory");
 }

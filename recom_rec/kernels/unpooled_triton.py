@@ -1,5 +1,6 @@
 """Triton kernels of the unpooled lookup (``recom_rec.EmbeddingCollection``): one embedding row per
-id, every feature of every table of a group in one launch.
+id, every feature of every table of a group in one launch. csrc/lookup/unpooled.cu holds the same
+two for the CUDA extension, which runs them where it is loaded (ops/unpooled_embedding._extension).
 
 The output is one ``[M, dim]`` fp32 block (all tables of an EmbeddingCollection share one dim):
 feature f's ids fill rows ``[out_start[f], out_start[f + 1])`` in their order in the KJT's values,

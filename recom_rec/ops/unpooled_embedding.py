@@ -1,7 +1,8 @@
 """The fused unpooled lookup (``recom_rec.EmbeddingCollection``) as torch custom ops.
 
 ``recom_rec::unpooled_embedding_forward`` gathers one row per id for every feature of a group of
-tables from one flat weight buffer in a single kernel: a ``[M, dim]`` fp32 block whose rows
+tables from one flat weight buffer in a single kernel (the CUDA extension's, csrc/lookup/unpooled.cu,
+where it runs, else Triton's: _extension): a ``[M, dim]`` fp32 block whose rows
 ``[out_start[f], out_start[f + 1])`` are feature f's ids in their KJT order. Its autograd formula
 calls ``unpooled_embedding_backward`` (dense gradient of the flat buffer) or, with a fused
 optimizer, ``fused_unpooled_update`` (rows and optimizer state updated in place); on the kernel
@@ -18,6 +19,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..kernels import cuda_ext
 from . import pooled_embedding, unpooled_torch
 from .backends import resolve_backend
 from .input_check import kernel_report
@@ -43,9 +45,37 @@ def load_kernels(backend: str) -> None:
 
 
 def _on_kernels(backend: str, device: torch.device) -> bool:
-    """Whether the Triton kernels run (the CUDA C++ backend has no unpooled kernel: "cuda" runs
-    them too); else the torch path."""
+    """Whether the kernels run (the CUDA extension's or Triton's, _extension); else the torch path."""
     return resolve_backend(backend, device) != "torch"
+
+
+_EXTENSION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _extension(backend: str, device: torch.device):
+    """The CUDA extension where it runs the unpooled kernels (csrc/lookup/unpooled.cu): backend
+    "cuda", or "auto" where it builds; else None, and the Triton kernels run (backend "triton", or
+    no extension here). Both give the same bits; an extension
+    call costs the host a few microseconds against a Triton launch's 25-45 (perf-notes v61)."""
+    if device.type != "cuda" or backend not in ("auto", "cuda"):
+        return None
+    if backend == "cuda":
+        return cuda_ext.extension()
+    ext = cuda_ext.loaded()
+    if ext is None and pooled_embedding._cuda_builds():  # (a module built before CUDA started)
+        ext = cuda_ext.extension()
+    return ext
+
+
+@torch.jit.unused
+def _device_table(rows: List[List[int]], device: torch.device) -> Tensor:
+    """int64 ``rows`` on ``device``, copied from pinned memory without blocking (a copy from pageable
+    memory waits for the stream's earlier work first, CUDA's rule): by the extension where loaded
+    (a fraction of torch.tensor's host time on a nested list), else by torch."""
+    ext = cuda_ext.loaded() if device.type == "cuda" else None
+    if ext is not None:
+        return ext.host_table(rows, device)
+    return torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 @torch.jit.unused
@@ -91,8 +121,7 @@ def segments_for(key_index: List[int], length_per_key: List[int], offset_per_key
         return torch.tensor(rows, dtype=torch.int64).to(device)
     if torch.compiler.is_compiling():
         return torch.tensor(rows, dtype=torch.int64, device=device)
-    # Eagerly from pinned memory: a copy from pageable memory waits for the stream's earlier work.
-    return torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    return _device_table(rows, device)
 
 
 def _forward_impl(flat, values, offsets, segments, feature_meta, num_outputs, dim, backend, validate, names,
@@ -104,6 +133,11 @@ def _forward_impl(flat, values, offsets, segments, feature_meta, num_outputs, di
         return unpooled_torch.forward(flat, values, segments, feature_meta, num_outputs, dim)
     # The kernel checks each id as it reads it and reports without a sync (input_check).
     check = kernel_report(flat, names, report_id) if validate else None
+    ext = _extension(backend, flat.device)
+    if ext is not None and flat.dtype in _EXTENSION_DTYPES:
+        return ext.unpooled_forward(flat.contiguous(), values.contiguous(), segments, feature_meta, num_outputs, dim,
+                                    offsets.contiguous() if check is not None else None,
+                                    None if check is None else check.claim, None if check is None else check.words)
     return _triton().forward(flat, values, segments, feature_meta, offsets, num_outputs, dim, check=check)
 
 
@@ -150,7 +184,7 @@ class GradientRows(NamedTuple):
     table: Tensor
 
 
-def _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
+def _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows, backend: str,
                grad_rows: Optional[GradientRows] = None, eager: bool = False):
     """The unpooled backward as the pooled lookup's: each output row a bag of one id, its row key,
     looked up in one virtual table that is the group's whole buffer (all its tables share ``dim``,
@@ -158,11 +192,16 @@ def _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
     pooled backward's kernels (CUDA where built, with their measured paths, else Triton) then
     sum duplicate rows and apply the optimizer. Returns (values, offsets, meta, key_index, the rows
     of ``grad_rows`` or None). ``eager``: called from _EagerLookup, not from a registered op."""
-    if grad_rows is not None:
+    device = values.device
+    ext = _extension(backend, device)
+    if ext is not None:
+        keys, *more = ext.unpooled_row_keys(values.contiguous(), segments, feature_meta, num_outputs,
+                                            None if grad_rows is None else grad_rows.table, None, None, None)
+        rows = more[0] if more else None
+    elif grad_rows is not None:
         keys, rows = _triton().backward_rows(values, segments, feature_meta, num_outputs, grad_rows.table)
     else:
         keys, rows = _triton().row_keys(values, segments, feature_meta, num_outputs), None
-    device = values.device
     offsets = (_arange_prefix(num_outputs + 1, device, torch.int64) if eager
                else torch.arange(num_outputs + 1, dtype=torch.int64, device=device))
     return keys, offsets, _whole_buffer_meta(device, dim, num_rows), _first_key(device), rows
@@ -220,7 +259,7 @@ def _backward_impl(grad_output, values, segments, feature_meta, total_numel, dim
         return unpooled_torch.backward(grad_output, values, segments, feature_meta, total_numel, dim, dtype)
     num_rows = total_numel // dim
     keys, offsets, meta, key_index, rows = _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
-                                                      grad_rows, eager)
+                                                      backend, grad_rows, eager)
     return pooled_embedding._backward_impl(grad_output, keys, offsets, None, meta, key_index, num_outputs, total_numel,
                                            dim, dtype, backend, num_outputs, num_rows, grad_rows=rows)
 
@@ -248,7 +287,7 @@ def _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, 
         return
     num_rows = flat.numel() // dim
     keys, offsets, meta, key_index, rows = _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
-                                                      grad_rows, eager)
+                                                      backend, grad_rows, eager)
     pooled_embedding._fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, step, keys, offsets,
                                         None, meta, key_index, num_outputs, dim, optimizer, backend, num_outputs,
                                         num_rows, grad_rows=rows)
@@ -383,10 +422,8 @@ def _gradient_rows(grads, sizes: List[int], dim: int,
         starts.append((t.data_ptr() - base.data_ptr()) // 4 - first * stride)
         strides.append(stride)
         first += n
-    # From pinned memory: a copy from pageable memory waits for the stream's earlier work first
-    # (CUDA's rule), which stalled the host behind the forward (v49: +0.9 ms a step at batch 128).
-    table = torch.tensor([starts, strides], dtype=torch.int64, pin_memory=device.type == "cuda")
-    return base, GradientRows(total, table.to(device, non_blocking=True)), held
+    # (from pinned memory: from pageable memory the host stalled behind the forward, v49)
+    return base, GradientRows(total, _device_table([starts, strides], device)), held
 
 
 class UnpooledBatch(NamedTuple):
@@ -434,6 +471,12 @@ def _row_keys_impl(values, offsets, segments, key_meta, num_outputs, backend, va
             unpooled_torch.validate_ids(values, offsets, segments, key_meta, num_outputs, names)
         return unpooled_torch.row_keys(values, segments, key_meta, num_outputs)
     check = kernel_report(key_meta, names, report_id) if validate else None
+    ext = _extension(backend, values.device)
+    if ext is not None:
+        return ext.unpooled_row_keys(values.contiguous(), segments, key_meta, num_outputs, None,
+                                     offsets.contiguous() if check is not None else None,
+                                     None if check is None else check.claim,
+                                     None if check is None else check.words)[0]
     return _triton().row_keys(values, segments, key_meta, num_outputs, offsets, check)
 
 
