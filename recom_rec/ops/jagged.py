@@ -43,25 +43,26 @@ def expand_lookups(
     device = values.device
     offsets = offsets.to(torch.int64)
     key_index = key_index.to(torch.int64)
-    lo = offsets[key_index * batch_size]
-    hi = offsets[(key_index + 1) * batch_size]
+    # (gathers by index_select: on the CPU about twice as fast as indexing with a tensor, v61)
+    lo = offsets.index_select(0, key_index * batch_size)
+    hi = offsets.index_select(0, (key_index + 1) * batch_size)
     counts = hi - lo
     num_features = feature_meta.shape[0]
     feature = torch.repeat_interleave(torch.arange(num_features, device=device), counts,
                                       output_size=num_lookups if num_lookups >= 0 else None)
     n = feature.numel()
-    within = torch.arange(n, device=device) - _exclusive_cumsum(counts)[feature]
-    position = lo[feature] + within
+    within = torch.arange(n, device=device) - _exclusive_cumsum(counts).index_select(0, feature)
+    position = lo.index_select(0, feature) + within
     # Each value's bag, one pass over the values (a binary search of the offsets per lookup cost
     # 3 ms of a 26 ms CPU forward with 520 columns); sizes that do not add up raise here.
     bag_lengths = offsets[1:] - offsets[:-1]
     value_bag = torch.repeat_interleave(torch.arange(bag_lengths.numel(), device=device), bag_lengths,
                                         output_size=values.numel())
-    global_bag = value_bag[position]
-    bag = global_bag - key_index[feature] * batch_size
-    ids = values[position].to(torch.int64)
-    lengths = bag_lengths[global_bag].to(torch.float32)
-    is_mean = feature_meta[feature, META_POOLING] == POOLING_MEAN
+    global_bag = value_bag.index_select(0, position)
+    bag = global_bag - key_index.index_select(0, feature) * batch_size
+    ids = values.index_select(0, position).to(torch.int64)
+    lengths = bag_lengths.index_select(0, global_bag).to(torch.float32)
+    is_mean = feature_meta[:, META_POOLING].index_select(0, feature) == POOLING_MEAN
     pool_scale = torch.where(is_mean, 1.0 / lengths.clamp_min(1.0), torch.ones_like(lengths))
     return Lookups(feature, position, bag, ids, pool_scale)
 
