@@ -61,7 +61,6 @@ def _targets():
         ext = cuda_ext.extension()
         t += [(ext, "unpooled_forward", "        ext.unpooled_forward"),
               (ext, "unpooled_row_keys", "      ext.unpooled_row_keys"),
-              (ext, "host_table", "  ext.host_table (segments, gradient rows)"),
               (ext, "plan_backward", "            ext.plan_backward"),
               (ext, "piece_update", "            ext.piece_update"),
               (ext, "singleton_update", "            ext.singleton_update")]

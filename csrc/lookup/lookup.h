@@ -76,5 +76,3 @@ std::vector<at::Tensor> unpooled_row_keys(const at::Tensor& values, const at::Te
                                           const c10::optional<at::Tensor>& offsets,
                                           const c10::optional<at::Tensor>& claim,
                                           const c10::optional<at::Tensor>& report);
-// int64 [R, C] on `device` from host lists, through pinned memory without blocking.
-at::Tensor host_table(const std::vector<std::vector<int64_t>>& rows, const at::Device& device);

@@ -230,15 +230,3 @@ std::vector<at::Tensor> unpooled_row_keys(const at::Tensor& values, const at::Te
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return result;
 }
-
-at::Tensor host_table(const std::vector<std::vector<int64_t>>& rows, const at::Device& device) {
-  // int64 [R, C] on the device, from pinned memory without blocking (CUDA's rule: a copy from
-  // pageable memory waits for the stream's earlier work), as torch.tensor(rows, pin_memory=True)
-  // .to(device, non_blocking=True) did at several times the host cost.
-  const int64_t R = (int64_t)rows.size(), C = R > 0 ? (int64_t)rows[0].size() : 0;
-  for (const auto& row : rows) TORCH_CHECK((int64_t)row.size() == C, "recom_rec: a table's rows differ in length");
-  auto host = at::empty({R, C}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* h = host.data_ptr<int64_t>();
-  for (int64_t i = 0; i < R; ++i) std::copy(rows[i].begin(), rows[i].end(), h + i * C);
-  return host.to(device, /*non_blocking=*/true);
-}

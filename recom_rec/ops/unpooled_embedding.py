@@ -55,8 +55,8 @@ _EXTENSION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _extension(backend: str, device: torch.device):
     """The CUDA extension where it runs the unpooled kernels (csrc/lookup/unpooled.cu): backend
     "cuda", or "auto" where it builds; else None, and the Triton kernels run (backend "triton", or
-    no extension here). Both give the same bits; an extension
-    call costs the host a few microseconds against a Triton launch's 25-45 (perf-notes v61)."""
+    no extension here). Both give the same bits; an extension call cost a sequence step's host
+    23-36 us against a Triton launch's 99-117 (perf-notes v61)."""
     if device.type != "cuda" or backend not in ("auto", "cuda"):
         return None
     if backend == "cuda":
@@ -69,12 +69,9 @@ def _extension(backend: str, device: torch.device):
 
 @torch.jit.unused
 def _device_table(rows: List[List[int]], device: torch.device) -> Tensor:
-    """int64 ``rows`` on ``device``, copied from pinned memory without blocking (a copy from pageable
-    memory waits for the stream's earlier work first, CUDA's rule): by the extension where loaded
-    (a fraction of torch.tensor's host time on a nested list), else by torch."""
-    ext = cuda_ext.loaded() if device.type == "cuda" else None
-    if ext is not None:
-        return ext.host_table(rows, device)
+    """int64 ``rows`` on ``device``, copied from pinned memory without blocking: a copy from pageable
+    memory waits for the stream's earlier work first (CUDA's rule), which stalled the host behind
+    the forward (v49: +0.9 ms a step at batch 128)."""
     return torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
@@ -422,7 +419,6 @@ def _gradient_rows(grads, sizes: List[int], dim: int,
         starts.append((t.data_ptr() - base.data_ptr()) // 4 - first * stride)
         strides.append(stride)
         first += n
-    # (from pinned memory: from pageable memory the host stalled behind the forward, v49)
     return base, GradientRows(total, _device_table([starts, strides], device)), held
 
 
