@@ -75,20 +75,11 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
 
-    from recom_rec.bench import sequence
-    from recom_rec.bench.random_layouts import random_unpooled_workloads
     from recom_rec.ops import unpooled_embedding
+    from step_host_costs import layout_peers
 
     device = torch.device(args.device)
-    seed, index = (int(x) for x in args.layout.split(":"))
-    w = random_unpooled_workloads(seed, 8, device.type == "cpu")[0][index]
-    kjt = w.make_input(device)
-    peers = {"recom_rec": sequence._Ours(w, device, train=True)}
-    if device.type == "cuda":
-        from recom_rec.bench.peers import fbgemm_available
-
-        if fbgemm_available(device):
-            peers["fbgemm"] = sequence._Fbgemm(w, device, True, kjt.keys())
+    w, kjt, peers = layout_peers(args.layout, device)
 
     def steps_us(peer, n: int) -> float:
         for _ in range(20):

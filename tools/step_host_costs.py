@@ -32,6 +32,24 @@ def host_us(fn, device: torch.device, calls: int, rounds: int, hold: bool = True
     return statistics.median(samples)
 
 
+def layout_peers(layout: str, device: torch.device):
+    """(workload, kjt, {name: peer}) of the sequence layout ``layout`` ("SEED:INDEX": random-seq-INDEX
+    of `bench --workloads random --seed SEED`): ours with fused SGD, and fbgemm's TBE where it runs."""
+    from recom_rec.bench import sequence
+    from recom_rec.bench.random_layouts import random_unpooled_workloads
+
+    seed, index = (int(x) for x in layout.split(":"))
+    w = random_unpooled_workloads(seed, 8, device.type == "cpu")[0][index]
+    kjt = w.make_input(device)
+    peers = {"recom_rec": sequence._Ours(w, device, train=True)}
+    if device.type == "cuda":
+        from recom_rec.bench.peers import fbgemm_available
+
+        if fbgemm_available(device):
+            peers["fbgemm"] = sequence._Fbgemm(w, device, True, kjt.keys())
+    return w, kjt, peers
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layout", default="1517231538:1", metavar="SEED:INDEX",
@@ -42,25 +60,14 @@ def main() -> None:
     args = p.parse_args()
 
     import recom_rec
-    from recom_rec.bench import sequence
-    from recom_rec.bench.random_layouts import random_unpooled_workloads
     from recom_rec.kernels import cuda_ext, unpooled_triton
     from recom_rec.ops.step_counter import count_step
     from recom_rec.ops.plan import group_states
     from recom_rec.ops.unpooled_embedding import _as_pooled, _fused_update_impl, _gradient_rows, _on_kernels, segments_for
 
     device = torch.device(args.device)
-    seed, index = (int(x) for x in args.layout.split(":"))
-    w = random_unpooled_workloads(seed, 8, device.type == "cpu")[0][index]
-    kjt = w.make_input(device)
-    ours = sequence._Ours(w, device, train=True)
-    module: recom_rec.EmbeddingCollection = ours.module
-    peers = {"recom_rec": ours}
-    if device.type == "cuda":
-        from recom_rec.bench.peers import fbgemm_available
-
-        if fbgemm_available(device):
-            peers["fbgemm"] = sequence._Fbgemm(w, device, True, kjt.keys())
+    w, kjt, peers = layout_peers(args.layout, device)
+    module: recom_rec.EmbeddingCollection = peers["recom_rec"].module
     for peer in peers.values():
         peer.train_step(kjt)  # (first calls: loads, compiles, the upstream gradient made)
 

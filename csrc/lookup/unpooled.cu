@@ -8,8 +8,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <algorithm>
-
 #include "input_check.cuh"
 #include "lookup.h"
 

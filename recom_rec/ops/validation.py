@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .layout import META_NUM_EMBEDDINGS
-from .segments import segment_ids
+from .segments import segment_of_each_position
 
 
 # Names travel to the op as one string (a custom-op argument) joined with ASCII unit/record
@@ -113,13 +113,9 @@ def validate_inputs(
     if values.numel() == 0 or feature_meta.shape[0] == 0:
         return
     # Per value: the smallest table size among the features that read its key.
-    key_values = offsets[batch_size::batch_size] - offsets[:-1:batch_size]
-    if not batch_size:
-        key_of_value = torch.zeros(0, dtype=torch.int64, device=values.device)
-    elif values.device.type == "cpu":  # (one pass; a binary search a value cost ~1 ms of a 520-key batch)
-        key_of_value = torch.repeat_interleave(torch.arange(num_keys), key_values, output_size=values.numel())
-    else:  # (segments.py: CUDA's repeat_interleave serialises long segments)
-        key_of_value = segment_ids(key_values, torch.arange(values.numel(), device=values.device))
+    key_of_value = segment_of_each_position(offsets[batch_size::batch_size] - offsets[:-1:batch_size],
+                                            values.numel()) \
+        if batch_size else torch.zeros(0, dtype=torch.int64, device=values.device)
     limit = torch.full((num_keys,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=values.device)
     limit.scatter_reduce_(0, key_index.to(torch.int64), feature_meta[:, META_NUM_EMBEDDINGS], "amin")
     ids = values.to(torch.int64)
