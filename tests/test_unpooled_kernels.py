@@ -19,7 +19,9 @@ from recom_rec.ops.unpooled_embedding import segments_for
 pytestmark = pytest.mark.skipif(DEVICE.type != "cuda" and not triton_interpreting(),
                                 reason="the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
 
-IMPLS = ["triton"] + (["cuda"] if DEVICE.type == "cuda" else [])
+# "cuda-host": the extension's kernels given the batch's tables in host memory, as the eager
+# EmbeddingCollection passes them (in the launch's parameters, or copied over when too many)
+IMPLS = ["triton"] + (["cuda", "cuda-host"] if DEVICE.type == "cuda" else [])
 
 
 def _extension():
@@ -31,6 +33,7 @@ def _extension():
 def forward(impl, flat, values, segments, meta, offsets, total, dim, check=None):
     if impl == "triton":
         return unpooled_triton.forward(flat, values, segments, meta, offsets, total, dim, check=check)
+    segments = segments.cpu() if impl == "cuda-host" else segments
     return _extension().unpooled_forward(flat, values, segments, meta, total, dim,
                                          offsets if check is not None else None,
                                          None if check is None else check.claim,
@@ -40,16 +43,17 @@ def forward(impl, flat, values, segments, meta, offsets, total, dim, check=None)
 def row_keys(impl, values, segments, meta, total, offsets=None, check=None):
     if impl == "triton":
         return unpooled_triton.row_keys(values, segments, meta, total, offsets, check)
+    segments = segments.cpu() if impl == "cuda-host" else segments
     return _extension().unpooled_row_keys(values, segments, meta, total, None,
                                           offsets if check is not None else None,
                                           None if check is None else check.claim,
                                           None if check is None else check.words)[0]
 
 
-def _group(rng, dim, dtype, id_dtype, batch, shifted):
+def _group(rng, dim, dtype, id_dtype, batch, shifted, num_features=None):
     """A group of features over tables of ``dim``: their flat buffer (``shifted``: its rows one
     element off a 16-byte boundary), KJT values and offsets, segments and metadata."""
-    num_features = rng.randint(1, 6)
+    num_features = num_features or rng.randint(1, 6)
     rows = [rng.randint(1, 50) for _ in range(num_features)]
     lengths = [[0 if rng.random() < 0.2 else rng.randint(1, 5) for _ in range(batch)] for _ in range(num_features)]
     if rng.random() < 0.3:
@@ -79,8 +83,10 @@ def test_forward_and_row_keys_equal_the_reference(impl, seed):
     for dim in rng.sample([1, 3, 4, 6, 8, 12, 33, 76, 128, 260], 3):
         dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
         id_dtype = rng.choice([torch.int32, torch.int64])
+        # seed 0: more features than a launch's parameters hold (the tables read from the device)
         flat, values, offsets, segments, meta, counts, _ = _group(rng, dim, dtype, id_dtype, rng.randint(1, 9),
-                                                                  shifted=rng.random() < 0.4)
+                                                                  shifted=rng.random() < 0.4,
+                                                                  num_features=120 if seed == 0 else None)
         total = sum(counts)
         got = forward(impl, flat, values, segments, meta, offsets, total, dim)
         want = unpooled_torch.forward(flat, values, segments, meta, total, dim)

@@ -36,9 +36,16 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
   auto order = at::empty({n}, dev.dtype(at::kInt));
   auto pieces = at::empty({n}, dev.dtype(at::kLong));
   auto split_rows = at::empty({n / (PIECE + 1) + 1}, dev.dtype(at::kLong));
-  auto counts = at::zeros({3}, dev.dtype(at::kInt));  // pieces, split rows, long rows (piece_update's)
-  auto multi = multi_words > 0 ? at::zeros({multi_words}, dev.dtype(at::kInt)) : at::empty({0}, dev.dtype(at::kInt));
-  auto touched = at::zeros({touched_words > 0 ? touched_words : 0}, dev.dtype(at::kInt));
+  // The three counts (pieces, split rows, long rows: piece_update's) and the two bitmaps, zeroed by
+  // one memset: at::zeros launched a fill kernel each through a TensorIterator, several microseconds
+  // of host time apiece in a host-bound step (perf-notes v61).
+  const int64_t multi_n = multi_words > 0 ? multi_words : 0, touched_n = touched_words > 0 ? touched_words : 0;
+  auto zeroed = at::empty({3 + multi_n + touched_n}, dev.dtype(at::kInt));
+  C10_CUDA_CHECK(cudaMemsetAsync(zeroed.data_ptr(), 0, zeroed.numel() * sizeof(int32_t),
+                                 at::cuda::getCurrentCUDAStream()));
+  auto counts = zeroed.narrow(0, 0, 3);
+  auto multi = zeroed.narrow(0, 3, multi_n);
+  auto touched = zeroed.narrow(0, 3 + multi_n, touched_n);
   std::vector<at::Tensor> result{sorted_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi,
                                  touched};
   if (n == 0 || F == 0 || batch_size == 0) return result;

@@ -17,6 +17,33 @@ constexpr int UNPOOLED_META_W = 7;  // ops/layout.py's META_WIDTH (kernels.cuh's
 constexpr int META_ROWS = 4, META_ROW_BASE = 5;
 constexpr int UNPOOLED_THREADS = 256;
 
+// The per-batch tables (segments; the eager backward's gradient rows, int64 [2, F]) travel in the
+// launch's parameters when the host holds them and they fit, and each block stages them in shared
+// memory: no pinned buffer and host-to-device copy a table, which cost 70-84 us each of a sequence
+// model's host-bound step (perf-notes v61). Larger or device-resident tables are read in place.
+constexpr int HOST_WORDS = 368;  // 2,944 bytes: with the other arguments under the 4 KB of parameters
+struct HostWords {
+  int64_t w[HOST_WORDS];
+};
+struct TableSource {
+  int num_words;          // words of `host` staged (0: none)
+  int seg_at, grad_at;    // each table's first word in `host`, or -1: read at the pointer below
+  const int64_t* segments;
+  const int64_t* grad;
+};
+
+// The tables in shared memory (those passed in the parameters) or where they lie; called by every
+// thread of the block before any returns.
+__device__ __forceinline__ void stage_tables(const HostWords& host, const TableSource& src, int64_t* staged,
+                                             const int64_t*& segments, const int64_t*& grad) {
+  if (src.num_words > 0) {
+    for (int i = threadIdx.x; i < src.num_words; i += blockDim.x) staged[i] = host.w[i];
+    __syncthreads();
+  }
+  segments = src.seg_at >= 0 ? staged + src.seg_at : src.segments;
+  grad = src.grad_at >= 0 ? staged + src.grad_at : src.grad;
+}
+
 // Where one output row reads (segments: int64 [4, F + 1], ops/unpooled_embedding.py): its feature
 // (the last f whose first output row is at or before r), its position in the KJT's values, its id
 // and table's rows, and its row key (row 0 of the table for a bad id).
@@ -26,17 +53,17 @@ struct RowLookup {
 };
 
 template <typename V>
-__device__ __forceinline__ RowLookup row_lookup(const V* __restrict__ values, const int64_t* __restrict__ segments,
+__device__ __forceinline__ RowLookup row_lookup(const V* __restrict__ values, const int64_t* segments,
                                                 int64_t seg_stride, const int64_t* __restrict__ meta,
                                                 int64_t num_features, int64_t r) {
   int64_t lo = 0, hi = num_features - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) >> 1;
-    if (__ldg(segments + mid) <= r) lo = mid; else hi = mid - 1;
+    if (segments[mid] <= r) lo = mid; else hi = mid - 1;
   }
   RowLookup l;
   l.feature = lo;
-  l.pos = __ldg(segments + seg_stride + lo) + r - __ldg(segments + lo);
+  l.pos = segments[seg_stride + lo] + r - segments[lo];
   l.id = (int64_t)__ldg(values + l.pos);
   l.rows = __ldg(meta + lo * UNPOOLED_META_W + META_ROWS);
   l.bad = (uint64_t)l.id >= (uint64_t)l.rows;
@@ -46,7 +73,7 @@ __device__ __forceinline__ RowLookup row_lookup(const V* __restrict__ values, co
 
 // The input check's report of a bad id: its feature, the batch index of the bag holding it (a
 // binary search of its key's offsets; only a lookup that met a bad id pays it), the id, the rows.
-__device__ void report_bad_id(const InputCheck& chk, const int64_t* __restrict__ segments, int64_t seg_stride,
+__device__ void report_bad_id(const InputCheck& chk, const int64_t* segments, int64_t seg_stride,
                               const void* offsets, bool offsets64, const RowLookup& l) {
   const int64_t first_bag = segments[2 * seg_stride + l.feature];
   int64_t lo = first_bag, hi = first_bag + segments[3 * seg_stride + l.feature] - 1;
@@ -78,9 +105,14 @@ struct Chunk<T, 4> {  // 16-bit rows: 8 bytes
 // chunks VEC elements each (4 where every row starts aligned to them, else 1).
 template <typename T, typename V, int VEC>
 __global__ void __launch_bounds__(UNPOOLED_THREADS) unpooled_forward_kernel(
-    const T* __restrict__ flat, const V* __restrict__ values, const int64_t* __restrict__ segments,
-    int64_t seg_stride, const int64_t* __restrict__ meta, int64_t num_features, float* __restrict__ out,
-    int64_t num_outputs, int64_t dim, int lanes_log2, InputCheck chk, const void* offsets, bool offsets64) {
+    const T* __restrict__ flat, const V* __restrict__ values, const __grid_constant__ HostWords host,
+    TableSource tables, int64_t seg_stride, const int64_t* __restrict__ meta, int64_t num_features,
+    float* __restrict__ out, int64_t num_outputs, int64_t dim, int lanes_log2, InputCheck chk, const void* offsets,
+    bool offsets64) {
+  __shared__ int64_t staged[HOST_WORDS];
+  const int64_t* segments;
+  const int64_t* unused;
+  stage_tables(host, tables, staged, segments, unused);
   const int lanes = 1 << lanes_log2;
   const int64_t r = ((int64_t)blockIdx.x * UNPOOLED_THREADS + threadIdx.x) >> lanes_log2;
   const int lane = threadIdx.x & (lanes - 1);
@@ -104,17 +136,20 @@ __global__ void __launch_bounds__(UNPOOLED_THREADS) unpooled_forward_kernel(
 // stride), grad_rows[r] = start[f] + r * stride[f], where the eager backward finds its gradient.
 template <typename V>
 __global__ void __launch_bounds__(UNPOOLED_THREADS) unpooled_row_keys_kernel(
-    const V* __restrict__ values, const int64_t* __restrict__ segments, int64_t seg_stride,
+    const V* __restrict__ values, const __grid_constant__ HostWords host, TableSource tables, int64_t seg_stride,
     const int64_t* __restrict__ meta, int64_t num_features, int64_t* __restrict__ keys,
-    const int64_t* __restrict__ grad_table, int64_t* __restrict__ grad_rows, int64_t num_outputs, InputCheck chk,
-    const void* offsets, bool offsets64) {
+    int64_t* __restrict__ grad_rows, int64_t num_outputs, InputCheck chk, const void* offsets, bool offsets64) {
+  __shared__ int64_t staged[HOST_WORDS];
+  const int64_t* segments;
+  const int64_t* grad_table;
+  stage_tables(host, tables, staged, segments, grad_table);
   const int64_t r = (int64_t)blockIdx.x * UNPOOLED_THREADS + threadIdx.x;
   if (r >= num_outputs) return;
   const RowLookup l = row_lookup(values, segments, seg_stride, meta, num_features, r);
   if (l.bad && chk.claim != nullptr) report_bad_id(chk, segments, seg_stride, offsets, offsets64, l);
   keys[r] = l.key;
   if (grad_rows != nullptr) {
-    grad_rows[r] = __ldg(grad_table + l.feature) + r * __ldg(grad_table + num_features + l.feature);
+    grad_rows[r] = grad_table[l.feature] + r * grad_table[num_features + l.feature];
   }
 }
 
@@ -125,8 +160,10 @@ void check_lookup_inputs(const at::Tensor& values, const at::Tensor& segments, c
                   (values.scalar_type() == at::kLong || values.scalar_type() == at::kInt),
               "recom_rec cuda backend: the unpooled lookup takes contiguous int32 or int64 CUDA ids");
   TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(0) == 4 &&
-                  segments.is_contiguous() && segments.size(1) == meta.size(0) + 1,
-              "recom_rec cuda backend: the unpooled lookup takes int64 segments [4, F + 1]");
+                  segments.is_contiguous() && segments.size(1) == meta.size(0) + 1 &&
+                  (segments.is_cpu() || segments.device() == values.device()),
+              "recom_rec cuda backend: the unpooled lookup takes int64 segments [4, F + 1], on the host or "
+              "the ids' device");
   TORCH_CHECK(meta.scalar_type() == at::kLong && meta.is_contiguous() && meta.dim() == 2 &&
                   meta.size(1) == UNPOOLED_META_W,
               "recom_rec cuda backend: the unpooled lookup takes int64 feature metadata [F, 7]");
@@ -145,6 +182,28 @@ InputCheck input_check(const at::Tensor& values, const c10::optional<at::Tensor>
   return InputCheck{values.numel(), offsets.has_value() ? offsets->numel() - 1 : 0,
                     claim.has_value() ? claim->data_ptr<int32_t>() : nullptr,
                     report.has_value() ? report->data_ptr<int64_t>() : nullptr};
+}
+
+// Where the kernels read the tables: host tensors (CPU) in the parameters while they fit, else
+// on the device (a host tensor copied there first, through pinned memory); `keep` holds copies made.
+TableSource table_source(HostWords& host, const at::Tensor& segments, const c10::optional<at::Tensor>& grad,
+                         const at::Device& device, std::vector<at::Tensor>& keep) {
+  TableSource src{0, -1, -1, nullptr, nullptr};
+  auto place = [&](const at::Tensor& t, int& at, const int64_t*& ptr) {
+    if (t.is_cpu() && src.num_words + t.numel() <= HOST_WORDS) {
+      std::copy(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel(), host.w + src.num_words);
+      at = src.num_words;
+      src.num_words += (int)t.numel();
+    } else if (t.is_cpu()) {
+      keep.push_back(t.pin_memory().to(device, /*non_blocking=*/true));
+      ptr = keep.back().data_ptr<int64_t>();
+    } else {
+      ptr = t.data_ptr<int64_t>();
+    }
+  };
+  place(segments, src.seg_at, src.segments);
+  if (grad.has_value()) place(*grad, src.grad_at, src.grad);
+  return src;
 }
 
 }  // namespace
@@ -171,12 +230,15 @@ at::Tensor unpooled_forward(const at::Tensor& flat, const at::Tensor& values, co
   const void* offs = offsets.has_value() ? offsets->data_ptr() : nullptr;
   const bool offs64 = offsets.has_value() && offsets->scalar_type() == at::kLong;
   auto stream = c10::cuda::getCurrentCUDAStream();
+  HostWords host;
+  std::vector<at::Tensor> keep;
+  const TableSource tables = table_source(host, segments, c10::nullopt, flat.device(), keep);
   auto launch = [&](auto t, auto v) {
     using T = decltype(t);
     using V = decltype(v);
     auto kernel = vec ? unpooled_forward_kernel<T, V, 4> : unpooled_forward_kernel<T, V, 1>;
     kernel<<<(unsigned)blocks, UNPOOLED_THREADS, 0, stream>>>(
-        static_cast<const T*>(flat.data_ptr()), values.data_ptr<V>(), segments.data_ptr<int64_t>(), segments.size(1),
+        static_cast<const T*>(flat.data_ptr()), values.data_ptr<V>(), host, tables, segments.size(1),
         meta.data_ptr<int64_t>(), num_features, out.data_ptr<float>(), num_outputs, dim, lanes_log2, chk, offs, offs64);
   };
   auto by_ids = [&](auto t) {
@@ -203,8 +265,9 @@ std::vector<at::Tensor> unpooled_row_keys(const at::Tensor& values, const at::Te
   const int64_t num_features = meta.size(0);
   if (grad_table.has_value()) {
     TORCH_CHECK(grad_table->scalar_type() == at::kLong && grad_table->is_contiguous() &&
-                    grad_table->numel() == 2 * num_features,
-                "recom_rec cuda backend: the gradient rows' table is int64 [2, F]");
+                    grad_table->numel() == 2 * num_features &&
+                    (grad_table->is_cpu() || grad_table->device() == values.device()),
+                "recom_rec cuda backend: the gradient rows' table is int64 [2, F], on the host or the ids' device");
   }
   auto keys = at::empty({num_outputs}, values.options().dtype(at::kLong));
   auto grad_rows = grad_table.has_value() ? at::empty_like(keys) : at::Tensor();
@@ -216,13 +279,15 @@ std::vector<at::Tensor> unpooled_row_keys(const at::Tensor& values, const at::Te
   const bool offs64 = offsets.has_value() && offsets->scalar_type() == at::kLong;
   const unsigned blocks = (unsigned)((num_outputs + UNPOOLED_THREADS - 1) / UNPOOLED_THREADS);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t* table = grad_table.has_value() ? grad_table->data_ptr<int64_t>() : nullptr;
+  HostWords host;
+  std::vector<at::Tensor> keep;
+  const TableSource tables = table_source(host, segments, grad_table, values.device(), keep);
   int64_t* rows = grad_table.has_value() ? grad_rows.data_ptr<int64_t>() : nullptr;
   auto launch = [&](auto v) {
     using V = decltype(v);
     unpooled_row_keys_kernel<V><<<blocks, UNPOOLED_THREADS, 0, stream>>>(
-        values.data_ptr<V>(), segments.data_ptr<int64_t>(), segments.size(1), meta.data_ptr<int64_t>(), num_features,
-        keys.data_ptr<int64_t>(), table, rows, num_outputs, chk, offs, offs64);
+        values.data_ptr<V>(), host, tables, segments.size(1), meta.data_ptr<int64_t>(), num_features,
+        keys.data_ptr<int64_t>(), rows, num_outputs, chk, offs, offs64);
   };
   if (values.scalar_type() == at::kLong) launch(int64_t{}); else launch(int32_t{});
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -21,7 +21,8 @@ from ..ops.backends import check_backend
 from ..ops.input_check import new_report_id
 from ..ops.layout import FeatureSlot, POOLING_SUM, feature_meta_tensor, pack_tables
 from ..ops.plan import FusedStep, UnpooledGroupPlan, UnpooledPlan
-from ..ops.unpooled_embedding import UnpooledBatch, check_lengths_add_up, load_kernels, segments_for, unpooled_lookup
+from ..ops.unpooled_embedding import (UnpooledBatch, check_lengths_add_up, load_kernels, segments_for, tables_on_host,
+                                      unpooled_lookup)
 from ..ops.validation import encode_names
 from ..optim.spec import FusedOptimizerSpec
 from .embedding_modules import _table_dtype, maybe_td_to_kjt
@@ -242,7 +243,8 @@ def _group_rows(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights:
     for g in range(len(plan.groups)):
         group = plan.groups[g]
         key_index = _key_index(keys, group.features, group.tables)
-        segments = segments_for(key_index, length_per_key, offset_per_key, stride_per_key, flats[g].device)
+        segments = segments_for(key_index, length_per_key, offset_per_key, stride_per_key, flats[g].device,
+                                _tables_on_host(plan.backend, flats[g]))
         group_counts = [length_per_key[k] for k in key_index]
         if torch.jit.is_scripting():
             block = torch.ops.recom_rec.unpooled_embedding_forward(
@@ -257,6 +259,13 @@ def _group_rows(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights:
         rows.append(group_rows)
         key_indices.append(key_index)
     return rows, key_indices
+
+
+def _tables_on_host(backend: str, flat: torch.Tensor) -> bool:
+    """unpooled_embedding.tables_on_host; False in TorchScript (its lookups read device tables)."""
+    if torch.jit.is_scripting():
+        return False
+    return tables_on_host(backend, flat)
 
 
 def _key_index(keys: List[str], features: List[str], tables: List[str]) -> List[int]:

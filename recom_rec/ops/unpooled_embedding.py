@@ -68,6 +68,14 @@ def _extension(backend: str, device: torch.device):
 
 
 @torch.jit.unused
+def tables_on_host(backend: str, flat: Tensor) -> bool:
+    """Whether a batch's tables (segments_for, _gradient_rows) stay in host memory: the CUDA
+    extension's kernels take them in their launch's parameters (csrc/lookup/unpooled.cu), without
+    the pinned copy a table that cost 70-84 us of a sequence model's step (perf-notes v61)."""
+    return flat.dtype in _EXTENSION_DTYPES and _extension(backend, flat.device) is not None
+
+
+@torch.jit.unused
 def _device_table(rows: List[List[int]], device: torch.device) -> Tensor:
     """int64 ``rows`` on ``device``, copied from pinned memory without blocking: a copy from pageable
     memory waits for the stream's earlier work first (CUDA's rule), which stalled the host behind
@@ -97,10 +105,11 @@ def check_lengths_add_up(length_per_key: List[int], num_values: int) -> None:
 
 
 def segments_for(key_index: List[int], length_per_key: List[int], offset_per_key: List[int],
-                 stride_per_key: List[int], device: torch.device) -> Tensor:
+                 stride_per_key: List[int], device: torch.device, on_host: bool = False) -> Tensor:
     """The ``segments`` of a batch (see the module docstring) for features reading the KJT's keys
-    ``key_index``, from its per-key lengths, offsets and strides (host lists). (TorchScript
-    compiles it too: the scripted EmbeddingCollection calls it.)"""
+    ``key_index``, from its per-key lengths, offsets and strides (host lists); ``on_host``: left in
+    host memory in eager code, where the CUDA extension's kernels take it in their launch
+    (tables_on_host). (TorchScript compiles it too: the scripted EmbeddingCollection calls it.)"""
     bag_start: List[int] = [0]
     for s in stride_per_key:
         bag_start.append(bag_start[-1] + s)
@@ -118,6 +127,8 @@ def segments_for(key_index: List[int], length_per_key: List[int], offset_per_key
         return torch.tensor(rows, dtype=torch.int64).to(device)
     if torch.compiler.is_compiling():
         return torch.tensor(rows, dtype=torch.int64, device=device)
+    if on_host:
+        return torch.tensor(rows, dtype=torch.int64)
     return _device_table(rows, device)
 
 
@@ -135,7 +146,8 @@ def _forward_impl(flat, values, offsets, segments, feature_meta, num_outputs, di
         return ext.unpooled_forward(flat.contiguous(), values.contiguous(), segments, feature_meta, num_outputs, dim,
                                     offsets.contiguous() if check is not None else None,
                                     None if check is None else check.claim, None if check is None else check.words)
-    return _triton().forward(flat, values, segments, feature_meta, offsets, num_outputs, dim, check=check)
+    return _triton().forward(flat, values, segments.to(flat.device), feature_meta, offsets, num_outputs, dim,
+                             check=check)
 
 
 @torch.library.custom_op("recom_rec::unpooled_embedding_forward", mutates_args=())
@@ -196,9 +208,10 @@ def _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows, backe
                                             None if grad_rows is None else grad_rows.table, None, None, None)
         rows = more[0] if more else None
     elif grad_rows is not None:
-        keys, rows = _triton().backward_rows(values, segments, feature_meta, num_outputs, grad_rows.table)
+        keys, rows = _triton().backward_rows(values, segments.to(device), feature_meta, num_outputs,
+                                             grad_rows.table.to(device))
     else:
-        keys, rows = _triton().row_keys(values, segments, feature_meta, num_outputs), None
+        keys, rows = _triton().row_keys(values, segments.to(device), feature_meta, num_outputs), None
     offsets = (_arange_prefix(num_outputs + 1, device, torch.int64) if eager
                else torch.arange(num_outputs + 1, dtype=torch.int64, device=device))
     return keys, offsets, _whole_buffer_meta(device, dim, num_rows), _first_key(device), rows
@@ -364,6 +377,7 @@ class _EagerLookup(torch.autograd.Function):
         _setup_context(ctx, (list(weights), flat, values, offsets, segments, feature_meta, num_outputs, dim, backend,
                              validate, names, optimizer, state1, state2, state1_is_row, hyper, step, report_id), out)
         ctx.split_sizes = split_sizes
+        ctx.segments_on_host = segments.device.type == "cpu" and flat.device.type == "cuda"  # (its tables too)
         ctx.set_materialize_grads(False)  # a feature whose output has no gradient reads one zero row
         return tuple(out.split(split_sizes))
 
@@ -374,7 +388,7 @@ class _EagerLookup(torch.autograd.Function):
         # Several pieces are the features (unpooled_lookup's split_sizes): the row-key kernel, which
         # finds each row's feature, writes where its gradient is (_gradient_rows). One piece: its
         # gradient is the block.
-        rows = (_gradient_rows(grads, ctx.split_sizes, ctx.dim, device)
+        rows = (_gradient_rows(grads, ctx.split_sizes, ctx.dim, device, ctx.segments_on_host)
                 if _on_kernels(ctx.backend, device) and len(grads) > 1 else None)
         if rows is not None:
             base, grad_rows, _held = rows  # (held until the kernels are queued: copies and the zero row)
@@ -389,8 +403,8 @@ class _EagerLookup(torch.autograd.Function):
         return (None,) * 18 + tuple(weight_grads if weight_grads is not None else [None] * len(ctx.tables))
 
 
-def _gradient_rows(grads, sizes: List[int], dim: int,
-                   device: torch.device) -> Optional[Tuple[Tensor, GradientRows, List[Tensor]]]:
+def _gradient_rows(grads, sizes: List[int], dim: int, device: torch.device,
+                   on_host: bool = False) -> Optional[Tuple[Tensor, GradientRows, List[Tensor]]]:
     """(base, rows, held): ``rows`` says where each output row's gradient starts, in elements from
     ``base``'s first, among the group's features' gradients ``grads`` (None: a feature without one,
     which reads a zero row) of ``sizes`` rows (their id counts), as each feature's start and stride;
@@ -419,7 +433,9 @@ def _gradient_rows(grads, sizes: List[int], dim: int,
         starts.append((t.data_ptr() - base.data_ptr()) // 4 - first * stride)
         strides.append(stride)
         first += n
-    return base, GradientRows(total, _device_table([starts, strides], device)), held
+    # (``on_host``: the table stays on the host, as segments_for's)
+    table = torch.tensor([starts, strides], dtype=torch.int64) if on_host else _device_table([starts, strides], device)
+    return base, GradientRows(total, table), held
 
 
 class UnpooledBatch(NamedTuple):
