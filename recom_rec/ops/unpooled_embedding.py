@@ -71,7 +71,10 @@ def _extension(backend: str, device: torch.device):
 def tables_on_host(backend: str, flat: Tensor) -> bool:
     """Whether a batch's tables (segments_for, _gradient_rows) stay in host memory: the CUDA
     extension's kernels take them in their launch's parameters (csrc/lookup/unpooled.cu), without
-    the pinned copy a table that cost 70-84 us of a sequence model's step (perf-notes v61)."""
+    the pinned copy a table that cost 70-84 us of a sequence model's step (perf-notes v61). Never in
+    a compiled graph, whose tables are device tensors (segments_for)."""
+    if torch.compiler.is_compiling():
+        return False
     return flat.dtype in _EXTENSION_DTYPES and _extension(backend, flat.device) is not None
 
 
