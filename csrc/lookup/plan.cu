@@ -1,6 +1,7 @@
 // The backward's plan (kernels.cuh: expand_kernel, a CUB radix sort, plan_kernel).
 #include "kernels.cuh"
 #include "lookup.h"
+#include "workspace.cuh"
 
 // The backward's plan of a group (kernels.cuh): returns sorted row keys, the sort's
 // payloads (int32), the expand arrays src, scale and feature (empty when the payload is packed),
@@ -24,72 +25,72 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
   TORCH_CHECK(!packed || (!psw.has_value() && F * batch_size < (int64_t)INT32_MAX),
               "recom_rec cuda backend: packed payloads take no sample weights and under 2^31 feature-bags");
   const auto dev = values.options();
-  const auto key_dtype = key64 ? at::kLong : at::kInt;
   const int64_t per_lookup = packed ? 0 : n;
-  auto row_key = at::empty({n}, dev.dtype(key_dtype));
-  auto src = at::empty({per_lookup}, dev.dtype(at::kLong));
-  auto scale = at::empty({per_lookup}, dev.dtype(at::kFloat));
-  auto feature = at::empty({per_lookup}, dev.dtype(at::kInt));
-  auto bag_scale = at::empty({packed ? F * batch_size : 0}, dev.dtype(at::kFloat));
-  auto index = at::empty({n}, dev.dtype(at::kInt));
-  auto sorted_key = at::empty({n}, dev.dtype(key_dtype));
-  auto order = at::empty({n}, dev.dtype(at::kInt));
-  auto pieces = at::empty({n}, dev.dtype(at::kLong));
-  auto split_rows = at::empty({n / (PIECE + 1) + 1}, dev.dtype(at::kLong));
-  // The three counts (pieces, split rows, long rows: piece_update's) and the two bitmaps, zeroed by
-  // one memset: at::zeros launched a fill kernel each through a TensorIterator, several microseconds
-  // of host time apiece in a host-bound step (perf-notes v61).
   const int64_t multi_n = multi_words > 0 ? multi_words : 0, touched_n = touched_words > 0 ? touched_words : 0;
-  auto zeroed = at::empty({3 + multi_n + touched_n}, dev.dtype(at::kInt));
-  C10_CUDA_CHECK(cudaMemsetAsync(zeroed.data_ptr(), 0, zeroed.numel() * sizeof(int32_t),
-                                 at::cuda::getCurrentCUDAStream()));
-  auto counts = zeroed.narrow(0, 0, 3);
-  auto multi = zeroed.narrow(0, 3, multi_n);
-  auto touched = zeroed.narrow(0, 3 + multi_n, touched_n);
-  std::vector<at::Tensor> result{sorted_key, order, src, scale, feature, pieces, split_rows, counts, bag_scale, multi,
-                                 touched};
-  if (n == 0 || F == 0 || batch_size == 0) return result;
   auto stream = at::cuda::getCurrentCUDAStream();
   const float* w = psw.has_value() ? psw->data_ptr<float>() : nullptr;
   const int64_t* fb = feature_base.has_value() ? feature_base->data_ptr<int64_t>() : nullptr;
-  const int block_bags = expand_bags(n, F, batch_size);
-  TORCH_CHECK((batch_size + block_bags - 1) / block_bags <= 65535, "recom_rec cuda backend: a batch of at most ",
-              65535LL * EXPAND_BAGS, " bags, got ", batch_size);
-  const dim3 grid((unsigned)F, (unsigned)((batch_size + block_bags - 1) / block_bags));
+  const bool run_kernels = n > 0 && F > 0 && batch_size > 0;
+  const int block_bags = run_kernels ? expand_bags(n, F, batch_size) : 1;
+  TORCH_CHECK(!run_kernels || (batch_size + block_bags - 1) / block_bags <= 65535,
+              "recom_rec cuda backend: a batch of at most ", 65535LL * EXPAND_BAGS, " bags, got ", batch_size);
   const int bits = (int)key_bits;
-  auto run = [&](auto kt, auto it) {
+  auto run = [&](auto kt, auto it) -> std::vector<at::Tensor> {
     using K = decltype(kt);
     using I = decltype(it);
     using U = typename std::make_unsigned<K>::type;  // keys are non-negative: sort them unsigned
+    const auto key_dtype = sizeof(K) == 8 ? at::kLong : at::kInt;
+    size_t temp_bytes = 0;
+    if (run_kernels) {
+      cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, (const U*)nullptr, (U*)nullptr, (const int32_t*)nullptr,
+                                      (int32_t*)nullptr, (int)n, 0, bits, stream);
+    }
+    // Every array in one allocation (views of one workspace): a dozen at::empty calls cost the
+    // host of a host-bound step tens of microseconds (perf-notes v62).
+    Workspace ws(dev);
+    const auto row_key = ws.add(n, key_dtype);
+    const auto src = ws.add(per_lookup, at::kLong);
+    const auto scale = ws.add(per_lookup, at::kFloat);
+    const auto feature = ws.add(per_lookup, at::kInt);
+    const auto bag_scale = ws.add(packed ? F * batch_size : 0, at::kFloat);
+    const auto index = ws.add(n, at::kInt);
+    const auto sorted_key = ws.add(n, key_dtype);
+    const auto order = ws.add(n, at::kInt);
+    const auto pieces = ws.add(n, at::kLong);
+    const auto split_rows = ws.add(n / (PIECE + 1) + 1, at::kLong);
+    // The three counts (pieces, split rows, long rows: piece_update's) and the two bitmaps, adjacent
+    // and zeroed by one memset.
+    const auto zeroed = ws.add(3 + multi_n + touched_n, at::kInt);
+    const auto temp = ws.add((int64_t)temp_bytes, at::kByte);
+    ws.allocate();
+    C10_CUDA_CHECK(cudaMemsetAsync(ws.ptr(zeroed), 0, (3 + multi_n + touched_n) * sizeof(int32_t), stream));
+    auto counts = ws.view(zeroed, 0, 3);
+    auto multi = ws.view(zeroed, 3, multi_n);
+    auto touched = ws.view(zeroed, 3 + multi_n, touched_n);
+    std::vector<at::Tensor> result{ws.view(sorted_key), ws.view(order), ws.view(src), ws.view(scale),
+                                   ws.view(feature), ws.view(pieces), ws.view(split_rows), counts,
+                                   ws.view(bag_scale), multi, touched};
+    if (!run_kernels) return result;
+    const dim3 grid((unsigned)F, (unsigned)((batch_size + block_bags - 1) / block_bags));
     auto expand = packed ? expand_kernel<I, K, true> : expand_kernel<I, K, false>;
     expand<<<grid, EXPAND_THREADS, 0, stream>>>(
         values.data_ptr<I>(), offsets.data_ptr<I>(), w, meta.data_ptr<int64_t>(), key_index.data_ptr<int64_t>(), fb,
-        reinterpret_cast<K*>(row_key.data_ptr()), src.data_ptr<int64_t>(), scale.data_ptr<float>(),
-        feature.data_ptr<int32_t>(), index.data_ptr<int32_t>(), bag_scale.data_ptr<float>(), batch_size, total_dim,
-        block_bags, values.numel(), offsets.numel() - 1, n);
+        (K*)ws.ptr(row_key), (int64_t*)ws.ptr(src), (float*)ws.ptr(scale), (int32_t*)ws.ptr(feature),
+        (int32_t*)ws.ptr(index), (float*)ws.ptr(bag_scale), batch_size, total_dim, block_bags, values.numel(),
+        offsets.numel() - 1, n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const U* keys_in = reinterpret_cast<const U*>(row_key.data_ptr());
-    U* keys_out = reinterpret_cast<U*>(sorted_key.data_ptr());
-    size_t temp_bytes = 0;
-    cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_out, index.data_ptr<int32_t>(),
-                                    order.data_ptr<int32_t>(), (int)n, 0, bits, stream);
-    auto temp = at::empty({(int64_t)temp_bytes}, dev.dtype(at::kByte));
-    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data_ptr(), temp_bytes, keys_in, keys_out,
-                                                   index.data_ptr<int32_t>(), order.data_ptr<int32_t>(), (int)n, 0,
-                                                   bits, stream));
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws.ptr(temp), temp_bytes, (const U*)ws.ptr(row_key),
+                                                   (U*)ws.ptr(sorted_key), (const int32_t*)ws.ptr(index),
+                                                   (int32_t*)ws.ptr(order), (int)n, 0, bits, stream));
     plan_kernel<K><<<(unsigned)((n + PLAN_BLOCK - 1) / PLAN_BLOCK), PLAN_THREADS, 0, stream>>>(
-        reinterpret_cast<const K*>(sorted_key.data_ptr()), n, pieces.data_ptr<int64_t>(),
-        split_rows.data_ptr<int64_t>(), counts.data_ptr<int32_t>(),
-        multi_words > 0 ? reinterpret_cast<uint32_t*>(multi.data_ptr<int32_t>()) : nullptr,
-        touched_words > 0 ? reinterpret_cast<uint32_t*>(touched.data_ptr<int32_t>()) : nullptr);
+        (const K*)ws.ptr(sorted_key), n, (int64_t*)ws.ptr(pieces), (int64_t*)ws.ptr(split_rows),
+        (int32_t*)ws.ptr(zeroed), multi_n > 0 ? (uint32_t*)ws.ptr(zeroed, 3) : nullptr,
+        touched_n > 0 ? (uint32_t*)ws.ptr(zeroed, 3 + multi_n) : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return result;
   };
   const bool v64 = values.scalar_type() == at::kLong;
   TORCH_CHECK(v64 || values.scalar_type() == at::kInt, "values must be int32 or int64");
-  if (key64) {
-    if (v64) run(int64_t{}, int64_t{}); else run(int64_t{}, int32_t{});
-  } else {
-    if (v64) run(int32_t{}, int64_t{}); else run(int32_t{}, int32_t{});
-  }
-  return result;
+  if (key64) return v64 ? run(int64_t{}, int64_t{}) : run(int64_t{}, int32_t{});
+  return v64 ? run(int32_t{}, int64_t{}) : run(int32_t{}, int32_t{});
 }
