@@ -55,7 +55,7 @@ LOOKUP_SOURCES = [
     "backward_adam.cu",
     "module.cu",
 ]
-LOOKUP_HEADERS = ["kernels.cuh", "input_check.cuh", "backward_launch.cuh", "lookup.h"]
+LOOKUP_HEADERS = ["kernels.cuh", "input_check.cuh", "backward_launch.cuh", "lookup.h", "workspace.cuh"]
 LOOKUP_KERNELS = "kernels.cuh"  # the device code alone (the compile test and tools/ include it)
 LOOKUP_NVCC_FLAGS = ["-O3"]
 DEFAULT_CUDA_ARCHS = "9.0"  # H100 / H200; TORCH_CUDA_ARCH_LIST="8.0;9.0" builds for more GPUs
