@@ -1,0 +1,76 @@
+"""An A/B of the eager EmbeddingCollection's lookup paths in one process, on drawn sequence layouts'
+training steps (fused SGD), rounds interleaved, fbgemm's TBE beside (perf-notes v62). The arms:
+
+- ext: the CUDA extension's unpooled kernels, the per-batch tables in their launch parameters;
+- ext-device: the same kernels, the tables pinned and copied to the device;
+- triton: the Triton kernels (device tables).
+
+A host-bound step moves 10-30% between rounds of one arm on these hosts: compare medians of many
+rounds, in one process. Each round runs every arm; the first round is a warm-up.
+
+    python3 tools/sequence_arms_ab.py [--layouts 1517231538:0 1517231538:1] [--steps 200] [--rounds 9]
+"""
+import argparse
+import time
+
+import torch
+
+from step_host_costs import layout_peers
+
+from recom_rec.modules import embedding_collection
+from recom_rec.ops import unpooled_embedding
+
+_EXTENSION = unpooled_embedding._extension
+_TABLES_ON_HOST = embedding_collection.tables_on_host
+
+
+def use_arm(name: str) -> None:
+    """Points the module's path choices at arm ``name`` (fbgemm's arm leaves them as they are)."""
+    unpooled_embedding._extension = (lambda backend, device: None) if name == "triton" else _EXTENSION
+    embedding_collection.tables_on_host = (lambda backend, flat: False) if name == "ext-device" else _TABLES_ON_HOST
+
+
+def step_us(peer, kjt, steps: int, device: torch.device) -> float:
+    """Microseconds a training step over ``steps`` steps, to the device's end of the last."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        peer.train_step(kjt)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e6 / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layouts", nargs="+", default=["1517231538:0", "1517231538:1"], metavar="SEED:INDEX")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    for layout in args.layouts:
+        w, kjt, peers = layout_peers(layout, device)
+        ours = peers.pop("recom_rec")
+        arms = {"ext": ours, "ext-device": ours, "triton": ours, **peers}
+        times = {name: [] for name in arms}
+        for r in range(args.rounds + 1):
+            for name, peer in arms.items():
+                use_arm(name)
+                step_us(peer, kjt, max(1, args.steps // 10), device)
+                t = step_us(peer, kjt, args.steps, device)
+                if r > 0:
+                    times[name].append(t)
+        use_arm("ext")
+        print(f"{w.label()} ({layout}): {w.describe()}")
+        median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        base = median.get("fbgemm")
+        for name, t in times.items():
+            ratio = f"  {base / median[name]:.2f}x fbgemm" if base else ""
+            print(f"  {name:10s} median {median[name]:8.1f} us a step{ratio}   rounds: "
+                  + " ".join(f"{x:.0f}" for x in t))
+
+
+if __name__ == "__main__":
+    main()
