@@ -5,7 +5,7 @@ training steps (fused SGD), rounds interleaved, fbgemm's TBE beside (perf-notes 
 - ext-device: the same kernels, the tables pinned and copied to the device;
 - triton: the Triton kernels (device tables).
 
-A host-bound step moves 10-30% between rounds of one arm on these hosts: compare medians of many
+A host-bound step moves up to 36% between rounds of one arm on these hosts: compare medians of many
 rounds, in one process. Each round runs every arm; the first round is a warm-up.
 
     python3 tools/sequence_arms_ab.py [--layouts 1517231538:0 1517231538:1] [--steps 200] [--rounds 9]
