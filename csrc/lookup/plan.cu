@@ -45,15 +45,17 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
       cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, (const U*)nullptr, (U*)nullptr, (const int32_t*)nullptr,
                                       (int32_t*)nullptr, (int)n, 0, bits, stream);
     }
-    // Every array in one allocation (views of one workspace): a dozen at::empty calls cost the
-    // host of a host-bound step tens of microseconds (perf-notes v62).
-    Workspace ws(dev);
-    const auto row_key = ws.add(n, key_dtype);
+    // Every array in two allocations (views of two workspaces): a dozen at::empty calls cost the
+    // host of a host-bound step tens of microseconds (perf-notes v62). `ws` holds the results, kept
+    // until the backward ends; `scratch` the sort's inputs and CUB's storage (16-28 bytes a lookup,
+    // ~1 GB at a batch of DLRM-DCNv2), freed on return.
+    Workspace ws(dev), scratch(dev);
+    const auto row_key = scratch.add(n, key_dtype);
     const auto src = ws.add(per_lookup, at::kLong);
     const auto scale = ws.add(per_lookup, at::kFloat);
     const auto feature = ws.add(per_lookup, at::kInt);
     const auto bag_scale = ws.add(packed ? F * batch_size : 0, at::kFloat);
-    const auto index = ws.add(n, at::kInt);
+    const auto index = scratch.add(n, at::kInt);
     const auto sorted_key = ws.add(n, key_dtype);
     const auto order = ws.add(n, at::kInt);
     const auto pieces = ws.add(n, at::kLong);
@@ -61,7 +63,7 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
     // The three counts (pieces, split rows, long rows: piece_update's) and the two bitmaps, adjacent
     // and zeroed by one memset.
     const auto zeroed = ws.add(3 + multi_n + touched_n, at::kInt);
-    const auto temp = ws.add((int64_t)temp_bytes, at::kByte);
+    const auto temp = scratch.add((int64_t)temp_bytes, at::kByte);
     ws.allocate();
     C10_CUDA_CHECK(cudaMemsetAsync(ws.ptr(zeroed), 0, (3 + multi_n + touched_n) * sizeof(int32_t), stream));
     auto counts = ws.view(zeroed, 0, 3);
@@ -71,16 +73,17 @@ std::vector<at::Tensor> plan_backward(const at::Tensor& values, const at::Tensor
                                    ws.view(feature), ws.view(pieces), ws.view(split_rows), counts,
                                    ws.view(bag_scale), multi, touched};
     if (!run_kernels) return result;
+    scratch.allocate();
     const dim3 grid((unsigned)F, (unsigned)((batch_size + block_bags - 1) / block_bags));
     auto expand = packed ? expand_kernel<I, K, true> : expand_kernel<I, K, false>;
     expand<<<grid, EXPAND_THREADS, 0, stream>>>(
         values.data_ptr<I>(), offsets.data_ptr<I>(), w, meta.data_ptr<int64_t>(), key_index.data_ptr<int64_t>(), fb,
-        (K*)ws.ptr(row_key), (int64_t*)ws.ptr(src), (float*)ws.ptr(scale), (int32_t*)ws.ptr(feature),
-        (int32_t*)ws.ptr(index), (float*)ws.ptr(bag_scale), batch_size, total_dim, block_bags, values.numel(),
+        (K*)scratch.ptr(row_key), (int64_t*)ws.ptr(src), (float*)ws.ptr(scale), (int32_t*)ws.ptr(feature),
+        (int32_t*)scratch.ptr(index), (float*)ws.ptr(bag_scale), batch_size, total_dim, block_bags, values.numel(),
         offsets.numel() - 1, n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws.ptr(temp), temp_bytes, (const U*)ws.ptr(row_key),
-                                                   (U*)ws.ptr(sorted_key), (const int32_t*)ws.ptr(index),
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(scratch.ptr(temp), temp_bytes, (const U*)scratch.ptr(row_key),
+                                                   (U*)ws.ptr(sorted_key), (const int32_t*)scratch.ptr(index),
                                                    (int32_t*)ws.ptr(order), (int)n, 0, bits, stream));
     plan_kernel<K><<<(unsigned)((n + PLAN_BLOCK - 1) / PLAN_BLOCK), PLAN_THREADS, 0, stream>>>(
         (const K*)ws.ptr(sorted_key), n, (int64_t*)ws.ptr(pieces), (int64_t*)ws.ptr(split_rows),
