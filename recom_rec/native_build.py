@@ -46,6 +46,7 @@ LOOKUP_SOURCES = [
     "padded_gradient.cu",
     "step_counter.cu",
     "unpooled.cu",
+    "unpooled_backward.cu",
     "expand.cu",
     "backward.cu",
     "backward_none.cu",

@@ -182,6 +182,60 @@ def test_gradients_where_autograd_leaves_them(backend, fused, dim):
         torch.testing.assert_close(trained[backend][k], v, rtol=1e-5, atol=1e-5, msg=k)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA extension's kernels run on a GPU only")
+@pytest.mark.parametrize("optimizer", [None, "sgd", "rowwise_adagrad", "adagrad", "adam"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_one_call_backward_gives_the_chains_bits_on_every_path(optimizer, seed, monkeypatch):
+    """The eager backward in one extension call (pooled_cuda.unpooled_backward) against the chain of
+    calls it stands for (_as_pooled's row keys, then the pooled backward): the same bits on every
+    backward path, fused or dense, fp32/fp16/bf16 tables, odd dims, features without a gradient,
+    strided or read twice (and, in the first batch, one unaligned: the chain's alone then)."""
+    from recom_rec.kernels import pooled_cuda
+    from recom_rec.ops import unpooled_embedding
+
+    rng = random.Random(seed)
+    dim = rng.choice([3, 4, 8, 33, 64, 300])
+    dtype = [DataType.FP32, DataType.FP16, DataType.BF16][seed]
+    tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rng.randint(1, 60),
+                              feature_names=[f"f{i}", f"g{i}"], data_type=dtype) for i in range(3)]
+    kjts = [_kjt(tables, 100 * seed + s, batch=rng.randint(1, 9), max_len=rng.randint(1, 7)) for s in range(4)]
+    one_calls = []
+    one_call = pooled_cuda.unpooled_backward
+    monkeypatch.setattr(pooled_cuda, "unpooled_backward", lambda *a: one_calls.append(1) or one_call(*a))
+    monkeypatch.setattr(pooled_cuda.BACKWARD_PATH_TUNER, "forced_order", None)  # restored after the test
+
+    def loss(out, g, step):
+        if step == 0:
+            return _partial_loss(out, g)
+        names = sorted(out)[1:]  # one output without a gradient
+        return sum((out[k].values() * torch.randn(out[k].values().shape, generator=g).to(DEVICE)).sum()
+                   for k in names) + out[names[0]].values()[:, ::2].sum()
+
+    def train(path, chain):
+        pooled_cuda.BACKWARD_PATH_TUNER.force(path)
+        with monkeypatch.context() as m:
+            if chain:
+                m.setattr(unpooled_embedding, "_one_call", lambda *a: None)
+            torch.manual_seed(0)
+            module = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, backend="cuda")
+            if optimizer is not None:
+                module.enable_fused_optimizer(optimizer, lr=0.1)
+            g = torch.Generator().manual_seed(seed)
+            for step, kjt in enumerate(kjts):
+                loss(module(kjt), g, step).backward()
+        return {k: v.detach().clone() for k, v in module.state_dict().items()} | {
+            f"{n}.grad": t.weight.grad.clone() for n, t in module.embeddings.items() if t.weight.grad is not None}
+
+    for path in pooled_cuda.BACKWARD_PATHS:
+        chain = train(path, chain=True)
+        before = len(one_calls)
+        ours = train(path, chain=False)
+        assert len(one_calls) > before, path
+        assert ours.keys() == chain.keys()
+        for k in chain:
+            assert torch.equal(ours[k], chain[k]), (path, k)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="a GPU property: whether the backward makes the host wait for "
                                                   "the device")
 @pytest.mark.parametrize("fused", [None, "sgd"])

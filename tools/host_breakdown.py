@@ -50,6 +50,7 @@ def _targets():
          (unpooled_triton, "forward", "        unpooled_triton.forward (Triton launch)"),
          (unpooled_embedding, "_gradient_rows", "  _gradient_rows"),
          (unpooled_embedding, "_weight_grads", "  _weight_grads"),
+         (pooled_cuda, "unpooled_backward", "    pooled_cuda.unpooled_backward (one call)"),
          (unpooled_embedding, "_as_pooled", "    _as_pooled"),
          (unpooled_triton, "backward_rows", "      unpooled_triton.backward_rows (Triton launch)"),
          (pooled_embedding, "_fused_update_impl", "    pooled_embedding._fused_update_impl"),
@@ -61,6 +62,7 @@ def _targets():
         ext = cuda_ext.extension()
         t += [(ext, "unpooled_forward", "        ext.unpooled_forward"),
               (ext, "unpooled_row_keys", "      ext.unpooled_row_keys"),
+              (ext, "unpooled_backward", "      ext.unpooled_backward"),
               (ext, "plan_backward", "            ext.plan_backward"),
               (ext, "piece_update", "            ext.piece_update"),
               (ext, "singleton_update", "            ext.singleton_update")]

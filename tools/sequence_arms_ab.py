@@ -1,7 +1,10 @@
 """An A/B of the eager EmbeddingCollection's lookup paths in one process, on drawn sequence layouts'
 training steps (fused SGD), rounds interleaved, fbgemm's TBE beside (perf-notes v62). The arms:
 
-- ext: the CUDA extension's unpooled kernels, the per-batch tables in their launch parameters;
+- ext: the CUDA extension's unpooled kernels, the per-batch tables in their launch parameters, the
+  eager backward in one extension call (pooled_cuda.unpooled_backward);
+- ext-chain: the same kernels, the backward as the chain of calls the one call stands for
+  (_as_pooled, then the pooled backward: perf-notes v62's path);
 - ext-device: the same kernels, the tables pinned and copied to the device;
 - triton: the Triton kernels (device tables).
 
@@ -9,6 +12,7 @@ A host-bound step moves up to 36% between rounds of one arm on these hosts: comp
 rounds, in one process. Each round runs every arm; the first round is a warm-up.
 
     python3 tools/sequence_arms_ab.py [--layouts 1517231538:0 1517231538:1] [--steps 200] [--rounds 9]
+                                      [--arms ext ext-chain ext-device triton]
 """
 import argparse
 import time
@@ -22,12 +26,15 @@ from recom_rec.ops import unpooled_embedding
 
 _EXTENSION = unpooled_embedding._extension
 _TABLES_ON_HOST = embedding_collection.tables_on_host
+_ONE_CALL = unpooled_embedding._one_call
+ARMS = ("ext", "ext-chain", "ext-device", "triton")
 
 
 def use_arm(name: str) -> None:
     """Points the module's path choices at arm ``name`` (fbgemm's arm leaves them as they are)."""
     unpooled_embedding._extension = (lambda backend, device: None) if name == "triton" else _EXTENSION
     embedding_collection.tables_on_host = (lambda backend, flat: False) if name == "ext-device" else _TABLES_ON_HOST
+    unpooled_embedding._one_call = (lambda *args: None) if name == "ext-chain" else _ONE_CALL
 
 
 def step_us(peer, kjt, steps: int, device: torch.device) -> float:
@@ -47,13 +54,14 @@ def main() -> None:
     p.add_argument("--layouts", nargs="+", default=["1517231538:0", "1517231538:1"], metavar="SEED:INDEX")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--arms", nargs="+", default=["ext", "ext-chain", "triton"], choices=ARMS)
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
     device = torch.device(args.device)
     for layout in args.layouts:
         w, kjt, peers = layout_peers(layout, device)
         ours = peers.pop("recom_rec")
-        arms = {"ext": ours, "ext-device": ours, "triton": ours, **peers}
+        arms = {**{name: ours for name in args.arms}, **peers}
         times = {name: [] for name in arms}
         for r in range(args.rounds + 1):
             for name, peer in arms.items():

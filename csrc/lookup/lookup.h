@@ -76,3 +76,13 @@ std::vector<at::Tensor> unpooled_row_keys(const at::Tensor& values, const at::Te
                                           const c10::optional<at::Tensor>& offsets,
                                           const c10::optional<at::Tensor>& claim,
                                           const c10::optional<at::Tensor>& report);
+
+// The eager unpooled backward in one call (unpooled_backward.cu): unpooled_row_keys with the
+// gradient rows, plan_backward, piece_update and (`singletons`) singleton_update on bags of one id.
+void unpooled_backward(const at::Tensor& values, const at::Tensor& segments, const at::Tensor& meta,
+                       int64_t num_outputs, const at::Tensor& grad_table, const at::Tensor& grad,
+                       const at::Tensor& offsets, const at::Tensor& whole_meta, const at::Tensor& first_key,
+                       const at::Tensor& out, const c10::optional<at::Tensor>& state1,
+                       const c10::optional<at::Tensor>& state2, const c10::optional<at::Tensor>& hyper,
+                       const c10::optional<at::Tensor>& step, int64_t opt, int64_t dim, int64_t num_rows,
+                       bool singletons, int64_t lanes, bool zero_untouched);

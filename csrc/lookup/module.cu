@@ -28,4 +28,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("count_step", &count_step, "the fused optimizer's step counter plus one (CUDA)");
   m.def("unpooled_forward", &unpooled_forward, "unpooled lookup: one fp32 row per id (CUDA)");
   m.def("unpooled_row_keys", &unpooled_row_keys, "unpooled lookup: row keys, and gradient rows (CUDA)");
+  m.def("unpooled_backward", &unpooled_backward, "unpooled lookup: the eager backward in one call (CUDA)");
 }

@@ -125,8 +125,14 @@ class ForwardLaunchShape(NamedTuple):
 
     @classmethod
     def of(cls, flat, values, per_sample_weights, feature_meta, batch_size, total_dim, max_dim):
-        return cls(flat.data_ptr(), feature_meta.shape[0], _power_of_two_at_least(batch_size), total_dim, max_dim,
-                   _power_of_two_at_least(values.numel()), flat.dtype, values.dtype, per_sample_weights is not None,
+        return cls.of_sizes(flat, feature_meta.shape[0], batch_size, total_dim, max_dim, values.numel(), values.dtype,
+                            per_sample_weights is not None)
+
+    @classmethod
+    def of_sizes(cls, flat, num_features, batch_size, total_dim, max_dim, num_lookups, index_dtype, weighted):
+        """``of`` from the lookups' count and dtype (a backward whose row keys are made later)."""
+        return cls(flat.data_ptr(), num_features, _power_of_two_at_least(batch_size), total_dim, max_dim,
+                   _power_of_two_at_least(num_lookups), flat.dtype, index_dtype, weighted,
                    _power_of_two_at_least(flat.numel() * flat.element_size()))
 
 

@@ -245,14 +245,44 @@ def _run_backward(out, states, hyper, step, grad_output, values, offsets, per_sa
 
     if not cuda:
         return run("pieces")
+    shape = _backward_shape(out, feature_meta.shape[0], batch_size, grad_output.shape[1], max_dim, values.numel(),
+                            values.dtype, per_sample_weights is not None, opt, num_rows)
+    return BACKWARD_PATH_TUNER.launch(shape, run, out.device)
+
+
+def _backward_shape(out, num_features, batch_size, total_dim, max_dim, num_lookups, index_dtype, weighted, opt,
+                    num_rows) -> BackwardShape:
+    """BACKWARD_PATH_TUNER's key for a backward into ``out``."""
     rows = num_rows if num_rows >= 0 else out.numel()
     # singletons need a bitmap of the rows and put the features on the grid's y axis
-    singletons_ok = rows <= BITMAP_MAX_ROWS and feature_meta.shape[0] <= 65535
-    shape = ForwardLaunchShape.of(out, values, per_sample_weights, feature_meta, batch_size, grad_output.shape[1],
-                                  max_dim)
+    singletons_ok = rows <= BITMAP_MAX_ROWS and num_features <= 65535
+    shape = ForwardLaunchShape.of_sizes(out, num_features, batch_size, total_dim, max_dim, num_lookups, index_dtype,
+                                        weighted)
     if opt < 0:  # a dense backward's ``out`` is a new gradient buffer each step: its address is no model's
         shape = shape._replace(weights_at=0)
-    shape = BackwardShape(*shape, opt, singletons_ok)
+    return BackwardShape(*shape, opt, singletons_ok)
+
+
+def unpooled_backward(ext, out, states, hyper, step, grad, grad_table, values, segments, feature_meta, num_outputs,
+                      dim, num_rows, offsets, whole_meta, first_key, opt, zero_untouched=False) -> None:
+    """The eager unpooled backward (ops/unpooled_embedding._EagerLookup) in one extension call
+    (csrc/lookup/unpooled_backward.cu): the chain _as_pooled -> _run_backward runs, bags of one id
+    over the group's ``num_rows`` rows of ``dim`` (``whole_meta``, ``first_key``, ``offsets``
+    0..num_outputs), on the path BACKWARD_PATH_TUNER picks for that chain's shape. ``grad`` and
+    ``grad_table``: the gradient rows (unpooled_embedding._gradient_rows). ``out``: the flat buffer
+    (``opt`` >= 0) or the dense gradient (``zero_untouched``: uninitialised, zeroed outside the
+    touched rows). The caller checked ``supports(out, dim)``."""
+    state1 = states[0] if len(states) > 0 else None
+    state2 = states[1] if len(states) > 1 else None
+
+    def run(path: str):
+        singles, lanes = BACKWARD_PATHS[path]
+        ext.unpooled_backward(values, segments, feature_meta, num_outputs, grad_table, grad, offsets, whole_meta,
+                              first_key, out, state1, state2, hyper, step, opt, dim, num_rows, singles,
+                              piece_lanes(lanes, dim), zero_untouched)
+
+    # the chain's key: one feature of num_outputs one-id bags, int64 row keys, no sample weights
+    shape = _backward_shape(out, 1, num_outputs, dim, dim, num_outputs, torch.int64, False, opt, num_rows)
     return BACKWARD_PATH_TUNER.launch(shape, run, out.device)
 
 

@@ -262,6 +262,27 @@ def _first_key(device: torch.device) -> Tensor:
     return torch.zeros(1, dtype=torch.int64, device=device)
 
 
+def _one_call(backend: str, device: torch.device, grad_rows: Optional[GradientRows], eager: bool):
+    """(the CUDA extension, pooled_cuda) where the eager backward may run in one extension call
+    (pooled_cuda.unpooled_backward; the caller checks that the CUDA backward covers its buffer): the
+    gradient rows known, the extension running the group's kernels; else None, and _as_pooled's
+    chain runs. The chain's Python and four crossings cost a host-bound sequence step tens of
+    microseconds (perf-notes v63)."""
+    if not eager or grad_rows is None:
+        return None
+    ext = _extension(backend, device)
+    return None if ext is None else (ext, pooled_embedding._cuda())
+
+
+def _run_one_call(one_call, out, states, hyper, step, grad_output, grad_rows: GradientRows, values, segments,
+                  feature_meta, dim, opt, zero_untouched=False) -> None:
+    ext, cuda = one_call
+    device, n, num_rows = out.device, grad_rows.num_outputs, out.numel() // dim
+    cuda.unpooled_backward(ext, out, states, hyper, step, grad_output, grad_rows.table, values.contiguous(), segments,
+                           feature_meta, n, dim, num_rows, _arange_prefix(n + 1, device, torch.int64),
+                           _whole_buffer_meta(device, dim, num_rows), _first_key(device), opt, zero_untouched)
+
+
 def _backward_impl(grad_output, values, segments, feature_meta, total_numel, dim, dtype, backend,
                    grad_rows: Optional[GradientRows] = None, eager: bool = False):
     """``grad_rows`` (the kernel backends only): where each output row's gradient starts, in
@@ -271,6 +292,13 @@ def _backward_impl(grad_output, values, segments, feature_meta, total_numel, dim
     if not _on_kernels(backend, grad_output.device) or num_outputs == 0:
         return unpooled_torch.backward(grad_output, values, segments, feature_meta, total_numel, dim, dtype)
     num_rows = total_numel // dim
+    one_call = _one_call(backend, grad_output.device, grad_rows, eager)
+    # (a new buffer is aligned; its zeros written outside the touched rows where a bitmap holds them)
+    if one_call is not None and dim <= one_call[1].MAX_DIM and num_rows <= one_call[1].BITMAP_MAX_ROWS:
+        grad = torch.empty(total_numel, dtype=dtype, device=grad_output.device)
+        _run_one_call(one_call, grad, [], None, None, grad_output, grad_rows, values, segments, feature_meta, dim, -1,
+                      zero_untouched=True)
+        return grad
     keys, offsets, meta, key_index, rows = _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
                                                       backend, grad_rows, eager)
     return pooled_embedding._backward_impl(grad_output, keys, offsets, None, meta, key_index, num_outputs, total_numel,
@@ -297,6 +325,11 @@ def _fused_update_impl(grad_output, flat, state1, state2, state1_is_row, hyper, 
         states = [t for t in (state1, state2) if t is not None]
         unpooled_torch.fused_update(grad_output, flat, states, [state1_is_row, False][:len(states)], hyper, step,
                                     values, segments, feature_meta, dim, optimizer)
+        return
+    one_call = _one_call(backend, flat.device, grad_rows, eager)
+    if one_call is not None and one_call[1].supports(flat, dim):
+        _run_one_call(one_call, flat, [t for t in (state1, state2) if t is not None], hyper, step, grad_output,
+                      grad_rows, values, segments, feature_meta, dim, optimizer)
         return
     num_rows = flat.numel() // dim
     keys, offsets, meta, key_index, rows = _as_pooled(values, segments, feature_meta, num_outputs, dim, num_rows,
