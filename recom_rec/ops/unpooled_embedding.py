@@ -276,6 +276,8 @@ def _one_call(backend: str, device: torch.device, grad_rows: Optional[GradientRo
 
 def _run_one_call(one_call, out, states, hyper, step, grad_output, grad_rows: GradientRows, values, segments,
                   feature_meta, dim, opt, zero_untouched=False) -> None:
+    """pooled_cuda.unpooled_backward (``one_call``: _one_call's) into ``out``, the flat buffer
+    (``opt`` >= 0) or a new dense gradient (``zero_untouched``), over the group's one-id bags."""
     ext, cuda = one_call
     device, n, num_rows = out.device, grad_rows.num_outputs, out.numel() // dim
     cuda.unpooled_backward(ext, out, states, hyper, step, grad_output, grad_rows.table, values.contiguous(), segments,
