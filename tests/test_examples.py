@@ -81,6 +81,7 @@ def test_dlrm_criteo_synthetic_learns_and_restores(tmp_path):
     assert "FusedEmbeddingOptimizer with state ['sum']" in out  # row-wise Adagrad, fused
 
 
+@pytest.mark.slow  # (24-27 s of a 2-core machine: make test-slow; make test stays under 10 min)
 def test_dlrm_criteo_ps_prefetch_trains_the_same_model(tmp_path):
     """--ps-prefetch stages the next batches' rows while one trains: the same held-out loss and
     AUC as staging each batch when it comes."""
@@ -143,6 +144,7 @@ def test_many_columns_inference_table(tmp_path):
     _png(tmp_path / "many_columns_inference.png")
 
 
+@pytest.mark.slow  # (24-27 s of a 2-core machine: make test-slow; make test stays under 10 min)
 def test_dlrm_criteo_with_large_tables_on_the_parameter_server(tmp_path):
     out = _run("dlrm_criteo.py", "--steps", "30", "--batch-size", "128", "--max-rows", "2000",
                "--eval-every", "15", "--eval-batches", "3", "--ps", "memory://criteo-test",
