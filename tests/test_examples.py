@@ -159,6 +159,7 @@ def test_dlrm_criteo_with_large_tables_on_the_parameter_server(tmp_path):
     assert last["loss"] < first["loss"], out
 
 
+@pytest.mark.slow  # (~20 s of a 2-core machine: make test-slow; make test stays under 10 min)
 def test_dlrm_criteo_reports_quantized_auc(tmp_path):
     out = _run("dlrm_criteo.py", "--steps", "60", "--batch-size", "128", "--max-rows", "500",
                "--eval-every", "60", "--eval-batches", "4", "--quantize", "int8", "int4", "--out", str(tmp_path))
