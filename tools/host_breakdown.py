@@ -1,4 +1,4 @@
-"""Where a drawn sequence layout's training step spends its host time, function by function:
+"""Where a drawn sequence layout's (or a VBE layout's) training step spends its host time, function by function:
 each function on the step's path is wrapped with a clock (inclusive microseconds a step, a call
 costing the wrapper well under a microsecond), and the steps run back to back as the benchmark's
 do. Unlike cProfile it does not inflate small calls, and unlike step_host_costs' isolated items it
@@ -6,6 +6,7 @@ sees each function inside the real step (perf-notes v61: isolated items with man
 CUDA's launch queue behind the held device and read 0.8 ms).
 
     python3 tools/host_breakdown.py [--layout SEED:INDEX] [--steps 300]
+    python3 tools/host_breakdown.py --vbe [SEED:INDEX]   # bench/vbe.py's workload, or a drawn VBE layout
 """
 import argparse
 import time
@@ -29,6 +30,47 @@ def _wrap(owner, name: str, label: str, static: bool = False) -> None:
             _CALLS[label] += 1
 
     setattr(owner, name, staticmethod(timed) if static else timed)
+
+
+def _vbe_targets():
+    """(owner, attribute, label) of each function on the eager VBE step's path (an
+    EmbeddingBagCollection of one group, fused SGD), outermost first."""
+    import recom_rec
+    from recom_rec.kernels import cuda_ext, pooled_cuda, selection
+    from recom_rec.modules import embedding_modules, flat_tables
+    from recom_rec.ops import expand_bags, pooled_embedding, variable_batch
+
+    t = [(torch.autograd, "backward", "torch.autograd.backward (the whole backward)"),
+         (recom_rec.EmbeddingBagCollection, "forward", "EmbeddingBagCollection.forward (the whole forward)"),
+         (flat_tables, "count_step", "    count_step"),
+         (embedding_modules, "_python_lookup", "    _python_lookup"),
+         (embedding_modules, "uniform_batch", "      uniform_batch"),
+         (variable_batch, "output_rows", "        output_rows"),
+         (variable_batch, "pad_to_uniform", "        pad_to_uniform"),
+         (embedding_modules, "check_inverse_indices", "      check_inverse_indices"),
+         (embedding_modules, "inverse_check", "      inverse_check"),
+         (embedding_modules, "_one_group_expansion", "      _one_group_expansion"),
+         (embedding_modules, "key_routing", "      key_routing"),
+         (embedding_modules, "pooled_lookup", "      pooled_lookup"),
+         (pooled_embedding, "_forward_impl", "        _forward_impl"),
+         (pooled_embedding, "kernel_report", "          kernel_report"),
+         (selection, "forward", "          selection.forward"),
+         (expand_bags.Expansion, "forward", "        Expansion.forward"),
+         (embedding_modules, "expand_rows_checked", "      expand_rows_checked (its own node)"),
+         (expand_bags.Expansion, "backward", "    Expansion.backward"),
+         (pooled_embedding, "_grads", "    _grads"),
+         (pooled_embedding, "_fused_update_impl", "      _fused_update_impl"),
+         (pooled_cuda, "_run_backward", "        pooled_cuda._run_backward")]
+    if cuda_ext.build_error() is None:
+        ext = cuda_ext.extension()
+        t += [(ext, "count_step", "      ext.count_step"),
+              (ext, "pooled_forward", "            ext.pooled_forward"),
+              (ext, "expand_rows_forward", "          ext.expand_rows_forward"),
+              (ext, "expand_rows_backward", "      ext.expand_rows_backward"),
+              (ext, "plan_backward", "          ext.plan_backward"),
+              (ext, "piece_update", "          ext.piece_update"),
+              (ext, "singleton_update", "          ext.singleton_update")]
+    return t
 
 
 def _targets():
@@ -69,19 +111,44 @@ def _targets():
     return t
 
 
+def vbe_peers(layout: str, device: torch.device):
+    """(workload, kjt, {name: peer}) of bench/vbe.py's workload ("named") or the drawn VBE layout
+    ``layout`` ("SEED:INDEX": random-vbe-INDEX of `bench --workloads random --seed SEED`): ours with
+    fused SGD, and fbgemm's raw VBE TBE where it runs."""
+    from recom_rec.bench import vbe
+    from recom_rec.bench.peers import fbgemm_available
+    from recom_rec.bench.random_layouts import random_unpooled_workloads
+
+    if layout == "named":
+        w = vbe.workloads(device.type == "cpu")[0]
+    else:
+        seed, index = (int(x) for x in layout.split(":"))
+        w = random_unpooled_workloads(seed, 8, device.type == "cpu")[1][index]
+    kjt = w.make_input(device)
+    names = ["recom_rec"] + (["fbgemm"] if device.type == "cuda" and fbgemm_available(device) else [])
+    return w, kjt, {n: vbe._make_peer(n, w, device, "sgd") for n in names}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layout", default="1517231538:1", metavar="SEED:INDEX",
                    help="the sequence layout random-seq-INDEX that `bench --workloads random --seed SEED` draws")
+    p.add_argument("--vbe", nargs="?", const="named", metavar="SEED:INDEX",
+                   help="a VBE step instead: bench/vbe.py's workload, or random-vbe-INDEX of seed SEED")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
 
-    from recom_rec.ops import unpooled_embedding
+    from recom_rec.ops import pooled_embedding, unpooled_embedding
     from step_host_costs import layout_peers
 
     device = torch.device(args.device)
-    w, kjt, peers = layout_peers(args.layout, device)
+    if args.vbe:
+        w, kjt, peers = vbe_peers(args.vbe, device)
+        targets, eager = _vbe_targets(), pooled_embedding._EagerLookup
+    else:
+        w, kjt, peers = layout_peers(args.layout, device)
+        targets, eager = _targets(), unpooled_embedding._EagerLookup
 
     def steps_us(peer, n: int) -> float:
         for _ in range(20):
@@ -101,12 +168,12 @@ def main() -> None:
     print(f"{w.label()}: {w.describe()}")
     for name, peer in peers.items():
         print(f"  {steps_us(peer, args.steps):8.1f} us a step, host issue, {name} (unwrapped)")
-    for owner, attr, label in _targets():
+    for owner, attr, label in targets:
         _wrap(owner, attr, label)
-    _wrap(unpooled_embedding._EagerLookup, "backward", "  _EagerLookup.backward", static=True)
+    _wrap(eager, "backward", "  _EagerLookup.backward", static=True)
     ours = steps_us(peers["recom_rec"], args.steps)
     print(f"  {ours:8.1f} us a step, host issue, recom_rec (wrapped); inclusive us a step, calls a step:")
-    order = [label for _, _, label in _targets()] + ["  _EagerLookup.backward"]
+    order = [label for _, _, label in targets] + ["  _EagerLookup.backward"]
     for label in sorted(_TOTAL, key=order.index):
         print(f"  {_TOTAL[label] * 1e6 / args.steps:8.1f}  {_CALLS[label] / args.steps:4.1f}  {label}")
 

@@ -38,8 +38,9 @@ from ..ops.tracing import fx_tracing
 from ..ops.plan import FusedStep, GroupPlan, LookupPlan, group_states
 from ..ops.pooled_embedding import load_kernels
 from ..ops.validation import encode_names
-from ..ops.variable_batch import (check_inverse_indices, expand_rows, expand_rows_checked, inverse_check,
-                                  uniform_batch)
+from ..ops.expand_bags import Expansion
+from ..ops.variable_batch import (check_inverse_indices, eager_expansion, expand_rows, expand_rows_checked,
+                                  inverse_check, uniform_batch)
 from ..optim.keyed import FusedEmbeddingOptimizer
 from ..optim.spec import FusedOptimizerSpec
 from .flat_tables import FlatTables, TableGroup
@@ -193,14 +194,27 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
     if plan.is_weighted and per_sample_weights is None:
         raise ValueError("the EmbeddingBagCollection is weighted but the KeyedJaggedTensor has no weights")
     batch = JaggedBatch(values, features.offsets(), per_sample_weights, features.stride())
+    # One group's output is the module's: its expansion runs inside the lookup's autograd node.
+    expansion = (_one_group_expansion(rows, plan, check, flats[0])
+                 if rows is not None and len(plan.groups) == 1 else None)
     outs: List[torch.Tensor] = []
     for g, group in enumerate(plan.groups):
         key_index, reads_each_key_once, names = key_routing(keys, group.features, group.tables, flats[g].device)
         # Every key read by exactly one feature: the lookups are the values (no sync to count them).
         routing = KeyRouting(key_index, names, values.numel() if reads_each_key_once else -1)
-        outs.append(pooled_lookup(weights[g], flats[g], metas[g], batch, routing, group, plan, fused, g))
+        outs.append(pooled_lookup(weights[g], flats[g], metas[g], batch, routing, group, plan, fused, g, expansion))
     out = _concat_groups(outs, output_columns)
-    return out if rows is None else expand_rows_checked(out, rows, plan.output_dims, plan.backend, check)
+    if rows is None or expansion is not None:
+        return out
+    return expand_rows_checked(out, rows, plan.output_dims, plan.backend, check)
+
+
+def _one_group_expansion(rows: torch.Tensor, plan: LookupPlan, check, flat: torch.Tensor) -> Optional[Expansion]:
+    """A one-group module's eager expansion (ops/variable_batch.eager_expansion), or None where it
+    runs on its own: compiled code, transforms, dispatch modes."""
+    if torch.compiler.is_compiling():
+        return None
+    return eager_expansion(rows, plan.output_dims, plan.backend, check, flat)
 
 
 # Per module plan (its output features' list, held so that the id is not reused): the names an

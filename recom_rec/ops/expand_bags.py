@@ -6,6 +6,7 @@ CUDA extension's where the lookup runs on it, csrc/lookup/expand.cu), elsewhere
 torch's gather and scatter-add, which are also their reference.
 """
 from functools import lru_cache
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -80,15 +81,22 @@ expand_bags.register_autograd(_backward, setup_context=_setup)
 # scripted, fake and dispatch-mode code keeps the registered ops. With ``dims_gcd`` > 0 (the
 # output's dims' greatest common divisor) the CUDA extension's kernels run it (csrc/lookup/expand.cu):
 # one C++ call each way instead of Triton's Python launches and torch's fills (perf-notes v54).
-#
-# ``check`` (the GPU's input check: each output feature's bags in this batch and the
-# input_check.KernelReport to report an inverse index outside them to) goes to the forward kernels.
-class _EagerExpandBags(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, pooled, inverse, col_feature, dims_gcd, check):
-        ctx.save_for_backward(inverse, col_feature)
-        ctx.num_bags = pooled.shape[0]
-        ctx.dims_gcd = dims_gcd
+# A module of one table group runs the expansion inside the lookup's own autograd node instead
+# (pooled_embedding.pooled_lookup with an Expansion): one node fewer a step.
+class Expansion(NamedTuple):
+    """An eager expansion's arguments: ``inverse [F, B]`` (int64), ``col_feature [C]``, ``dims_gcd``
+    (> 0: the CUDA extension's kernels) and ``check`` (the GPU's input check: each output feature's
+    bags in this batch and the input_check.KernelReport to report an inverse index outside them to,
+    or None)."""
+
+    inverse: Tensor
+    col_feature: Tensor
+    dims_gcd: int
+    check: Optional[tuple]
+
+    def forward(self, pooled: Tensor) -> Tensor:
+        """``[B, C]`` from ``pooled [S, C]`` (no autograd: the caller's node records it)."""
+        inverse, col_feature, dims_gcd, check = self
         if dims_gcd:
             whole = dims_gcd * pooled.element_size() % 16 == 0
             limits, claim, words = (check[0], check[1].claim, check[1].words) if check is not None else (None,) * 3
@@ -98,16 +106,28 @@ class _EagerExpandBags(torch.autograd.Function):
             return _triton().forward(pooled, inverse, col_feature, check)
         return _expand(pooled, inverse, col_feature)
 
+    def backward(self, grad: Tensor, num_bags: int) -> Tensor:
+        """``[num_bags, C]``: each output row's gradient added to its bag's row."""
+        inverse, col_feature, dims_gcd, _ = self
+        if dims_gcd and grad.dtype == torch.float32:
+            return _cuda_ext().expand_rows_backward(grad.contiguous(), inverse.contiguous(), col_feature, num_bags,
+                                                    dims_gcd % 4 == 0)
+        return _expand_backward(grad, inverse, col_feature, num_bags)
+
+
+class _EagerExpandBags(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pooled, inverse, col_feature, dims_gcd, check):
+        ctx.save_for_backward(inverse, col_feature)
+        ctx.num_bags = pooled.shape[0]
+        ctx.dims_gcd = dims_gcd
+        return Expansion(inverse, col_feature, dims_gcd, check).forward(pooled)
+
     @staticmethod
     @torch.autograd.function.once_differentiable  # (the op has no double backward either)
     def backward(ctx, grad):
         inverse, col_feature = ctx.saved_tensors
-        if ctx.dims_gcd and grad.dtype == torch.float32:
-            grad_pooled = _cuda_ext().expand_rows_backward(grad.contiguous(), inverse.contiguous(), col_feature,
-                                                           ctx.num_bags, ctx.dims_gcd % 4 == 0)
-        else:
-            grad_pooled = _expand_backward(grad, inverse, col_feature, ctx.num_bags)
-        return grad_pooled, None, None, None, None
+        return Expansion(inverse, col_feature, ctx.dims_gcd, None).backward(grad, ctx.num_bags), None, None, None, None
 
 
 _apply = super(torch.autograd.Function, _EagerExpandBags).apply

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import torch_backend
+from .expand_bags import Expansion, eager_expand_bags
 from .backends import resolve_backend
 from .input_check import kernel_report
 from .plan import FusedStep, GroupPlan, LookupPlan, group_states
@@ -371,23 +372,27 @@ class _EagerLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size, total_dim,
                 max_dim, backend, validate, names, optimizer, state1, state2, state1_is_row, hyper, step,
-                num_lookups, num_rows, report_id, table_runs, *weights):
+                num_lookups, num_rows, report_id, table_runs, expansion, *weights):
         out = _forward_impl(flat, values, offsets, per_sample_weights, feature_meta, key_index, batch_size,
                             total_dim, max_dim, backend, validate, names, report_id)
         _setup_context(ctx, (list(weights), flat, values, offsets, per_sample_weights, feature_meta, key_index,
                              batch_size, total_dim, max_dim, backend, validate, names, optimizer, state1, state2,
                              state1_is_row, hyper, step, num_lookups, num_rows, report_id), out)
         ctx.table_runs = table_runs
-        return out
+        # (held, not saved: the KJT's inverse indices and the module's columns are not changed in place)
+        ctx.expansion = expansion
+        return out if expansion is None else expansion.forward(out)
 
     @staticmethod
     def backward(ctx, grad_output):
+        if ctx.expansion is not None:
+            grad_output = ctx.expansion.backward(grad_output, ctx.batch_size)
         # needs_input_grad is per input of forward(): the weights come last, the sample weights 4th.
-        grad_weights, grad_psw = _grads(ctx, grad_output.contiguous(), any(ctx.needs_input_grad[22:]),
+        grad_weights, grad_psw = _grads(ctx, grad_output.contiguous(), any(ctx.needs_input_grad[23:]),
                                         ctx.needs_input_grad[3], as_ops=False)
         if grad_weights is None:
             grad_weights = [None] * len(ctx.tables)
-        return (None, None, None, grad_psw) + (None,) * 18 + tuple(grad_weights)
+        return (None, None, None, grad_psw) + (None,) * 19 + tuple(grad_weights)
 
 
 _PLAIN_TYPES = frozenset((type(None), torch.Tensor, torch.nn.Parameter))
@@ -443,19 +448,22 @@ def op_arguments(flat: Tensor, feature_meta: Tensor, batch: JaggedBatch, routing
 
 def pooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, batch: JaggedBatch,
                   routing: KeyRouting, group: GroupPlan, plan: LookupPlan, fused: Optional[FusedStep] = None,
-                  group_index: int = 0) -> Tensor:
+                  group_index: int = 0, expansion: Optional[Expansion] = None) -> Tensor:
     """``pooled_embedding_forward`` with its autograd formula for one group: through the registered
     op when traced or compiled, else through the same bodies at eager cost (see _EagerLookup).
     ``weights`` are what autograd differentiates against (the group's tables, or one anchor
-    tensor with a fused optimizer)."""
+    tensor with a fused optimizer). ``expansion`` (a variable batch's, of the group's whole
+    output: ops/variable_batch.eager_expansion) runs inside the eager lookup's autograd node, or
+    after the registered op in a node of its own."""
     args = op_arguments(flat, feature_meta, batch, routing, group, plan, fused, group_index)
     # The op's tensor arguments, flat first (op_arguments' positions 0-5, 13, 14, 16, 17).
     if _eager_ok(weights, *args[:6], args[13], args[14], args[16], args[17]):
         # Only the batch's tensors can be a finished functorch transform's (dead) wrappers: the
         # others are the module's own. Unwrapping just them, not all 20 arguments, saves a few us
         # a call (perf-notes v23).
-        return _eager_apply(flat, *_unwrap_batch(batch), *args[4:], group.table_runs, *weights)
-    return pooled_embedding_forward(weights, *args)
+        return _eager_apply(flat, *_unwrap_batch(batch), *args[4:], group.table_runs, expansion, *weights)
+    out = pooled_embedding_forward(weights, *args)
+    return out if expansion is None else eager_expand_bags(out, *expansion)
 
 
 def _unwrap_batch(batch: JaggedBatch) -> Tuple[Tensor, Tensor, Optional[Tensor]]:

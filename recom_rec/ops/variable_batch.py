@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .expand_bags import eager_expand_bags  # (and registers recom_rec::expand_bags)
+from .expand_bags import Expansion, eager_expand_bags  # (and registers recom_rec::expand_bags)
 from .input_check import kernel_report
 from .pooled_embedding import _cuda_builds, _eager_ok
 
@@ -161,11 +161,23 @@ def _eager_expand_rows(pooled: torch.Tensor, inverse: torch.Tensor, output_dims:
                        check) -> Optional[torch.Tensor]:
     """The expansion through the eager Function (the same bodies without the op's layers), or None
     where the registered op must run it (a transform or dispatch mode is active)."""
-    col_feature, dims_gcd = _cached_column_features(output_dims, pooled.device)
-    if not _eager_ok([], pooled, inverse, col_feature):
+    expansion = eager_expansion(inverse, output_dims, backend, check, pooled)
+    if expansion is None:
         return None
-    cuda = pooled.is_cuda and backend in ("auto", "cuda") and _cuda_builds()
-    return eager_expand_bags(pooled, inverse, col_feature, dims_gcd if cuda else 0, check)
+    return eager_expand_bags(pooled, expansion.inverse, expansion.col_feature, expansion.dims_gcd, check)
+
+
+def eager_expansion(inverse: torch.Tensor, output_dims: List[int], backend: str, check,
+                    pooled_like: torch.Tensor) -> Optional[Expansion]:
+    """The arguments of an eager expansion of rows pooled on ``pooled_like``'s device (the lookup's
+    output, or its flat buffer before the lookup), or None where the registered op must run it (a
+    transform or dispatch mode is active). ``inverse``: output_rows'; ``check``: inverse_check's."""
+    inverse = inverse.to(pooled_like.device)
+    col_feature, dims_gcd = _cached_column_features(output_dims, pooled_like.device)
+    if not _eager_ok([], pooled_like, inverse, col_feature):
+        return None
+    cuda = pooled_like.is_cuda and backend in ("auto", "cuda") and _cuda_builds()
+    return Expansion(torch._C._functorch.unwrap_if_dead(inverse), col_feature, dims_gcd if cuda else 0, check)
 
 
 def inverse_check(features: KeyedJaggedTensor, rows: Optional[torch.Tensor], output_features: List[str],
