@@ -48,6 +48,7 @@ LOOKUP_SOURCES = [
     "unpooled.cu",
     "unpooled_backward.cu",
     "expand.cu",
+    "pad_offsets.cu",
     "backward.cu",
     "backward_none.cu",
     "backward_sgd.cu",

@@ -205,3 +205,79 @@ def test_the_forward_reports_an_inverse_index_outside_its_feature_s_bags(run, wh
         torch.cuda.synchronize()
     expected = (0,) * 6 if bag is None else (4, f, b, bag, int(limits[f]), -1)
     assert tuple(int(w) for w in report.words) == expected
+
+
+def _padded_case(seed: int, dims, dtype):
+    """A lookup's pooled rows as a variable batch pads them: S == B rows, each feature's bags past
+    its own count empty (zeros). Features: identity (the full batch), permuted (the full batch),
+    fewer bags (shared), and the full batch whose rows take other features' bag counts."""
+    g = torch.Generator().manual_seed(seed)
+    batch = 53
+    counts, inverse = [], torch.empty(len(dims), batch, dtype=torch.int64)
+    for f in range(len(dims)):
+        kind = f % 3
+        if kind == 0:
+            counts.append(batch)
+            inverse[f] = torch.arange(batch)
+        elif kind == 1:
+            counts.append(batch)
+            inverse[f] = torch.randperm(batch, generator=g)
+        else:
+            counts.append(int(torch.randint(1, batch // 2, (1,), generator=g)))
+            inverse[f] = torch.randint(0, counts[-1], (batch,), generator=g)
+    col_feature = torch.repeat_interleave(torch.arange(len(dims), dtype=torch.int32), torch.tensor(dims))
+    pooled = torch.randn(batch, sum(dims), generator=g)
+    pooled[torch.arange(batch).unsqueeze(1) >= torch.tensor(counts)[col_feature.long()].unsqueeze(0)] = 0
+    return (pooled.to(DEVICE, dtype), inverse.to(DEVICE), col_feature.to(DEVICE),
+            torch.tensor(counts, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA kernels run on a GPU (CI compiles them: test_kernels_compile)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dims", [[4, 8, 16], [128, 128, 64, 32, 128], [3, 5, 1], [8, 24, 6, 12], [2, 2, 2, 2]])
+def test_the_in_place_expansion_gives_the_gathers_bits(dims, dtype):
+    """csrc/lookup/expand.cu's expansion in place (S == B: a one-group module's lookup output):
+    the gather's bits for identity, permuted and fewer-bag features; the moved flags it returns
+    give the backward the bits it finds without them (integer-valued gradients: exact sums)."""
+    import math
+
+    from recom_rec.kernels import cuda_ext
+
+    ext = cuda_ext.extension()
+    pooled, inverse, col_feature, counts = _padded_case(sum(dims), dims, dtype)
+    rows = inverse.index_select(0, col_feature.long()).t()
+    expected = pooled.gather(0, rows)
+    whole = math.gcd(*dims) * pooled.element_size() % 16 == 0
+    out, moved = ext.expand_rows_forward_in_place(pooled.clone(), inverse, col_feature, counts, whole, None, None)
+    assert torch.equal(out, expected)
+    assert moved.tolist() == [int(f % 3 != 0) for f in range(len(dims))]
+    if dtype == torch.float32:
+        grad = torch.randint(-8, 8, (inverse.shape[1], sum(dims)), device=DEVICE).float()
+        want = torch.zeros_like(pooled).scatter_add_(0, rows, grad)
+        for flags in (moved, None):
+            got = ext.expand_rows_backward(grad, inverse, col_feature, pooled.shape[0], math.gcd(*dims) % 4 == 0, flags)
+            assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA kernels run on a GPU")
+@pytest.mark.parametrize("where", ["padded", "past the bags", "negative", "none"])
+def test_the_in_place_expansion_reports_as_the_gather(where):
+    """In place, an inverse index outside its feature's bags is reported as the gather reports it
+    (kind 4, feature, output row, bag, limit), and the output keeps the gather's bits."""
+    from recom_rec.kernels import cuda_ext
+    from recom_rec.ops.input_check import KernelReport
+
+    dims = [4, 8, 4]
+    pooled, inverse, col_feature, counts = _padded_case(9, dims, torch.float32)
+    f, b = 2, 7  # (a fewer-bag feature)
+    bag = {"padded": int(counts[f]), "past the bags": pooled.shape[0] + 3, "negative": -2, "none": None}[where]
+    if bag is not None:
+        inverse[f, b] = bag
+    expected = cuda_ext.extension().expand_rows_forward(pooled, inverse, col_feature, False, None, None, None)
+    report = KernelReport(DEVICE, "")
+    out, _ = cuda_ext.extension().expand_rows_forward_in_place(pooled.clone(), inverse, col_feature, counts, True,
+                                                               report.claim, report.words)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+    want = (0,) * 6 if bag is None else (4, f, b, bag, int(counts[f]), -1)
+    assert tuple(int(w) for w in report.words) == want

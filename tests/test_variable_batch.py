@@ -301,8 +301,12 @@ def test_padded_offsets_are_the_padded_lengths_summed(strides, dtype):
     first = [sum(strides[:k]) for k in range(len(strides))]
     per_key = torch.tensor(first + strides, device=DEVICE)
     width, bags = max(strides), sum(strides)
-    for got in (pad_offsets_triton.pad_offsets(offsets, per_key, width, bags),
-                padded_offsets(offsets, per_key, width, bags)):
+    runs = [pad_offsets_triton.pad_offsets(offsets, per_key, width, bags), padded_offsets(offsets, per_key, width, bags)]
+    if DEVICE.type == "cuda":  # the CUDA extension's (csrc/lookup/pad_offsets.cu: the eager module's where loaded)
+        from recom_rec.kernels import cuda_ext
+
+        runs.append(cuda_ext.extension().pad_offsets(offsets, per_key, width, bags))
+    for got in runs:
         assert got.dtype == dtype and torch.equal(got, expected)
     # the module's path (on a GPU the kernel), from the VBE KJT
     kjt = KeyedJaggedTensor(keys=[f"f{k}" for k in range(len(strides))], values=torch.arange(int(offsets[-1]),

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <tuple>
 #include <vector>
 
 at::Tensor pooled_forward(const at::Tensor& flat, const at::Tensor& values, const at::Tensor& offsets,
@@ -44,8 +45,21 @@ void singleton_update(const at::Tensor& values, const at::Tensor& offsets, const
 at::Tensor expand_rows_forward(const at::Tensor& pooled, const at::Tensor& inverse, const at::Tensor& col_feature,
                                bool whole_chunks, const c10::optional<at::Tensor>& limits,
                                const c10::optional<at::Tensor>& claim, const c10::optional<at::Tensor>& report);
+// In place where the pooled rows are as many as the output's (S == B): `bags` (int64 [F]) each
+// feature's own bags, the check as above without limits (the bags are them); returns the output
+// (`pooled`) and each feature's moved flag (int32 [F]: 0 where every row b takes bag b), which the
+// backward may take instead of finding them again.
+std::tuple<at::Tensor, at::Tensor> expand_rows_forward_in_place(const at::Tensor& pooled, const at::Tensor& inverse,
+                                                                 const at::Tensor& col_feature, const at::Tensor& bags,
+                                                                 bool whole_chunks,
+                                                                 const c10::optional<at::Tensor>& claim,
+                                                                 const c10::optional<at::Tensor>& report);
 at::Tensor expand_rows_backward(const at::Tensor& grad, const at::Tensor& inverse, const at::Tensor& col_feature,
-                                int64_t num_bags, bool whole_chunks);
+                                int64_t num_bags, bool whole_chunks, const c10::optional<at::Tensor>& moved);
+
+// The variable-batch padding (pad_offsets.cu; recom_rec/ops/variable_batch.pad_to_uniform): a
+// KJT's offsets padded to `width` bags a key; `per_key` int64 [first; strides].
+at::Tensor pad_offsets(const at::Tensor& offsets, const at::Tensor& per_key, int64_t width, int64_t bags);
 
 // One optimizer's backward updates (backward_<optimizer>.cu): piece_update and singleton_update
 // with the kernels of that optimizer only.

@@ -22,7 +22,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan_backward", &plan_backward, "backward plan: expand, sort, pieces (CUDA)");
   m.def("zero_untouched_rows", &zero_untouched_rows, "dense backward: zeros outside the touched rows (CUDA)");
   m.def("expand_rows_forward", &expand_rows_forward, "variable batch: pooled bags to output rows (CUDA)");
-  m.def("expand_rows_backward", &expand_rows_backward, "variable batch: output rows' gradients to bags (CUDA)");
+  m.def("expand_rows_forward_in_place", &expand_rows_forward_in_place,
+        "variable batch: pooled bags to output rows in place, where they are as many (CUDA)");
+  m.def("expand_rows_backward", &expand_rows_backward, "variable batch: output rows' gradients to bags (CUDA)",
+        py::arg("grad"), py::arg("inverse"), py::arg("col_feature"), py::arg("num_bags"), py::arg("whole_chunks"),
+        py::arg("moved") = py::none());
+  m.def("pad_offsets", &pad_offsets, "variable batch: a KJT's offsets padded to a bag count a key (CUDA)");
   m.def("singleton_update", &singleton_update, "backward of the rows of one lookup, in bag order (CUDA)");
   m.def("pad_gradient_columns", &pad_gradient_columns, "backward: the gradient's columns to their padded columns (CUDA)");
   m.def("count_step", &count_step, "the fused optimizer's step counter plus one (CUDA)");

@@ -195,7 +195,7 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
         raise ValueError("the EmbeddingBagCollection is weighted but the KeyedJaggedTensor has no weights")
     batch = JaggedBatch(values, features.offsets(), per_sample_weights, features.stride())
     # One group's output is the module's: its expansion runs inside the lookup's autograd node.
-    expansion = (_one_group_expansion(rows, plan, check, flats[0])
+    expansion = (_one_group_expansion(unpadded, rows, plan, check, flats[0])
                  if rows is not None and len(plan.groups) == 1 else None)
     outs: List[torch.Tensor] = []
     for g, group in enumerate(plan.groups):
@@ -209,12 +209,14 @@ def _python_lookup(features: KeyedJaggedTensor, flats: List[torch.Tensor], weigh
     return expand_rows_checked(out, rows, plan.output_dims, plan.backend, check)
 
 
-def _one_group_expansion(rows: torch.Tensor, plan: LookupPlan, check, flat: torch.Tensor) -> Optional[Expansion]:
-    """A one-group module's eager expansion (ops/variable_batch.eager_expansion), or None where it
-    runs on its own: compiled code, transforms, dispatch modes."""
+def _one_group_expansion(features: KeyedJaggedTensor, rows: torch.Tensor, plan: LookupPlan, check,
+                         flat: torch.Tensor) -> Optional[Expansion]:
+    """A one-group module's eager expansion (ops/variable_batch.eager_expansion) of the batch
+    ``features`` (unpadded), or None where it runs on its own: compiled code, transforms, dispatch
+    modes."""
     if torch.compiler.is_compiling():
         return None
-    return eager_expansion(rows, plan.output_dims, plan.backend, check, flat)
+    return eager_expansion(rows, plan.output_dims, plan.backend, check, flat, features, plan.output_features)
 
 
 # Per module plan (its output features' list, held so that the id is not reused): the names an

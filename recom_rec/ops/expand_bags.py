@@ -6,7 +6,7 @@ CUDA extension's where the lookup runs on it, csrc/lookup/expand.cu), elsewhere
 torch's gather and scatter-add, which are also their reference.
 """
 from functools import lru_cache
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -85,33 +85,41 @@ expand_bags.register_autograd(_backward, setup_context=_setup)
 # (pooled_embedding.pooled_lookup with an Expansion): one node fewer a step.
 class Expansion(NamedTuple):
     """An eager expansion's arguments: ``inverse [F, B]`` (int64), ``col_feature [C]``, ``dims_gcd``
-    (> 0: the CUDA extension's kernels) and ``check`` (the GPU's input check: each output feature's
+    (> 0: the CUDA extension's kernels), ``check`` (the GPU's input check: each output feature's
     bags in this batch and the input_check.KernelReport to report an inverse index outside them to,
-    or None)."""
+    or None) and ``bags`` (each output feature's bags in this batch, int64 on the device, where
+    ``dims_gcd`` > 0; else None)."""
 
     inverse: Tensor
     col_feature: Tensor
     dims_gcd: int
     check: Optional[tuple]
+    bags: Optional[Tensor] = None
 
-    def forward(self, pooled: Tensor) -> Tensor:
-        """``[B, C]`` from ``pooled [S, C]`` (no autograd: the caller's node records it)."""
-        inverse, col_feature, dims_gcd, check = self
+    def forward(self, pooled: Tensor, owned: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """(``[B, C]`` from ``pooled [S, C]``, the moved flags for ``backward`` or None), without
+        autograd: the caller's node records it. ``owned``: ``pooled`` is the caller's own, which the
+        CUDA kernels may expand in place where S == B (csrc/lookup/expand.cu)."""
+        inverse, col_feature, dims_gcd, check, bags = self
         if dims_gcd:
             whole = dims_gcd * pooled.element_size() % 16 == 0
-            limits, claim, words = (check[0], check[1].claim, check[1].words) if check is not None else (None,) * 3
+            claim, words = (check[1].claim, check[1].words) if check is not None else (None, None)
+            if owned and bags is not None and pooled.shape[0] == inverse.shape[1] and pooled.is_contiguous():
+                return _cuda_ext().expand_rows_forward_in_place(pooled, inverse.contiguous(), col_feature, bags, whole,
+                                                                claim, words)
+            limits = check[0] if check is not None else None
             return _cuda_ext().expand_rows_forward(pooled.contiguous(), inverse.contiguous(), col_feature, whole,
-                                                   limits, claim, words)
+                                                   limits, claim, words), None
         if check is not None and pooled.is_cuda and pooled.dtype != torch.float64:
-            return _triton().forward(pooled, inverse, col_feature, check)
-        return _expand(pooled, inverse, col_feature)
+            return _triton().forward(pooled, inverse, col_feature, check), None
+        return _expand(pooled, inverse, col_feature), None
 
-    def backward(self, grad: Tensor, num_bags: int) -> Tensor:
-        """``[num_bags, C]``: each output row's gradient added to its bag's row."""
-        inverse, col_feature, dims_gcd, _ = self
+    def backward(self, grad: Tensor, num_bags: int, moved: Optional[Tensor] = None) -> Tensor:
+        """``[num_bags, C]``: each output row's gradient added to its bag's row (``moved``: forward's)."""
+        inverse, col_feature, dims_gcd = self.inverse, self.col_feature, self.dims_gcd
         if dims_gcd and grad.dtype == torch.float32:
             return _cuda_ext().expand_rows_backward(grad.contiguous(), inverse.contiguous(), col_feature, num_bags,
-                                                    dims_gcd % 4 == 0)
+                                                    dims_gcd % 4 == 0, moved)
         return _expand_backward(grad, inverse, col_feature, num_bags)
 
 
@@ -121,7 +129,7 @@ class _EagerExpandBags(torch.autograd.Function):
         ctx.save_for_backward(inverse, col_feature)
         ctx.num_bags = pooled.shape[0]
         ctx.dims_gcd = dims_gcd
-        return Expansion(inverse, col_feature, dims_gcd, check).forward(pooled)
+        return Expansion(inverse, col_feature, dims_gcd, check).forward(pooled)[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # (the op has no double backward either)

@@ -381,12 +381,15 @@ class _EagerLookup(torch.autograd.Function):
         ctx.table_runs = table_runs
         # (held, not saved: the KJT's inverse indices and the module's columns are not changed in place)
         ctx.expansion = expansion
-        return out if expansion is None else expansion.forward(out)
+        if expansion is None:
+            return out
+        out, ctx.moved = expansion.forward(out, owned=True)
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
         if ctx.expansion is not None:
-            grad_output = ctx.expansion.backward(grad_output, ctx.batch_size)
+            grad_output = ctx.expansion.backward(grad_output, ctx.batch_size, ctx.moved)
         # needs_input_grad is per input of forward(): the weights come last, the sample weights 4th.
         grad_weights, grad_psw = _grads(ctx, grad_output.contiguous(), any(ctx.needs_input_grad[23:]),
                                         ctx.needs_input_grad[3], as_ops=False)
@@ -463,7 +466,9 @@ def pooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, bat
         # a call (perf-notes v23).
         return _eager_apply(flat, *_unwrap_batch(batch), *args[4:], group.table_runs, expansion, *weights)
     out = pooled_embedding_forward(weights, *args)
-    return out if expansion is None else eager_expand_bags(out, *expansion)
+    if expansion is None:
+        return out
+    return eager_expand_bags(out, expansion.inverse, expansion.col_feature, expansion.dims_gcd, expansion.check)
 
 
 def _unwrap_batch(batch: JaggedBatch) -> Tuple[Tensor, Tensor, Optional[Tensor]]:

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ..kernels import cuda_ext
 from .expand_bags import Expansion, eager_expand_bags  # (and registers recom_rec::expand_bags)
 from .input_check import kernel_report
 from .pooled_embedding import _cuda_builds, _eager_ok
@@ -58,7 +59,11 @@ def pad_to_uniform(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
     elif torch.compiler.is_compiling():
         padded = padded_offsets(offsets, per_key, width, bags)
     elif offsets.is_cuda and _eager_ok([], offsets, per_key):  # one launch, not the torch version's five
-        padded = _pad_offsets_triton().pad_offsets(offsets, per_key, width, bags)
+        ext = cuda_ext.loaded()  # (its C++ call costs the host less than Triton's launch: perf-notes v64)
+        if ext is not None:
+            padded = ext.pad_offsets(offsets.contiguous(), per_key, width, bags)
+        else:
+            padded = _pad_offsets_triton().pad_offsets(offsets, per_key, width, bags)
     else:
         padded = padded_offsets(offsets, per_key, width, bags)
     return KeyedJaggedTensor(keys=features.keys(), values=features.values(), weights=features.weights_or_none(),
@@ -168,16 +173,33 @@ def _eager_expand_rows(pooled: torch.Tensor, inverse: torch.Tensor, output_dims:
 
 
 def eager_expansion(inverse: torch.Tensor, output_dims: List[int], backend: str, check,
-                    pooled_like: torch.Tensor) -> Optional[Expansion]:
+                    pooled_like: torch.Tensor, features: Optional[KeyedJaggedTensor] = None,
+                    output_features: Optional[List[str]] = None) -> Optional[Expansion]:
     """The arguments of an eager expansion of rows pooled on ``pooled_like``'s device (the lookup's
     output, or its flat buffer before the lookup), or None where the registered op must run it (a
-    transform or dispatch mode is active). ``inverse``: output_rows'; ``check``: inverse_check's."""
+    transform or dispatch mode is active). ``inverse``: output_rows'; ``check``: inverse_check's.
+    With the (unpadded) ``features`` and ``output_features``, the CUDA kernels also get each output
+    feature's bags (Expansion.bags: they may then expand in place)."""
     inverse = inverse.to(pooled_like.device)
     col_feature, dims_gcd = _cached_column_features(output_dims, pooled_like.device)
     if not _eager_ok([], pooled_like, inverse, col_feature):
         return None
     cuda = pooled_like.is_cuda and backend in ("auto", "cuda") and _cuda_builds()
-    return Expansion(torch._C._functorch.unwrap_if_dead(inverse), col_feature, dims_gcd if cuda else 0, check)
+    bags = None
+    if cuda and check is not None:
+        bags = check[0]  # (inverse_check's limits are these bags)
+    elif cuda and features is not None and output_features is not None:
+        bags = _device_ints(output_bags(features, output_features), pooled_like.device)
+    return Expansion(torch._C._functorch.unwrap_if_dead(inverse), col_feature, dims_gcd if cuda else 0, check, bags)
+
+
+def output_bags(features: KeyedJaggedTensor, output_features: List[str]) -> List[int]:
+    """Each output feature's bags in this batch (its key's stride; a key the KJT lacks is the
+    lookup's error, raised before an expansion: 2**62 here, no limit)."""
+    keys = features.keys()
+    strides = features.stride_per_key() if features.variable_stride_per_key() else [features.stride()] * len(keys)
+    stride_of = dict(zip(keys, strides))
+    return [stride_of.get(name.split("@")[0], 2 ** 62) for name in output_features]
 
 
 def inverse_check(features: KeyedJaggedTensor, rows: Optional[torch.Tensor], output_features: List[str],
@@ -192,11 +214,7 @@ def inverse_check(features: KeyedJaggedTensor, rows: Optional[torch.Tensor], out
     report = kernel_report(flat, names, report_id)
     if report is None:  # (a CUDA graph being captured before the slot exists)
         return None
-    keys = features.keys()
-    strides = features.stride_per_key() if features.variable_stride_per_key() else [features.stride()] * len(keys)
-    stride_of = dict(zip(keys, strides))
-    # (a key the KJT lacks is the lookup's error, raised before the expansion: no limit here)
-    limits = [stride_of.get(name.split("@")[0], 2 ** 62) for name in output_features]
+    limits = output_bags(features, output_features)
     if rows.shape[1] and 0 in limits:  # known here: a feature without bags has no index to give a row
         key = output_features[limits.index(0)].split("@")[0]
         raise ValueError(f"KeyedJaggedTensor inverse_indices of feature {key!r} send output rows to its bags, but "
