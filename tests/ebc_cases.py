@@ -3,6 +3,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional
 
+import pytest
 import torch
 from hypothesis import strategies as st
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
@@ -12,6 +13,9 @@ from torchrec.modules.embedding_configs import DataType
 # The suite runs on the CPU by default (Triton under its interpreter); RECOM_TEST_DEVICE=cuda runs
 # the same tests with CUDA tensors on the GPU machine.
 DEVICE = torch.device(os.environ.get("RECOM_TEST_DEVICE", "cpu"))
+# A long multi-process or interpreter check: on the CPU `make test-slow` runs it (CI too), keeping
+# `make test` under its 10 minutes; the GPU suite keeps running it in one process with the rest.
+SLOW_ON_CPU = pytest.mark.slow if DEVICE.type == "cpu" else pytest.mark.usefixtures()
 # The backends whose kernels the suite checks: the CUDA C++ kernels need a GPU (on the CPU, CI
 # compiles them with nvcc instead: tests/test_kernels_compile.py).
 KERNEL_BACKENDS = ["torch", "triton"] + (["cuda"] if DEVICE.type == "cuda" else [])

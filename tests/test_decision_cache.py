@@ -10,6 +10,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 import recom_rec
 from recom_rec.kernels.decision_cache import ENV, FILE_NAME, DecisionCache, shape_class
 from recom_rec.kernels.launch_tuner import ForwardLaunchShape
+from ebc_cases import SLOW_ON_CPU
 from test_launch_tuner import B, F, FakeStream, launch, shape
 
 DEVICE = torch.device("cpu")
@@ -79,6 +80,7 @@ def _record(path: str, k: int) -> None:
         cache.record("forward", torch.device("cpu"), s, f"choice {k}")
 
 
+@SLOW_ON_CPU
 def test_processes_writing_at_once_lose_no_decision(tmp_path):
     """Ranks deciding together: every process's decisions end up in the file."""
     path = str(tmp_path / FILE_NAME)

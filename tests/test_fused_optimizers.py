@@ -11,7 +11,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.optim import RowWiseAdagrad
 
 import recom_rec
-from ebc_cases import DEVICE, KERNEL_BACKENDS, make_kjt
+from ebc_cases import DEVICE, KERNEL_BACKENDS, SLOW_ON_CPU, make_kjt
 
 BACKENDS = KERNEL_BACKENDS
 
@@ -357,25 +357,24 @@ def _hot_row_batch(seed: int, reads) -> KeyedJaggedTensor:
 # pieces of 32; on the CUDA backend a row whose pieces one group would add in a chain of more than
 # 64 loads (more than 512 pieces at dims <= 128, 32 at <= 512, 16 above) has them added by a block
 # (long_row_kernel), shorter ones by one group: each case has rows just over and at that bound.
-# Under the Triton interpreter each case takes ~15 s: the CPU's `make test` runs the first with two
-# of the optimizers, `make test-slow` the rest.
-_SLOW_ON_CPU = pytest.mark.slow if DEVICE.type == "cpu" else ()
+# Under the Triton interpreter each case takes ~15 s: the CPU's `make test` runs the first with the
+# dense gradient, `make test-slow` the rest.
 MANY_PIECES = [
     ((8, 33), (2100, 1024, 1025, 33, 1, 0)),  # 1 float4 a lane, unaligned rows: every row by one group
     pytest.param((4, 16), (2100, 1024, 1025, 33, 1, 0),  # groups of 4 lanes: each lane its own lookups
-                 marks=_SLOW_ON_CPU),
+                 marks=SLOW_ON_CPU),
     pytest.param((100, 256), (2100, 1024, 1025, 33, 1, 0),  # 4 float4: 66 and 33 pieces by a block, 32 by a group
-                 marks=_SLOW_ON_CPU),
+                 marks=SLOW_ON_CPU),
     pytest.param((12, 516), (1100, 512, 513, 33, 1, 0),  # 8 float4: 35 and 17 pieces by a block, 16 by a group
-                 marks=_SLOW_ON_CPU),
+                 marks=SLOW_ON_CPU),
     pytest.param((8, 32), (20000, 16384, 16385, 33, 1), marks=pytest.mark.skipif(
         DEVICE.type != "cuda", reason="1 float4 a lane: rows of 513+ pieces, ~50k lookups, too slow for the "
         "Triton interpreter; the CUDA backend's block path (RECOM_TEST_DEVICE=cuda)")),
 ]
 
 
-@pytest.mark.parametrize("optimizer", [None, pytest.param("sgd", marks=_SLOW_ON_CPU), "rowwise_adagrad",
-                                       pytest.param("adam", marks=_SLOW_ON_CPU)])
+@pytest.mark.parametrize("optimizer", [None] + [pytest.param(o, marks=SLOW_ON_CPU)
+                                              for o in ("sgd", "rowwise_adagrad", "adam")])
 @pytest.mark.parametrize("dims,reads", MANY_PIECES)
 def test_rows_of_many_pieces_match_torch_backend_and_repeat_bit_for_bit(optimizer, dims, reads):
     # The hot rows' run starts after the cold table's lookups, at a position that is no multiple

@@ -6,7 +6,7 @@ loaded at 1 and at every GPU)."""
 import torch
 import torch.multiprocessing as mp
 
-from ebc_cases import DEVICE
+from ebc_cases import DEVICE, SLOW_ON_CPU
 from tests.distributed._reshard_workers import run
 from tests.distributed._workers import free_port
 
@@ -19,6 +19,7 @@ def _spawn(world, phase, path, backend):
     mp.spawn(run, args=(world, free_port(), phase, CASES, str(path), backend), nprocs=world, join=True)
 
 
+@SLOW_ON_CPU
 def test_checkpoint_saved_at_one_world_size_loads_at_others(tmp_path):
     if DEVICE.type == "cuda":
         gpus, backend = torch.cuda.device_count(), "nccl"

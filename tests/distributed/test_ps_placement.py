@@ -15,7 +15,7 @@ from recom_rec.distributed.planner import build_plan
 from recom_rec.distributed.ps_placement import PS_KERNEL
 from tests.distributed._ps_workers import CAP, REMOTE, run, tables
 from tests.distributed._workers import free_port
-from ebc_cases import DEVICE
+from ebc_cases import DEVICE, SLOW_ON_CPU
 
 # The world of two: NCCL over two GPUs when the suite runs with CUDA tensors on a host that has them
 # (each rank's row cache in its GPU); gloo on the CPU otherwise.
@@ -70,6 +70,7 @@ def test_world_2_ps_shards_take_variable_batch_per_feature():
     mp.spawn(run, args=(2, free_port(), ["planner", "column_wise"], None, None, True, BACKEND), nprocs=2, join=True)
 
 
+@SLOW_ON_CPU
 def test_world_2_ps_shards_share_one_redis_cluster_through_a_master_restart(tmp_path):
     """The planner's PS shards of both ranks in one real 3-master redis+cluster:// store (append-only
     files on); before step 1 a master is killed (SIGKILL), and restarted 1.5 s into that step: the

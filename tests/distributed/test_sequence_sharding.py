@@ -6,7 +6,7 @@ whole batch, feature by feature and table by table."""
 import torch
 import torch.multiprocessing as mp
 
-from ebc_cases import DEVICE
+from ebc_cases import DEVICE, SLOW_ON_CPU
 from tests.distributed._ec_workers import run_cases
 from tests.distributed._workers import free_port, two_rank_world
 
@@ -25,6 +25,7 @@ def test_every_sharding_type_matches_the_unsharded_module():
     mp.spawn(run_cases, args=(world, free_port(), CASES, backend), nprocs=world, join=True)
 
 
+@SLOW_ON_CPU
 def test_world_3_mixed_plan():
     if DEVICE.type == "cuda" and torch.cuda.device_count() < 3:
         world, backend = torch.cuda.device_count(), "nccl"

@@ -6,7 +6,7 @@ group and runs several plans in it (imports dominate the cost on a 2-core machin
 import torch
 import torch.multiprocessing as mp
 
-from ebc_cases import DEVICE
+from ebc_cases import DEVICE, SLOW_ON_CPU
 from tests.distributed._workers import free_port, run_cases
 
 EVERY_SHARDING_TYPE = [
@@ -45,6 +45,7 @@ def test_world_2_every_sharding_type():
     _spawn(2, EVERY_SHARDING_TYPE)
 
 
+@SLOW_ON_CPU
 def test_world_3_mixed_plans():
     _spawn(3, [
         ("mixed", "apply_optimizer_in_backward"),
@@ -57,6 +58,7 @@ def test_world_3_mixed_plans():
     ])
 
 
+@SLOW_ON_CPU
 def test_checkpoint_round_trip_world_3(tmp_path):
     """torch.distributed.checkpoint save of the sharded state_dict, load into a differently
     initialised sharded model: same weights and outputs (the directory is shared by the ranks)."""
