@@ -21,6 +21,7 @@ import torch
 
 from step_host_costs import layout_peers
 
+from recom_rec.bench.timing import settle
 from recom_rec.modules import embedding_collection
 from recom_rec.ops import unpooled_embedding
 
@@ -63,6 +64,9 @@ def main() -> None:
         ours = peers.pop("recom_rec")
         arms = {**{name: ours for name in args.arms}, **peers}
         times = {name: [] for name in arms}
+        for name, peer in arms.items():  # every arm's tuners decided first: no paced trial in a round
+            use_arm(name)
+            settle(lambda: peer.train_step(kjt), device, 5)
         for r in range(args.rounds + 1):
             for name, peer in arms.items():
                 use_arm(name)

@@ -19,6 +19,7 @@ import torch
 from host_breakdown import vbe_peers
 from sequence_arms_ab import step_us
 
+from recom_rec.bench.timing import settle
 from recom_rec.modules import embedding_modules
 
 _ONE_NODE = embedding_modules._one_group_expansion
@@ -44,6 +45,9 @@ def main() -> None:
         ours = peers.pop("recom_rec")
         arms = {**{name: ours for name in args.arms}, **peers}
         times = {name: [] for name in arms}
+        for name, peer in arms.items():  # every arm's tuners decided first: no paced trial in a round
+            use_arm(name)
+            settle(lambda: peer.train_step(kjt), device, 5)
         for r in range(args.rounds + 1):
             for name, peer in arms.items():
                 use_arm(name)
