@@ -42,6 +42,7 @@ def test_bench_runs_small_workloads_and_the_ps_workload(tmp_path):
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_backward_phase_reports_each_of_ours_against_its_byte_floor(tmp_path):
     """``--phases backward``: ours' dense-gradient steps beside the floor of moving the gradient's
     and the output gradient's bytes once at the measured copy rate."""

@@ -1,10 +1,12 @@
 """--phases cold on the CPU: each peer's first calls timed in a fresh process."""
+import pytest
 import torch
 
 from recom_rec.bench.cold import format_cold, run_cold, summarize_cold
 from recom_rec.bench.random_layouts import random_workloads
 
 
+@pytest.mark.slow  # (two child processes: make test-slow)
 def test_cold_rows_sum_the_first_calls_of_fresh_processes_over_a_drawn_layout(capsys):
     """One test, two children (each imports the whole stack: ~20 s on the GPU machine): a drawn
     layout, drawn again in each child from the seed; the spans, each row printed as its process

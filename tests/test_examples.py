@@ -70,6 +70,7 @@ def _check_dlrm(out_dir, out, metrics):
     _png(out_dir / "dlrm_criteo.png")
 
 
+@pytest.mark.slow
 def test_dlrm_criteo_synthetic_learns_and_restores(tmp_path):
     out = _run("dlrm_criteo.py", "--steps", "60", "--batch-size", "128", "--max-rows", "500",
                "--eval-every", "30", "--eval-batches", "4", "--out", str(tmp_path))

@@ -7,7 +7,7 @@ from torchrec import KeyedJaggedTensor
 from torchrec.modules.embedding_configs import DataType
 
 import recom_rec
-from ebc_cases import DEVICE, KERNEL_BACKENDS, Case, cases, make_kjt
+from ebc_cases import DEVICE, KERNEL_BACKENDS, SLOW_ON_CPU, Case, cases, make_kjt
 from torchrec import EmbeddingBagConfig, PoolingType
 from recom_rec.ops.reference import reference_pooled
 
@@ -121,6 +121,7 @@ def test_all_bags_empty(backend):
 
 
 @pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if b != "torch"])
+@SLOW_ON_CPU
 def test_one_row_read_more_often_than_a_planning_block_holds(backend):
     # ~2,700 lookups of a single row next to a table of ordinary rows: whole blocks of the backward's
     # planning kernel lie inside one row's run, so they find the row's start by the shared search.

@@ -65,6 +65,7 @@ def test_world_2_ps_shards_train_like_the_unsharded_module():
     mp.spawn(run, args=(2, free_port(), ["planner", "column_wise"], None, None, False, BACKEND), nprocs=2, join=True)
 
 
+@SLOW_ON_CPU
 def test_world_2_ps_shards_take_variable_batch_per_feature():
     # VBE KJTs (torchrec's stride_per_key_per_rank and inverse indices) through the same plans
     mp.spawn(run, args=(2, free_port(), ["planner", "column_wise"], None, None, True, BACKEND), nprocs=2, join=True)

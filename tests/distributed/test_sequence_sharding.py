@@ -35,6 +35,7 @@ def test_world_3_mixed_plan():
              nprocs=world, join=True)
 
 
+@SLOW_ON_CPU
 def test_checkpoint_round_trip(tmp_path):
     """torch.distributed.checkpoint of the sharded EmbeddingCollection: saved after a step, loaded
     into a differently initialised sharded model (the directory is shared by the ranks)."""
@@ -43,6 +44,7 @@ def test_checkpoint_round_trip(tmp_path):
     mp.spawn(run_cases, args=(world, free_port(), cases, backend), nprocs=world, join=True)
 
 
+@SLOW_ON_CPU
 def test_a_batch_size_per_feature_through_every_sharding_type():
     """VBE KJTs (bags per key differing by key and rank) through the sharded EmbeddingCollection:
     each feature's rows as the unsharded module's, and the same weights after fused steps."""

@@ -5,7 +5,7 @@ steps equal the unsharded module fed every rank's bags at once (tests/distribute
 import torch
 import torch.multiprocessing as mp
 
-from ebc_cases import DEVICE
+from ebc_cases import DEVICE, SLOW_ON_CPU
 from tests.distributed._vbe_workers import run_vbe_cases
 from tests.distributed._workers import free_port
 
@@ -32,6 +32,7 @@ def _spawn(world, cases, backend):
     mp.spawn(run_vbe_cases, args=(world, free_port(), cases, backend), nprocs=world, join=True)
 
 
+@SLOW_ON_CPU
 def test_world_2_every_sharding_type():
     _spawn(2, EVERY_SHARDING_TYPE, "gloo")
 

@@ -8,7 +8,7 @@ NCCL when the suite runs with RECOM_TEST_DEVICE=cuda). One spawn runs several ca
 import pytest
 import torch.multiprocessing as mp
 
-from ebc_cases import DEVICE
+from ebc_cases import DEVICE, SLOW_ON_CPU
 from tests.distributed._workers import free_port, two_rank_world
 from tests.distributed._wrapped_workers import run_wrapped
 
@@ -23,6 +23,7 @@ CASES = [
 
 
 @pytest.mark.timeout(600)
+@SLOW_ON_CPU
 def test_wrapped_modules_world_2():
     world, backend = two_rank_world(DEVICE)
     # A fused optimizer with per-row state, whose rows the eviction resets: fbgemm's reset
