@@ -61,28 +61,37 @@ def main() -> None:
     device = torch.device(args.device)
     for layout in args.layouts:
         w, kjt, peers = layout_peers(layout, device)
-        ours = peers.pop("recom_rec")
-        arms = {**{name: ours for name in args.arms}, **peers}
-        times = {name: [] for name in arms}
-        for name, peer in arms.items():  # every arm's tuners decided first: no paced trial in a round
-            use_arm(name)
-            settle(lambda: peer.train_step(kjt), device, 5)
-        for r in range(args.rounds + 1):
-            for name, peer in arms.items():
-                use_arm(name)
-                step_us(peer, kjt, max(1, args.steps // 10), device)
-                t = step_us(peer, kjt, args.steps, device)
-                if r > 0:
-                    times[name].append(t)
-        use_arm("ext")
-        print(f"{w.label()} ({layout}): {w.describe()}")
-        median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-        base = median.get("fbgemm")
-        for name, t in times.items():
-            ratio = f"  {base / median[name]:.2f}x fbgemm" if base else ""
-            print(f"  {name:10s} median {median[name]:8.1f} us a step{ratio}   rounds: "
-                  + " ".join(f"{x:.0f}" for x in t))
+        compare_arms(f"{w.label()} ({layout}): {w.describe()}", kjt, peers, args.arms, use_arm, "ext", args.steps,
+                     args.rounds, device)
 
+
+def compare_arms(label: str, kjt, peers: dict, arms_wanted, use_arm, default_arm: str, steps: int, rounds: int,
+                 device: torch.device) -> None:
+    """Our peer (``peers["recom_rec"]``) under each of ``arms_wanted`` (``use_arm(name)`` points the
+    module at one; ``default_arm`` after) and the other peers, every arm settled first, then
+    ``rounds`` rounds of ``steps`` steps each after a warm-up round; prints each arm's median beside
+    fbgemm's."""
+    ours = peers.pop("recom_rec")
+    arms = {**{name: ours for name in arms_wanted}, **peers}
+    times = {name: [] for name in arms}
+    for name, peer in arms.items():  # every arm's tuners decided first: no paced trial in a round
+        use_arm(name)
+        settle(lambda: peer.train_step(kjt), device, 5)
+    for r in range(rounds + 1):
+        for name, peer in arms.items():
+            use_arm(name)
+            step_us(peer, kjt, max(1, steps // 10), device)
+            t = step_us(peer, kjt, steps, device)
+            if r > 0:
+                times[name].append(t)
+    use_arm(default_arm)
+    print(label)
+    median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    base = median.get("fbgemm")
+    for name, t in times.items():
+        ratio = f"  {base / median[name]:.2f}x fbgemm" if base else ""
+        print(f"  {name:10s} median {median[name]:8.1f} us a step{ratio}   rounds: "
+              + " ".join(f"{x:.0f}" for x in t))
 
 if __name__ == "__main__":
     main()

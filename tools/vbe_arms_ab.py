@@ -17,9 +17,8 @@ import argparse
 import torch
 
 from host_breakdown import vbe_peers
-from sequence_arms_ab import step_us
+from sequence_arms_ab import compare_arms
 
-from recom_rec.bench.timing import settle
 from recom_rec.modules import embedding_modules
 
 _ONE_NODE = embedding_modules._one_group_expansion
@@ -42,28 +41,8 @@ def main() -> None:
     device = torch.device(args.device)
     for layout in args.layouts:
         w, kjt, peers = vbe_peers(layout, device)
-        ours = peers.pop("recom_rec")
-        arms = {**{name: ours for name in args.arms}, **peers}
-        times = {name: [] for name in arms}
-        for name, peer in arms.items():  # every arm's tuners decided first: no paced trial in a round
-            use_arm(name)
-            settle(lambda: peer.train_step(kjt), device, 5)
-        for r in range(args.rounds + 1):
-            for name, peer in arms.items():
-                use_arm(name)
-                step_us(peer, kjt, max(1, args.steps // 10), device)
-                t = step_us(peer, kjt, args.steps, device)
-                if r > 0:
-                    times[name].append(t)
-        use_arm("one-node")
-        print(f"{w.label()} ({layout}, {kjt.values().numel():,} ids): {w.describe()}")
-        median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-        base = median.get("fbgemm")
-        for name, t in times.items():
-            ratio = f"  {base / median[name]:.2f}x fbgemm" if base else ""
-            print(f"  {name:10s} median {median[name]:8.1f} us a step{ratio}   rounds: "
-                  + " ".join(f"{x:.0f}" for x in t))
-
+        compare_arms(f"{w.label()} ({layout}, {kjt.values().numel():,} ids): {w.describe()}", kjt, peers, args.arms,
+                     use_arm, "one-node", args.steps, args.rounds, device)
 
 if __name__ == "__main__":
     main()
