@@ -15,7 +15,8 @@ from torchrec.modules.embedding_configs import DataType
 DEVICE = torch.device(os.environ.get("RECOM_TEST_DEVICE", "cpu"))
 # A long multi-process or interpreter check: on the CPU `make test-slow` runs it (CI too), keeping
 # `make test` under its 10 minutes; the GPU suite keeps running it in one process with the rest.
-SLOW_ON_CPU = pytest.mark.slow if DEVICE.type == "cpu" else pytest.mark.usefixtures()
+# (on a GPU a marker of no effect: pytest.param refuses an empty usefixtures(), as newer pytest has it)
+SLOW_ON_CPU = pytest.mark.slow if DEVICE.type == "cpu" else pytest.mark.slow_on_cpu
 # The backends whose kernels the suite checks: the CUDA C++ kernels need a GPU (on the CPU, CI
 # compiles them with nvcc instead: tests/test_kernels_compile.py).
 KERNEL_BACKENDS = ["torch", "triton"] + (["cuda"] if DEVICE.type == "cuda" else [])
