@@ -252,9 +252,28 @@ def _arange_prefix(n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
 
 @lru_cache(maxsize=64)
 def _whole_buffer_meta(device: torch.device, dim: int, num_rows: int) -> Tensor:
-    meta = torch.zeros(1, META_WIDTH, dtype=torch.int64)
-    meta[0, META_DIM], meta[0, META_NUM_EMBEDDINGS] = dim, num_rows
-    return meta.to(device)
+    """The meta row of the group's whole buffer as one table of ``num_rows`` rows of ``dim``, made
+    on ``device`` by its own kernels (no copy from the host: a pageable copy waited for the
+    stream, a sync in every eager sequence backward, perf-notes v65) and, in eager code, kept per
+    stream as _arange_prefix's tensors."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    stream = torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
+                                                torch.cuda.current_device()) if device.type == "cuda" else 0
+    key = (device, dim, num_rows, stream)
+    meta = None if capturing else _WHOLE_METAS.get(key)
+    if meta is None:
+        with torch.inference_mode(False):
+            meta = torch.zeros(1, META_WIDTH, dtype=torch.int64, device=device)
+            meta[0, META_DIM] = dim
+            meta[0, META_NUM_EMBEDDINGS] = num_rows
+        if not capturing:  # (a tensor made in a capture lives in the graph's pool, filled on replay)
+            if len(_WHOLE_METAS) >= MAX_ARANGES:
+                _WHOLE_METAS.clear()
+            _WHOLE_METAS[key] = meta
+    return meta
+
+
+_WHOLE_METAS: Dict[tuple, Tensor] = {}
 
 
 @lru_cache(maxsize=16)
