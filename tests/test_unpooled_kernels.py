@@ -37,7 +37,7 @@ def forward(impl, flat, values, segments, meta, offsets, total, dim, check=None)
     return _extension().unpooled_forward(flat, values, segments, meta, total, dim,
                                          offsets if check is not None else None,
                                          None if check is None else check.claim,
-                                         None if check is None else check.words)
+                                         None if check is None else check.words, None)
 
 
 def row_keys(impl, values, segments, meta, total, offsets=None, check=None):

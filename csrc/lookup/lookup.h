@@ -79,11 +79,12 @@ void count_step(const at::Tensor& step);
 // `segments` int64 [4, F + 1] as ops/unpooled_embedding.py builds it. The forward's fp32 rows, one
 // per id; the row keys, with `grad_table` (int64 [2, F]) also each row's gradient row. With
 // `claim` and `report` (the input check's, as pooled_forward's) and the KJT's `offsets`, a bad id
-// is reported with its feature and batch index.
+// is reported with its feature and batch index. `count`: the fused optimizer's step counter, plus
+// one in the same launch (count_step's work without a launch of its own).
 at::Tensor unpooled_forward(const at::Tensor& flat, const at::Tensor& values, const at::Tensor& segments,
                             const at::Tensor& meta, int64_t num_outputs, int64_t dim,
                             const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& claim,
-                            const c10::optional<at::Tensor>& report);
+                            const c10::optional<at::Tensor>& report, const c10::optional<at::Tensor>& count);
 std::vector<at::Tensor> unpooled_row_keys(const at::Tensor& values, const at::Tensor& segments,
                                           const at::Tensor& meta, int64_t num_outputs,
                                           const c10::optional<at::Tensor>& grad_table,

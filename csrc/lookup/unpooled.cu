@@ -108,10 +108,11 @@ __global__ void __launch_bounds__(UNPOOLED_THREADS) unpooled_forward_kernel(
     const T* __restrict__ flat, const V* __restrict__ values, const __grid_constant__ HostWords host,
     TableSource tables, int64_t seg_stride, const int64_t* __restrict__ meta, int64_t num_features,
     float* __restrict__ out, int64_t num_outputs, int64_t dim, int lanes_log2, InputCheck chk, const void* offsets,
-    bool offsets64) {
+    bool offsets64, int64_t* __restrict__ count) {
   __shared__ int64_t staged[HOST_WORDS];
   const int64_t* segments;
   const int64_t* unused;
+  if (count != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *count += 1;
   stage_tables(host, tables, staged, segments, unused);
   const int lanes = 1 << lanes_log2;
   const int64_t r = ((int64_t)blockIdx.x * UNPOOLED_THREADS + threadIdx.x) >> lanes_log2;
@@ -211,13 +212,19 @@ TableSource table_source(HostWords& host, const at::Tensor& segments, const c10:
 at::Tensor unpooled_forward(const at::Tensor& flat, const at::Tensor& values, const at::Tensor& segments,
                             const at::Tensor& meta, int64_t num_outputs, int64_t dim,
                             const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& claim,
-                            const c10::optional<at::Tensor>& report) {
+                            const c10::optional<at::Tensor>& report, const c10::optional<at::Tensor>& count) {
   c10::cuda::CUDAGuard guard(flat.device());
   check_lookup_inputs(values, segments, meta, num_outputs, claim, report, offsets);
   TORCH_CHECK(flat.is_cuda() && flat.is_contiguous() && dim > 0, "recom_rec cuda backend: a contiguous CUDA buffer");
+  TORCH_CHECK(!count.has_value() || (count->is_cuda() && count->scalar_type() == at::kLong && count->numel() == 1 &&
+                                     count->device() == flat.device()),
+              "recom_rec cuda backend: the step counter is a one-element int64 tensor on the buffer's device");
   auto out = at::empty({num_outputs, dim}, flat.options().dtype(at::kFloat));
   const int64_t num_features = meta.size(0);
-  if (num_outputs == 0 || num_features == 0) return out;
+  if (num_outputs == 0 || num_features == 0) {
+    if (count.has_value()) count_step(*count);  // (no block to count in)
+    return out;
+  }
   const int64_t elem_bytes = flat.element_size();
   // rows of 4 elements read at once where every row starts on such a chunk
   const bool vec = dim % 4 == 0 && reinterpret_cast<uintptr_t>(flat.data_ptr()) % (4 * elem_bytes) == 0;
@@ -239,7 +246,8 @@ at::Tensor unpooled_forward(const at::Tensor& flat, const at::Tensor& values, co
     auto kernel = vec ? unpooled_forward_kernel<T, V, 4> : unpooled_forward_kernel<T, V, 1>;
     kernel<<<(unsigned)blocks, UNPOOLED_THREADS, 0, stream>>>(
         static_cast<const T*>(flat.data_ptr()), values.data_ptr<V>(), host, tables, segments.size(1),
-        meta.data_ptr<int64_t>(), num_features, out.data_ptr<float>(), num_outputs, dim, lanes_log2, chk, offs, offs64);
+        meta.data_ptr<int64_t>(), num_features, out.data_ptr<float>(), num_outputs, dim, lanes_log2, chk, offs, offs64,
+        count.has_value() ? count->data_ptr<int64_t>() : nullptr);
   };
   auto by_ids = [&](auto t) {
     if (values.scalar_type() == at::kLong) launch(t, int64_t{}); else launch(t, int32_t{});

@@ -179,7 +179,8 @@ class EmbeddingCollection(FlatTables, _TorchrecEmbeddingCollection):
         flats = self._lookup_flats()
         return (flats,
                 [self._autograd_inputs(g) if grad else [flat] for g, flat in zip(self._groups, flats)],
-                [getattr(self, g.meta_name) for g in self._groups], self._plan, self._fused_step_for_forward())
+                [getattr(self, g.meta_name) for g in self._groups], self._plan,
+                self._fused_step_for_forward(count_in_lookup=True))
 
     def need_indices(self) -> bool:
         return self._need_indices

@@ -372,17 +372,19 @@ class FlatTables:
         self._fused_optimizer = FusedEmbeddingOptimizer(spec, params, state, self._fused_hyper)
         return self._fused_optimizer
 
-    def _fused_step_for_forward(self) -> Optional[FusedStep]:
+    def _fused_step_for_forward(self, count_in_lookup: bool = False) -> Optional[FusedStep]:
         """The fused optimizer's step for this forward's backward (None without one, or without
         grad). A training forward counts one optimizer step (as fbgemm counts iterations); the
-        backward's Adam bias correction reads it."""
+        backward's Adam bias correction reads it. ``count_in_lookup``: the lookup counts it
+        (FusedStep.count_in_lookup), else it is counted here."""
         spec = self._fused_spec
         if spec is None or not torch.is_grad_enabled():
             return None
-        if self.training:
+        if self.training and not count_in_lookup:
             count_step(self._fused_step)
         return FusedStep(spec.kind, [self._optimizer_states(g) for g in self._groups],
-                         any(kind == "row" for _, kind in spec.state_names()), self._fused_hyper, self._fused_step)
+                         any(kind == "row" for _, kind in spec.state_names()), self._fused_hyper, self._fused_step,
+                         self.training and count_in_lookup)
 
     def _bind_optimizer_state_views(self, group: "TableGroup") -> None:
         """Per-table views of the group's flat optimizer state, as persistent buffers of the

@@ -43,6 +43,9 @@ class FusedStep(NamedTuple):
     state1_is_row: bool  # first state is one value per row (row-wise Adagrad)
     hyper: torch.Tensor
     step: torch.Tensor
+    # this forward's count of ``step`` left to the first group's lookup, which folds it into its
+    # kernel's launch (the EmbeddingCollection's: a launch of its own cost a host-bound step ~25 us)
+    count_in_lookup: bool
 
 
 def group_states(fused: Optional[FusedStep], group: int) -> List[Optional[torch.Tensor]]:

@@ -25,6 +25,7 @@ from .backends import resolve_backend
 from .input_check import kernel_report
 from .layout import META_DIM, META_NUM_EMBEDDINGS, META_WIDTH
 from .plan import FusedStep, group_states
+from .step_counter import count_step
 from .pooled_embedding import _eager_ok, _wants_grad
 from .validation import check_device
 
@@ -136,21 +137,33 @@ def segments_for(key_index: List[int], length_per_key: List[int], offset_per_key
 
 
 def _forward_impl(flat, values, offsets, segments, feature_meta, num_outputs, dim, backend, validate, names,
-                  report_id):
+                  report_id, count: Optional[Tensor] = None):
+    """``count``: the fused optimizer's step counter, plus one (in the CUDA extension's launch)."""
     check_device(flat, values, offsets, None, names)
     if not _on_kernels(backend, flat.device):
         if validate:
             unpooled_torch.validate_ids(values, offsets, segments, feature_meta, num_outputs, names)
+        _count(count)
         return unpooled_torch.forward(flat, values, segments, feature_meta, num_outputs, dim)
     # The kernel checks each id as it reads it and reports without a sync (input_check).
     check = kernel_report(flat, names, report_id) if validate else None
     ext = _extension(backend, flat.device)
     if ext is not None and flat.dtype in _EXTENSION_DTYPES:
-        return ext.unpooled_forward(flat.contiguous(), values.contiguous(), segments, feature_meta, num_outputs, dim,
-                                    offsets.contiguous() if check is not None else None,
-                                    None if check is None else check.claim, None if check is None else check.words)
+        out = ext.unpooled_forward(flat.contiguous(), values.contiguous(), segments, feature_meta, num_outputs, dim,
+                                   offsets.contiguous() if check is not None else None,
+                                   None if check is None else check.claim, None if check is None else check.words,
+                                   count)
+        if count is not None:
+            torch.autograd.graph.increment_version(count)  # (as count_step)
+        return out
+    _count(count)
     return _triton().forward(flat, values, segments.to(flat.device), feature_meta, offsets, num_outputs, dim,
                              check=check)
+
+
+def _count(step: Optional[Tensor]) -> None:
+    if step is not None:
+        count_step(step)
 
 
 @torch.library.custom_op("recom_rec::unpooled_embedding_forward", mutates_args=())
@@ -428,9 +441,9 @@ class _EagerLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, flat, values, offsets, segments, feature_meta, num_outputs, dim, backend, validate, names,
-                optimizer, state1, state2, state1_is_row, hyper, step, report_id, split_sizes, *weights):
+                optimizer, state1, state2, state1_is_row, hyper, step, report_id, split_sizes, count, *weights):
         out = _forward_impl(flat, values, offsets, segments, feature_meta, num_outputs, dim, backend, validate, names,
-                            report_id)
+                            report_id, count)
         _setup_context(ctx, (list(weights), flat, values, offsets, segments, feature_meta, num_outputs, dim, backend,
                              validate, names, optimizer, state1, state2, state1_is_row, hyper, step, report_id), out)
         ctx.split_sizes = split_sizes
@@ -440,7 +453,7 @@ class _EagerLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        wants = any(ctx.needs_input_grad[18:])
+        wants = any(ctx.needs_input_grad[19:])
         device = ctx.flat.device
         # Several pieces are the features (unpooled_lookup's split_sizes): the row-key kernel, which
         # finds each row's feature, writes where its gradient is (_gradient_rows). One piece: its
@@ -457,7 +470,7 @@ class _EagerLookup(torch.autograd.Function):
                 block = torch.cat([g if g is not None else torch.zeros(n, ctx.dim, device=device)
                                    for g, n in zip(grads, ctx.split_sizes)])
             weight_grads = _weight_grads(ctx, block.contiguous(), wants, as_ops=False)
-        return (None,) * 18 + tuple(weight_grads if weight_grads is not None else [None] * len(ctx.tables))
+        return (None,) * 19 + tuple(weight_grads if weight_grads is not None else [None] * len(ctx.tables))
 
 
 def _gradient_rows(grads, sizes: List[int], dim: int, device: torch.device,
@@ -519,6 +532,8 @@ def unpooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, b
     hyper = fused.hyper if fused is not None else None
     step = fused.step if fused is not None else None
     row_state = fused.state1_is_row if fused is not None else False
+    # (one count a forward: the first group's lookup makes it)
+    count = step if fused is not None and fused.count_in_lookup and group_index == 0 else None
     sizes = split_sizes if split_sizes is not None else [batch.num_outputs]
     if _eager_ok(weights, flat, batch.values, batch.offsets, batch.segments, feature_meta, state1, state2, hyper, step):
         # (the C apply, as the pooled lookup's: only the batch's ids and offsets can be a finished
@@ -526,7 +541,8 @@ def unpooled_lookup(weights: List[Tensor], flat: Tensor, feature_meta: Tensor, b
         unwrap = torch._C._functorch.unwrap_if_dead
         return list(_eager_apply(flat, unwrap(batch.values), unwrap(batch.offsets), batch.segments, feature_meta,
                                  batch.num_outputs, dim, backend, validate, names, kind, state1, state2,
-                                 row_state, hyper, step, report_id, sizes, *weights))
+                                 row_state, hyper, step, report_id, sizes, count, *weights))
+    _count(count)
     out = unpooled_embedding_forward(weights, flat, batch.values, batch.offsets, batch.segments, feature_meta,
                                      batch.num_outputs, dim, backend, validate, names, kind, state1, state2,
                                      row_state, hyper, step, report_id)
