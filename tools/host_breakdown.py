@@ -81,6 +81,8 @@ def _targets():
     from recom_rec.ops import pooled_embedding, unpooled_embedding
 
     t = [(torch.autograd, "backward", "torch.autograd.backward (the whole backward)"),
+         (torch.autograd, "_make_grads", "  _make_grads"),
+         (torch.autograd, "_engine_run_backward", "  _engine_run_backward (the engine, our node inside)"),
          (recom_rec.EmbeddingCollection, "forward", "EmbeddingCollection.forward (the whole forward)"),
          (recom_rec.EmbeddingCollection, "_lookup_arguments", "  _lookup_arguments"),
          (flat_tables, "count_step", "    count_step"),
@@ -168,6 +170,10 @@ def main() -> None:
         return host * 1e6 / n
 
     print(f"{w.label()}: {w.describe()}")
+    if device.type == "cuda":
+        for name, peer in peers.items():
+            settle(lambda: peer.train_step(kjt), device, 20)
+            _print_launches(name, lambda: peer.train_step(kjt))
     for name, peer in peers.items():
         print(f"  {steps_us(peer, args.steps):8.1f} us a step, host issue, {name} (unwrapped)")
     for owner, attr, label in targets:
@@ -176,8 +182,41 @@ def main() -> None:
     ours = steps_us(peers["recom_rec"], args.steps)
     print(f"  {ours:8.1f} us a step, host issue, recom_rec (wrapped); inclusive us a step, calls a step:")
     order = [label for _, _, label in targets] + ["  _EagerLookup.backward"]
+    _print(order, args.steps)
+    if "fbgemm" in peers:  # the peer's split the same way: its forward, its backward (engine and all)
+        tbe = peers["fbgemm"].tbe
+        _wrap(type(tbe), "forward", "fbgemm TBE forward")
+        fbgemm = steps_us(peers["fbgemm"], args.steps)
+        print(f"  {fbgemm:8.1f} us a step, host issue, fbgemm (wrapped):")
+        _print(["fbgemm TBE forward"] + order, args.steps)
+
+
+def _print_launches(name: str, step, steps: int = 20) -> None:
+    """The CUDA runtime and driver calls a step makes (launches, memsets, copies, syncs) and the
+    kernels it runs, counted over ``steps`` steps under torch's profiler: on these hosts each
+    crossing costs microseconds of a host-bound step."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    calls, kernels = Counter(), Counter()
+    for e in prof.events():
+        if e.name.startswith(("cuda", "cu")) and e.device_type.name == "CPU":
+            calls[e.name] += 1
+        elif e.device_type.name == "CUDA":
+            kernels[e.name[:70]] += 1
+    print(f"  {name}: runtime calls a step " + ", ".join(f"{k} {v / steps:g}" for k, v in calls.most_common()))
+    for k, v in kernels.most_common():
+        print(f"    {v / steps:5.2f}  {k}")
+
+
+def _print(order, steps: int) -> None:
     for label in sorted(_TOTAL, key=order.index):
-        print(f"  {_TOTAL[label] * 1e6 / args.steps:8.1f}  {_CALLS[label] / args.steps:4.1f}  {label}")
+        print(f"  {_TOTAL[label] * 1e6 / steps:8.1f}  {_CALLS[label] / steps:4.1f}  {label}")
 
 
 if __name__ == "__main__":

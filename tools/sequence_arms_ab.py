@@ -6,7 +6,9 @@ training steps (fused SGD), rounds interleaved, fbgemm's TBE beside (perf-notes 
 - ext-chain: the same kernels, the backward as the chain of calls the one call stands for
   (_as_pooled, then the pooled backward: perf-notes v62's path);
 - ext-device: the same kernels, the tables pinned and copied to the device;
-- triton: the Triton kernels (device tables).
+- triton: the Triton kernels (device tables);
+- ext-v64: the ext arm as v64 ran it: the one call's whole-buffer meta copied from pageable memory
+  every backward (a sync) and the step counted by a launch of its own (perf-notes v65).
 
 A host-bound step moves up to 36% between rounds of one arm on these hosts: compare medians of many
 rounds, in one process. Each round runs every arm; the first round is a warm-up.
@@ -28,7 +30,19 @@ from recom_rec.ops import unpooled_embedding
 _EXTENSION = unpooled_embedding._extension
 _TABLES_ON_HOST = embedding_collection.tables_on_host
 _ONE_CALL = unpooled_embedding._one_call
-ARMS = ("ext", "ext-chain", "ext-device", "triton")
+_WHOLE_META = unpooled_embedding._whole_buffer_meta
+_FUSED_STEP = embedding_collection.EmbeddingCollection._fused_step_for_forward
+ARMS = ("ext", "ext-chain", "ext-device", "triton", "ext-v64")
+
+
+def _v64_whole_meta(device, dim, num_rows):
+    meta = torch.zeros(1, unpooled_embedding.META_WIDTH, dtype=torch.int64)
+    meta[0, unpooled_embedding.META_DIM], meta[0, unpooled_embedding.META_NUM_EMBEDDINGS] = dim, num_rows
+    return meta.to(device)
+
+
+def _v64_fused_step(module, count_in_lookup=False):
+    return _FUSED_STEP(module, False)
 
 
 def use_arm(name: str) -> None:
@@ -36,6 +50,9 @@ def use_arm(name: str) -> None:
     unpooled_embedding._extension = (lambda backend, device: None) if name == "triton" else _EXTENSION
     embedding_collection.tables_on_host = (lambda backend, flat: False) if name == "ext-device" else _TABLES_ON_HOST
     unpooled_embedding._one_call = (lambda *args: None) if name == "ext-chain" else _ONE_CALL
+    unpooled_embedding._whole_buffer_meta = _v64_whole_meta if name == "ext-v64" else _WHOLE_META
+    embedding_collection.EmbeddingCollection._fused_step_for_forward = (_v64_fused_step if name == "ext-v64"
+                                                                        else _FUSED_STEP)
 
 
 def step_us(peer, kjt, steps: int, device: torch.device) -> float:
