@@ -1,8 +1,8 @@
 """A training step queues its work without waiting for the GPU: the forward, the backward and the
 fused optimizer's update of EmbeddingCollection and EmbeddingBagCollection make no synchronizing
 call once the measured choices are made (``torch.cuda.set_sync_debug_mode("error")``). A host wait
-in a step serialises the host's work behind the device's: v65 found a pageable copy in every eager
-sequence backward. (VBE batches: test_variable_batch.)"""
+in a step serialises the host's work behind the device's (a copy from pageable memory is one).
+(VBE batches: test_variable_batch.)"""
 import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType

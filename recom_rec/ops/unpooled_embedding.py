@@ -263,12 +263,11 @@ def _arange_prefix(n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     return cached[:n]
 
 
-@lru_cache(maxsize=64)
 def _whole_buffer_meta(device: torch.device, dim: int, num_rows: int) -> Tensor:
     """The meta row of the group's whole buffer as one table of ``num_rows`` rows of ``dim``, made
-    on ``device`` by its own kernels (no copy from the host: a pageable copy waited for the
-    stream, a sync in every eager sequence backward, perf-notes v65) and, in eager code, kept per
-    stream as _arange_prefix's tensors."""
+    on ``device`` by its own kernels (a copy from pageable host memory waits for the stream, and a
+    capture refuses it) and, in eager code, kept per stream as _arange_prefix's tensors (one made
+    in a capture is not kept: its fills run only on the graph's replays)."""
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     stream = torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
                                                 torch.cuda.current_device()) if device.type == "cuda" else 0
@@ -279,7 +278,7 @@ def _whole_buffer_meta(device: torch.device, dim: int, num_rows: int) -> Tensor:
             meta = torch.zeros(1, META_WIDTH, dtype=torch.int64, device=device)
             meta[0, META_DIM] = dim
             meta[0, META_NUM_EMBEDDINGS] = num_rows
-        if not capturing:  # (a tensor made in a capture lives in the graph's pool, filled on replay)
+        if not capturing:
             if len(_WHOLE_METAS) >= MAX_ARANGES:
                 _WHOLE_METAS.clear()
             _WHOLE_METAS[key] = meta
