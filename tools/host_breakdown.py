@@ -173,7 +173,7 @@ def main() -> None:
     if device.type == "cuda":
         for name, peer in peers.items():
             settle(lambda: peer.train_step(kjt), device, 20)
-            _print_launches(name, lambda: peer.train_step(kjt))
+            _print_launches(name, peer, kjt, device)
     for name, peer in peers.items():
         print(f"  {steps_us(peer, args.steps):8.1f} us a step, host issue, {name} (unwrapped)")
     for owner, attr, label in targets:
@@ -191,27 +191,17 @@ def main() -> None:
         _print(["fbgemm TBE forward"] + order, args.steps)
 
 
-def _print_launches(name: str, step, steps: int = 20) -> None:
+def _print_launches(name: str, peer, kjt, device: torch.device) -> None:
     """The CUDA runtime and driver calls a step makes (launches, memsets, copies, syncs) and the
-    kernels it runs, counted over ``steps`` steps under torch's profiler: on these hosts each
-    crossing costs microseconds of a host-bound step."""
-    from collections import Counter
+    kernels it runs (runtime_api_costs): on these hosts each crossing costs microseconds of a
+    host-bound step."""
+    from runtime_api_costs import runtime_costs
 
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    calls, kernels = Counter(), Counter()
-    for e in prof.events():
-        if e.name.startswith(("cuda", "cu")) and e.device_type.name == "CPU":
-            calls[e.name] += 1
-        elif e.device_type.name == "CUDA":
-            kernels[e.name[:70]] += 1
-    print(f"  {name}: runtime calls a step " + ", ".join(f"{k} {v / steps:g}" for k, v in calls.most_common()))
-    for k, v in kernels.most_common():
-        print(f"    {v / steps:5.2f}  {k}")
+    calls, kernels = runtime_costs(peer, kjt, 20, device)
+    print(f"  {name}: runtime calls a step " + ", ".join(
+        f"{call} {count:g}" for call, (count, _) in sorted(calls.items(), key=lambda kv: -kv[1][0])))
+    for kernel, count in sorted(kernels.items(), key=lambda kv: -kv[1]):
+        print(f"    {count:5.2f}  {kernel[:70]}")
 
 
 def _print(order, steps: int) -> None:
