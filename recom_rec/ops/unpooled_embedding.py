@@ -22,7 +22,7 @@ from torch import Tensor
 from ..kernels import cuda_ext
 from . import pooled_embedding, unpooled_torch
 from .backends import resolve_backend
-from .input_check import kernel_report
+from .input_check import _raw_stream, kernel_report
 from .layout import META_DIM, META_NUM_EMBEDDINGS, META_WIDTH
 from .plan import FusedStep, group_states
 from .step_counter import count_step
@@ -250,8 +250,7 @@ def _arange_prefix(n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return torch.arange(n, dtype=dtype, device=device)
-        stream = torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
-                                                    torch.cuda.current_device())
+        stream = _raw_stream(device)
     key = (device, dtype, stream)
     cached = _ARANGES.get(key)
     if cached is None or cached.numel() < n:
@@ -269,9 +268,7 @@ def _whole_buffer_meta(device: torch.device, dim: int, num_rows: int) -> Tensor:
     capture refuses it) and, in eager code, kept per stream as _arange_prefix's tensors (one made
     in a capture is not kept: its fills run only on the graph's replays)."""
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    stream = torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
-                                                torch.cuda.current_device()) if device.type == "cuda" else 0
-    key = (device, dim, num_rows, stream)
+    key = (device, dim, num_rows, _raw_stream(device) if device.type == "cuda" else 0)
     meta = None if capturing else _WHOLE_METAS.get(key)
     if meta is None:
         with torch.inference_mode(False):
