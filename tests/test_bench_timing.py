@@ -70,6 +70,72 @@ def test_max_iters_bounds_a_step_that_would_need_more():
     assert len(samples["x"]) == 50
 
 
+class _SleepyPeer:
+    """A peer whose forward returns ``value`` and whose steps sleep ``ms()`` milliseconds; ``fail``:
+    it cannot be built."""
+
+    def __init__(self, value, ms, log, name, fail=False):
+        if fail:
+            raise RuntimeError("out of memory")
+        self.value, self.ms, self.log, self.name = value, ms, log, name
+
+    def forward(self, kjt):
+        self.log.append(self.name)
+        time.sleep(self.ms() / 1e3)
+        return torch.tensor([self.value])
+
+    def train_step(self, kjt):
+        self.forward(kjt)
+
+
+def test_each_peer_is_timed_beside_ours_and_its_ratio_takes_ours_of_the_same_rounds():
+    from recom_rec.bench.report import format_peers, speedup
+
+    log = []
+
+    def drifting():  # the host slows to a third of its speed once ours and fbgemm are done
+        return 1.0 if "torchrec" not in log else 3.0
+
+    peers = {"recom_rec": lambda: _SleepyPeer(1.0, drifting, log, "recom_rec"),
+             "fbgemm": lambda: _SleepyPeer(1.0, lambda: 2.0 * drifting(), log, "fbgemm"),
+             "torchrec": lambda: _SleepyPeer(2.0, lambda: 2.0 * drifting(), log, "torchrec"),
+             "broken": lambda: _SleepyPeer(0, None, log, "broken", fail=True)}
+    rows = timing.time_beside_ours(list(peers), lambda n: peers[n](), None, "forward", CPU, warmup=1, iters=4,
+                                   comparable=lambda n, p: (lambda out: out), row={"workload": "w", "phase": "forward"},
+                                   annotate=lambda n, p, r: r.update(seen=n))
+    by = {r["peer"]: r for r in rows}
+    assert by["broken"]["error"] == "out of memory" and "ms" not in by["broken"]
+    assert by["recom_rec"]["identical"] and by["fbgemm"]["identical"] and not by["torchrec"]["identical"]
+    assert by["fbgemm"]["seen"] == "fbgemm" and by["recom_rec"]["seen"] == "recom_rec"
+    # ours ran beside fbgemm, then beside torchrec (each pair in alternating rounds)
+    first_torchrec = log.index("torchrec")
+    assert {"recom_rec", "fbgemm"} == set(log[:first_torchrec]) and "fbgemm" not in log[first_torchrec:]
+    # the host's slowdown fell on both of torchrec's rounds' peers: its ratio is ~2x, as fbgemm's,
+    # though ours' median over all its samples is between its two speeds
+    assert 1.6 < speedup(by["recom_rec"], by["fbgemm"]) < 2.4
+    assert 1.6 < speedup(by["recom_rec"], by["torchrec"]) < 2.4
+    assert by["torchrec"]["ms"] / by["recom_rec"]["ms"] > 4  # what a ratio of medians taken apart reads
+    assert by["torchrec"]["recom_rec_ms"] > 2.5 * by["fbgemm"]["recom_rec_ms"]
+    text = format_peers("t", [dict(r, ids=1) for r in rows], peers=("recom_rec", "fbgemm", "torchrec"))
+    assert "error: w forward broken: out of memory" in text
+
+
+def test_a_training_phase_has_no_identity_and_ours_alone_is_timed_alone():
+    log = []
+    rows = timing.time_beside_ours(["recom_rec"], lambda n: _SleepyPeer(1.0, lambda: 1.0, log, n), None, "sgd", CPU,
+                                   warmup=0, iters=3, comparable=lambda n, p: (lambda out: out),
+                                   row={"workload": "w", "phase": "sgd"})
+    assert len(rows) == 1 and "identical" not in rows[0] and rows[0]["ms"] >= 1.0 and "recom_rec_ms" not in rows[0]
+
+
+def test_speedup_falls_back_to_ours_own_median_for_a_peer_timed_apart():
+    from recom_rec.bench.report import speedup
+
+    assert speedup({"ms": 2.0}, {"ms": 4.0}) == 2.0
+    assert speedup({"ms": 2.0}, {"ms": 4.0, "recom_rec_ms": 1.0}) == 4.0
+    assert speedup({"ms": 2.0}, {"error": "x"}) is None and speedup(None, {"ms": 1.0}) is None
+
+
 def test_second_half_timing_counts_the_second_step_alone_and_hands_it_the_first_ones_result():
     seen = []
     ms = timing.time_second_half_ms(lambda: time.sleep(0.03) or "out", lambda x: seen.append(x) or time.sleep(0.002),

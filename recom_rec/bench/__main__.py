@@ -6,6 +6,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -14,7 +15,7 @@ from tqdm import tqdm
 from .peers import GROUP_PARAMETERS, PEERS, PINNED_BACKENDS, fbgemm_available, make_peer
 from .report import format_table, plot_results
 from .batch_sizes import DISTRIBUTIONS
-from .timing import copy_bandwidth_gbs, graph_replay, time_ms, time_second_half_ms
+from .timing import copy_bandwidth_gbs, graph_replay, time_interleaved, time_ms, time_second_half_ms
 from .workloads import DEFAULT_WORKLOADS, DRAWN, WORKLOADS, get_workload
 
 # forward: inference under no_grad. backward: forward + backward to dense gradients (fbgemm has
@@ -118,60 +119,123 @@ def _forget_launch_orders() -> None:
     _REPORTED_SHAPES.clear()
 
 
-def _run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling):
-    rows = []
-    fbgemm_opt = "sgd" if optimizer == "none" else optimizer  # fbgemm always fuses an optimizer
-    try:
-        peer = make_peer(pname, w, device, fbgemm_opt if pname.startswith("fbgemm") else optimizer, args.backend)
-    # e.g. a peer that does not fit on the device
-    except (AssertionError, RuntimeError, ValueError, torch.OutOfMemoryError) as e:
-        return [{"workload": w.name, "peer": pname, "phase": p, "error": str(e)[:200]} for p in phases]
-    grad = torch.ones(w.batch_size, peer.output_width, device=device)
-    for phase in phases:
-        row = {"workload": w.name, "peer": pname, "phase": phase}
-        if getattr(peer, "padded", False):
-            row["padded"] = True
-        if phase == "forward":
-            def step():
-                with torch.no_grad():
-                    peer.forward(kjt)
-        elif phase == "forward-graph":
-            try:
-                step = graph_replay(peer, kjt, device)
-            except Exception as e:  # noqa: BLE001 - a peer whose forward cannot be captured
-                row["error"] = f"capture failed: {str(e)[:160]}"
-                rows.append(row)
-                continue
-        else:
-            def step():
-                peer.train_step(kjt, grad)
+class _Built:
+    """A peer built for one optimizer's phases: its step per phase, and its rows (an error where it
+    could not be built or a phase could not be made)."""
+
+    def __init__(self, pname, w, kjt, device, optimizer, phases, args):
+        self.name, self.peer, self.steps = pname, None, {}
+        self.rows = {p: {"workload": w.name, "peer": pname, "phase": p} for p in phases}
+        fbgemm_opt = "sgd" if optimizer == "none" else optimizer  # fbgemm always fuses an optimizer
         try:
-            row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
-            if pname.startswith("recom_rec") and device.type == "cuda":
-                if phase.startswith("forward"):
-                    row["launch_order"] = "+".join(filter(None, (_new_decisions("forward_choice"),
-                                                                 _new_decisions("launch_order"))))
+            self.peer = make_peer(pname, w, device, fbgemm_opt if pname.startswith("fbgemm") else optimizer,
+                                  args.backend)
+        # e.g. a peer that does not fit on the device
+        except (AssertionError, RuntimeError, ValueError, torch.OutOfMemoryError) as e:
+            for row in self.rows.values():
+                row["error"] = str(e)[:200]
+            return
+        peer, grad = self.peer, torch.ones(w.batch_size, self.peer.output_width, device=device)
+        for phase in phases:
+            if getattr(peer, "padded", False):
+                self.rows[phase]["padded"] = True
+            if phase == "forward":
+                def step():
+                    with torch.no_grad():
+                        peer.forward(kjt)
+            elif phase == "forward-graph":
+                try:
+                    step = graph_replay(peer, kjt, device)
+                except Exception as e:  # noqa: BLE001 - a peer whose forward cannot be captured
+                    self.rows[phase]["error"] = f"capture failed: {str(e)[:160]}"
+                    continue
+            else:
+                def step(grad=grad):
+                    peer.train_step(kjt, grad)
+            self.steps[phase] = step
+        self.grad = grad
+
+    def free(self, device) -> None:
+        self.peer = self.steps = self.grad = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _run_peers(pnames, w, kjt, device, optimizer, phases, args, ceiling):
+    """One optimizer's phases for every peer. Ours ("recom_rec") is built once and each other peer,
+    built in turn, is timed beside it in alternating rounds (timing.time_interleaved): that peer's
+    row keeps ours' median of the same rounds (``recom_rec_ms``), which its ratio divides by, so a
+    drift of the host or device between the peers' timings does not enter a ratio. Two peers' tables
+    are resident at a time. Ours' own ``ms`` is its median over all those rounds."""
+    anchor = _Built("recom_rec", w, kjt, device, optimizer, phases, args) if "recom_rec" in pnames else None
+    ours_samples = {p: [] for p in phases}
+    for pname in [p for p in pnames if p != "recom_rec"]:
+        other = _Built(pname, w, kjt, device, optimizer, phases, args)
+        for phase, step in other.steps.items():
+            row = other.rows[phase]
+            try:
+                if anchor is not None and phase in anchor.steps:
+                    samples = time_interleaved({"recom_rec": anchor.steps[phase], pname: step}, device,
+                                               warmup=args.warmup, min_iters=args.iters)
+                    row["ms"] = statistics.median(samples[pname])
+                    row["recom_rec_ms"] = statistics.median(samples["recom_rec"])
+                    if not ours_samples[phase]:
+                        _record_decisions(anchor.rows[phase], phase, device)
+                    ours_samples[phase] += samples["recom_rec"]
                 else:
-                    row["backward_path"] = _new_decisions("backward_path")
-            if phase in ("forward", "forward-graph"):
-                row["gbs"] = w.lookup_bytes() / (row["ms"] * 1e-3) / 1e9
-                row["ceiling_share"] = row["gbs"] / ceiling
-            elif phase == "backward" and pname.startswith("recom_rec"):  # dense gradients (fbgemm fuses SGD)
-                row["floor_ms"] = w.dense_gradient_bytes() / (ceiling * 1e9) * 1e3
-                row["floor_x"] = row["ms"] / row["floor_ms"]
-                # the floor counts the backward's bytes: the backward alone beside it, its forward untimed
-                row["backward_only_ms"] = time_second_half_ms(lambda: peer.forward(kjt),
-                                                              lambda out: peer.step_from(out, grad), device,
-                                                              iters=args.iters)
-                row["backward_only_floor_x"] = row["backward_only_ms"] / row["floor_ms"]
+                    row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
+                if pname.startswith("recom_rec"):
+                    _record_decisions(row, phase, device)
+                _finish_row(row, other, w, kjt, phase, args, ceiling, device)
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                row["error"] = str(e)[:200]
+        rows = list(other.rows.values())
+        other.free(device)
+        yield from rows
+    if anchor is None:
+        return
+    for phase, step in anchor.steps.items():
+        row = anchor.rows[phase]
+        try:
+            if ours_samples[phase]:
+                row["ms"] = statistics.median(ours_samples[phase])
+            else:  # no other peer ran this phase
+                row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
+                _record_decisions(row, phase, device)
+            _finish_row(row, anchor, w, kjt, phase, args, ceiling, device)
         except (RuntimeError, torch.OutOfMemoryError) as e:
             row["error"] = str(e)[:200]
-        rows.append(row)
-    del peer, step
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return rows
+    rows = list(anchor.rows.values())
+    anchor.free(device)
+    yield from rows
+
+
+def _record_decisions(row, phase, device) -> None:
+    """The launches ours' tuners chose for this phase's shapes (measured while it settled)."""
+    if device.type != "cuda":
+        return
+    if phase.startswith("forward"):
+        row["launch_order"] = "+".join(filter(None, (_new_decisions("forward_choice"), _new_decisions("launch_order"))))
+    else:
+        row["backward_path"] = _new_decisions("backward_path")
+
+
+def _finish_row(row, built, w, kjt, phase, args, ceiling, device) -> None:
+    """What a row adds to its ms: the forward's bandwidth; for ours' dense backward, its floor and
+    the backward alone beside it."""
+    if phase in ("forward", "forward-graph"):
+        row["gbs"] = w.lookup_bytes() / (row["ms"] * 1e-3) / 1e9
+        row["ceiling_share"] = row["gbs"] / ceiling
+    elif phase == "backward" and built.name.startswith("recom_rec"):  # dense gradients (fbgemm fuses SGD)
+        peer, grad = built.peer, built.grad
+        row["floor_ms"] = w.dense_gradient_bytes() / (ceiling * 1e9) * 1e3
+        row["floor_x"] = row["ms"] / row["floor_ms"]
+        # the floor counts the backward's bytes: the backward alone beside it, its forward untimed
+        row["backward_only_ms"] = time_second_half_ms(lambda: peer.forward(kjt),
+                                                      lambda out: peer.step_from(out, grad), device,
+                                                      iters=args.iters)
+        row["backward_only_floor_x"] = row["backward_only_ms"] / row["floor_ms"]
 
 
 def run(args):
@@ -187,13 +251,12 @@ def run(args):
         if args.batch_size:
             w.batch_size = args.batch_size
         kjt = w.make_input(device)
-        for pname in peers:
-            # forward and backward share a peer without optimizer; each optimizer phase builds its own.
-            plan = [("none", [p for p in args.phases if p in FORWARD_PHASES])]
-            plan += [(p, [p]) for p in args.phases if p not in FORWARD_PHASES]
-            for optimizer, phases in plan:
-                if phases:
-                    results.extend(_run_peer(pname, w, kjt, device, optimizer, phases, args, ceiling))
+        # forward and backward share a peer without optimizer; each optimizer phase builds its own.
+        plan = [("none", [p for p in args.phases if p in FORWARD_PHASES])]
+        plan += [(p, [p]) for p in args.phases if p not in FORWARD_PHASES]
+        for optimizer, phases in plan:
+            if phases:
+                results.extend(_run_peers(peers, w, kjt, device, optimizer, phases, args, ceiling))
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "copy_gbs": ceiling, "small": small, "backend": args.backend,

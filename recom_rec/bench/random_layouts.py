@@ -39,6 +39,7 @@ import numpy as np
 from torchrec import PoolingType
 
 from ..data import CRITEO_KAGGLE_CARDINALITIES
+from .report import speedup
 from .sequence import SequenceWorkload
 from .vbe import VbeWorkload
 from .workloads import Workload
@@ -176,8 +177,9 @@ def _summary(results: List[dict], names: List[str], peer: str, what: str) -> str
         ratios = []
         for name in names:
             by = {r["peer"]: r for r in results if r["workload"] == name and r["phase"] == phase and "ms" in r}
-            if "recom_rec" in by and peer in by:
-                ratios.append((by[peer]["ms"] / by["recom_rec"]["ms"], name))
+            ratio = speedup(by.get("recom_rec"), by.get(peer))
+            if ratio:
+                ratios.append((ratio, name))
         if ratios:
             lines.append(ratio_summary(f"{what}, {phase} x {peer}", ratios))
     return "\n".join(lines)

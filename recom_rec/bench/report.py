@@ -1,6 +1,6 @@
 """The benchmark's table and chart."""
 from collections import defaultdict
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 
 def _index(results):
@@ -20,6 +20,17 @@ def speedup_pairs(peers: List[str]) -> List[Tuple[str, str]]:
     return [("recom_rec", p) for p in others] + ([(v, bar) for v in variants] if bar else [])
 
 
+def speedup(mine: Optional[dict], theirs: Optional[dict], anchor: str = "recom_rec") -> Optional[float]:
+    """How many times as fast ``mine`` (a row of ``anchor``) is as ``theirs``: their ms over ours. A
+    peer timed beside ours in alternating rounds keeps ours' median of those rounds
+    (``recom_rec_ms``), and the ratio takes that one, so a drift of the host or device between
+    peers does not enter it."""
+    if not mine or not theirs or not mine.get("ms") or not theirs.get("ms"):
+        return None
+    ours_ms = theirs.get("recom_rec_ms") if anchor == "recom_rec" else None
+    return theirs["ms"] / (ours_ms or mine["ms"])
+
+
 def format_table(meta: dict, results: List[dict], peers: List[str]) -> str:
     """ms per peer; the speed-up of "recom_rec" over every other peer, and of each pinned backend
     ("recom_rec:cuda", ...) over fbgemm (or the first other peer)."""
@@ -35,8 +46,8 @@ def format_table(meta: dict, results: List[dict], peers: List[str]) -> str:
             r = by_peer.get(p, {})
             cells.append(f"{r['ms']:.3f}" if "ms" in r else ("error" if "error" in r else "-"))
         for a, b in pairs:
-            mine, theirs = by_peer.get(a, {}).get("ms"), by_peer.get(b, {}).get("ms")
-            cells.append(f"{theirs / mine:.2f}" if mine and theirs else "-")
+            ratio = speedup(by_peer.get(a), by_peer.get(b), a)
+            cells.append(f"{ratio:.2f}" if ratio else "-")
         share = by_peer.get("recom_rec", {}).get("ceiling_share")
         cells.append(f"{100 * share:.0f}%" if share else "-")
         rows.append(cells)
@@ -96,10 +107,10 @@ def plot_results(results: List[dict], path: str, meta: dict) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
-    by_workload: Dict[str, Dict[str, Dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+    by_workload: Dict[str, Dict[str, Dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
     for r in results:
         if r.get("ms"):
-            by_workload[r["workload"]][r["phase"]][r["peer"]] = r["ms"]
+            by_workload[r["workload"]][r["phase"]][r["peer"]] = r
     panels = []
     for workload, phases in by_workload.items():
         peers = sorted({p for ms in phases.values() for p in ms}, key=lambda p: (p != "recom_rec", p))
@@ -118,10 +129,10 @@ def plot_results(results: List[dict], path: str, meta: dict) -> None:
         for i, (a, b) in enumerate(pairs):
             xs, ys = [], []
             for k, phase in enumerate(names):
-                mine, theirs = phases[phase].get(a), phases[phase].get(b)
-                if mine and theirs:
+                ratio = speedup(phases[phase].get(a), phases[phase].get(b), a)
+                if ratio:
                     xs.append(k - 0.4 + (i + 0.5) * width)
-                    ys.append(theirs / mine)
+                    ys.append(ratio)
             label = _pair_label(a, b)
             bars = ax.bar(xs, [y - 1 for y in ys], width * 0.92, bottom=1, color=colors[label], label=label)
             ax.bar_label(bars, labels=[f"{y:.2g}x" for y in ys], fontsize=8, padding=1)
@@ -168,7 +179,7 @@ def format_peers(title: str, rows: List[Dict], peers=("recom_rec", "fbgemm", "to
             continue
         found = [by.get((workload, phase, p)) for p in peers]
         cells = "".join(f"{r['ms']:>{width[p]}.3f}" if r else f"{'-':>{width[p]}}" for p, r in zip(peers, found))
-        ratios = "".join(f"{r['ms'] / ours['ms']:>{width[p] + 1}.2f}x" if r else f"{'-':>{width[p] + 2}}"
+        ratios = "".join(f"{speedup(ours, r):>{width[p] + 1}.2f}x" if r else f"{'-':>{width[p] + 2}}"
                          for p, r in zip(others, found[1:]))
         same = ",".join(f"{p}={r['identical']}" for p, r in zip(others, found[1:]) if r and "identical" in r)
         gbs = f"{ours['gbs']:>8.0f}" if "gbs" in ours else f"{'':>8}"

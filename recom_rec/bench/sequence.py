@@ -25,7 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .gradients import upstream_ones
 from .report import format_peers
-from .timing import time_ms, time_phase
+from .timing import time_beside_ours, time_ms
 
 DIM = 256
 LR = 0.01
@@ -193,28 +193,23 @@ def run_sequence(device: torch.device, small: bool, iters: int = 20, warmup: int
         name = w.label()
         torch.manual_seed(0)
         weights = [torch.empty(t.num_embeddings, w.dim, device=device).uniform_(-0.01, 0.01) for t in w.tables()]
-        reference = None
         for phase in ("forward", "sgd"):
             if phases is not None and phase not in phases:
                 continue
-            for peer_name in names:
-                if phase == "sgd" and peer_name == "torchrec":
-                    continue
-                row = {"workload": name, "peer": peer_name, "phase": phase, "ids": kjt.values().numel()}
-                try:
-                    peer = _make(peer_name, w, device, phase == "sgd", keys)
-                    peer.load(weights)
-                    timed, reference = time_phase(peer, kjt, phase, device, warmup, iters, _flat, reference)
-                    row.update(timed)
-                    if phase == "forward":
-                        row["gbs"] = w.forward_bytes(kjt) / (row["ms"] * 1e-3) / 1e9
-                except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:
-                    row["error"] = str(e)[:200]
-                rows.append(row)
-                peer = None
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        del reference
+            train = phase == "sgd"
+
+            def make(peer_name, train=train):
+                peer = _make(peer_name, w, device, train, keys)
+                peer.load(weights)
+                return peer
+
+            def annotate(peer_name, peer, row):
+                if row["phase"] == "forward":
+                    row["gbs"] = w.forward_bytes(kjt) / (row["ms"] * 1e-3) / 1e9
+
+            timed = [n for n in names if not (train and n == "torchrec")]
+            rows += time_beside_ours(timed, make, kjt, phase, device, warmup, iters, lambda n, p: _flat,
+                                     {"workload": name, "phase": phase, "ids": kjt.values().numel()}, annotate)
         if phases is None or "forward" in phases:
             try:
                 rows.extend(_int8_rows(w, kjt, weights, device, name, iters, warmup, "torchrec" in names))

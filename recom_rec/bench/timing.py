@@ -102,6 +102,13 @@ def time_interleaved(steps: Dict[str, Callable[[], object]], device: torch.devic
             gc.enable()
 
 
+def medians_interleaved(steps: Dict[str, Callable[[], object]], device: torch.device, warmup: int = 5,
+                        iters: int = 20, min_ms: float = 50.0) -> Dict[str, float]:
+    """Each step's median ms, the steps timed in alternating rounds (``time_interleaved``)."""
+    samples = time_interleaved(steps, device, warmup=warmup, min_iters=iters, min_ms=min_ms)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def _rounds(steps: Dict[str, Callable[[], object]], device: torch.device, min_iters: int, min_ms: float,
             block: int, max_iters: int) -> Dict[str, List[float]]:
     names = list(steps)
@@ -156,24 +163,75 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def time_phase(peer, kjt, phase: str, device: torch.device, warmup: int, iters: int, comparable: Callable,
-               reference: Optional[torch.Tensor]) -> Tuple[Dict[str, object], Optional[torch.Tensor]]:
-    """One peer's phase: ``forward`` (under no_grad; its output, as ``comparable(output)`` makes it,
-    compared with ``reference``, the first peer's) or a training step (``peer.train_step``).
-    Returns the row's ``ms`` (and ``identical``) and the reference for the next peers."""
-    row: Dict[str, object] = {}
-    if phase == "forward":
-        with torch.no_grad():
-            out = comparable(peer.forward(kjt))
-            reference = out if reference is None else reference
-            row["identical"] = bool(torch.equal(out, reference))
-            del out
+def phase_step(peer, kjt, phase: str, comparable: Callable,
+               reference: Optional[torch.Tensor]) -> Tuple[Callable[[], None], bool, torch.Tensor]:
+    """A peer's step for ``phase``: ``forward`` (under no_grad) or a training step
+    (``peer.train_step``). A forward's output, as ``comparable(output)`` makes it, is compared with
+    ``reference`` (the first peer's; this one's where None). Returns the step, whether the output
+    equalled the reference (True for a training step) and the reference for the next peers."""
+    if phase != "forward":
+        return (lambda: peer.train_step(kjt)), True, reference
+    with torch.no_grad():
+        out = comparable(peer.forward(kjt))
+        reference = out if reference is None else reference
+        identical = bool(torch.equal(out, reference))
+        del out
 
-        def step():
-            with torch.no_grad():
-                peer.forward(kjt)
-    else:
-        def step():
-            peer.train_step(kjt)
-    row["ms"] = time_ms(step, device, warmup=warmup, iters=iters)
-    return row, reference
+    def step():
+        with torch.no_grad():
+            peer.forward(kjt)
+    return step, identical, reference
+
+
+def time_beside_ours(names: List[str], make: Callable[[str], object], kjt, phase: str, device: torch.device,
+                     warmup: int, iters: int, comparable: Callable[[str, object], Callable],
+                     row: Dict[str, object], annotate: Optional[Callable[[str, object, Dict], None]] = None,
+                     ) -> List[Dict[str, object]]:
+    """One phase of a workload for each peer in ``names`` (ours, "recom_rec", first): ours is built
+    (``make(name)``), then each other peer in turn, timed beside ours in alternating rounds
+    (``time_interleaved``); its row keeps ours' median of the same rounds (``recom_rec_ms``), which
+    its ratio divides by. Two peers are resident at a time. A forward's output
+    (``comparable(name, peer)(output)``) is compared with ours (``identical``). Each row starts as a
+    copy of ``row``; ``annotate(name, peer, row)`` adds a peer's own fields. A peer that cannot be
+    built or run gives an ``error`` row."""
+    errors = (RuntimeError, ValueError, torch.OutOfMemoryError)
+    ours_row: Dict[str, object] = dict(row, peer=names[0])
+    ours_step, reference, ours_samples = None, None, []
+    try:
+        ours = make(names[0])
+        ours_step, ours_row["identical"], reference = phase_step(ours, kjt, phase, comparable(names[0], ours), None)
+    except errors as e:
+        ours_row["error"] = str(e)[:200]
+    rows = [ours_row]
+    for name in names[1:]:
+        other_row: Dict[str, object] = dict(row, peer=name)
+        try:
+            peer = make(name)
+            step, other_row["identical"], reference = phase_step(peer, kjt, phase, comparable(name, peer), reference)
+            if ours_step is not None:
+                samples = time_interleaved({names[0]: ours_step, name: step}, device, warmup=warmup, min_iters=iters)
+                other_row["ms"] = statistics.median(samples[name])
+                other_row["recom_rec_ms"] = statistics.median(samples[names[0]])
+                ours_samples += samples[names[0]]
+            else:
+                other_row["ms"] = time_ms(step, device, warmup=warmup, iters=iters)
+            if annotate:
+                annotate(name, peer, other_row)
+        except errors as e:
+            other_row["error"] = str(e)[:200]
+        rows.append(other_row)
+        peer = step = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if ours_step is not None:
+        try:
+            ours_row["ms"] = (statistics.median(ours_samples) if ours_samples
+                              else time_ms(ours_step, device, warmup=warmup, iters=iters))
+            if annotate:
+                annotate(names[0], ours, ours_row)
+        except errors as e:
+            ours_row["error"] = str(e)[:200]
+    for r in rows:
+        if phase != "forward":
+            r.pop("identical", None)
+    return rows

@@ -20,7 +20,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from .gradients import upstream_ones
 from .report import format_peers
-from .timing import time_phase
+from .timing import time_beside_ours
 
 LR = 0.01
 
@@ -186,30 +186,26 @@ def run_vbe(device: torch.device, small: bool, iters: int = 20, warmup: int = 5,
         weights = [torch.empty(w.rows, w.dim, device=device).uniform_(-0.01, 0.01) for _ in w.tables()]
         names = ["recom_rec", "torchrec"] + (["fbgemm", "fbgemm+expand"] if device.type == "cuda" and fbgemm_available(device) else [])
         names = [n for n in names if peers is None or n == "recom_rec" or n.split("+")[0] in peers]
-        reference = None
         for phase in ("forward", "sgd"):
             if phases is not None and phase not in phases:
                 continue
-            for peer_name in names:
-                if phase == "sgd" and peer_name == "torchrec":
-                    continue
-                row = {"workload": name, "peer": peer_name, "phase": phase, "ids": kjt.values().numel()}
-                try:
-                    peer = _make_peer(peer_name, w, device, phase)
-                    peer.load(weights)
-                    comparable = ((lambda out, peer=peer: peer.expanded(out, kjt)) if peer_name.startswith("fbgemm")
-                                  else (lambda out: out))
-                    timed, reference = time_phase(peer, kjt, phase, device, warmup, iters, comparable, reference)
-                    row.update(timed)
-                    if peer_name == "fbgemm+expand":
-                        row["expansion"] = peer.expansion
-                except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:
-                    row["error"] = str(e)[:200]
-                rows.append(row)
-                peer = None
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        del weights, reference
+
+            def make(peer_name, phase=phase):
+                peer = _make_peer(peer_name, w, device, phase)
+                peer.load(weights)
+                return peer
+
+            def comparable(peer_name, peer):
+                return (lambda out: peer.expanded(out, kjt)) if peer_name.startswith("fbgemm") else (lambda out: out)
+
+            def annotate(peer_name, peer, row):
+                if peer_name == "fbgemm+expand":
+                    row["expansion"] = peer.expansion
+
+            timed = [n for n in names if not (phase == "sgd" and n == "torchrec")]
+            rows += time_beside_ours(timed, make, kjt, phase, device, warmup, iters, comparable,
+                                     {"workload": name, "phase": phase, "ids": kjt.values().numel()}, annotate)
+        del weights
     return rows
 
 
