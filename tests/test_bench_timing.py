@@ -254,3 +254,50 @@ def test_compare_cli_prints_the_report_and_refuses_other_json(tmp_path, capsys):
     other.write_text(json.dumps({"meta": {}, "results": [{"workload": "zipf", "peer": "fbgemm", "ms": 1.0}]}))
     with pytest.raises(SystemExit, match="not a sweep JSON"):
         bench_main(["--compare", str(a), str(other)])
+
+
+def test_a_peer_that_does_not_fit_beside_ours_is_timed_alone_and_ours_comes_back(monkeypatch):
+    """The pooled runner keeps two peers' tables resident; a peer whose tables do not fit beside
+    ours is built and timed alone, then ours is built again for the next peer."""
+    import argparse
+    import weakref
+
+    import recom_rec.bench.__main__ as bench
+
+    live, built = weakref.WeakSet(), []
+
+    class Peer:
+        output_width = 1
+
+        def __init__(self, name):
+            self.name = name
+
+        def forward(self, kjt):
+            time.sleep(0.001)
+
+        def train_step(self, kjt, grad):
+            time.sleep(0.001)
+
+    def make_peer(name, w, device, optimizer, backend):
+        if name == "big" and len(live):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        peer = Peer(name)
+        live.add(peer)
+        built.append(name)
+        return peer
+
+    class W:
+        name, batch_size = "w", 2
+
+        def lookup_bytes(self):
+            return 1
+
+    monkeypatch.setattr(bench, "make_peer", make_peer)
+    args = argparse.Namespace(backend="auto", warmup=0, iters=2)
+    rows = list(bench._run_peers(["recom_rec", "small", "big", "other"], W(), None, CPU, "none", ["forward"], args,
+                                 1.0))
+    by = {r["peer"]: r for r in rows}
+    assert built == ["recom_rec", "small", "big", "recom_rec", "other"]
+    assert by["big"]["timed_apart"] and "recom_rec_ms" not in by["big"] and "error" not in by["big"]
+    assert "recom_rec_ms" in by["small"] and "recom_rec_ms" in by["other"] and "timed_apart" not in by["other"]
+    assert by["recom_rec"]["ms"] > 0 and all("ms" in r for r in rows)

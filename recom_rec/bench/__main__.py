@@ -124,7 +124,7 @@ class _Built:
     could not be built or a phase could not be made)."""
 
     def __init__(self, pname, w, kjt, device, optimizer, phases, args):
-        self.name, self.peer, self.steps = pname, None, {}
+        self.name, self.peer, self.steps, self.out_of_memory = pname, None, {}, False
         self.rows = {p: {"workload": w.name, "peer": pname, "phase": p} for p in phases}
         fbgemm_opt = "sgd" if optimizer == "none" else optimizer  # fbgemm always fuses an optimizer
         try:
@@ -134,6 +134,7 @@ class _Built:
         except (AssertionError, RuntimeError, ValueError, torch.OutOfMemoryError) as e:
             for row in self.rows.values():
                 row["error"] = str(e)[:200]
+            self.out_of_memory = isinstance(e, torch.OutOfMemoryError)
             return
         peer, grad = self.peer, torch.ones(w.batch_size, self.peer.output_width, device=device)
         for phase in phases:
@@ -167,31 +168,48 @@ def _run_peers(pnames, w, kjt, device, optimizer, phases, args, ceiling):
     built in turn, is timed beside it in alternating rounds (timing.time_interleaved): that peer's
     row keeps ours' median of the same rounds (``recom_rec_ms``), which its ratio divides by, so a
     drift of the host or device between the peers' timings does not enter a ratio. Two peers' tables
-    are resident at a time. Ours' own ``ms`` is its median over all those rounds."""
-    anchor = _Built("recom_rec", w, kjt, device, optimizer, phases, args) if "recom_rec" in pnames else None
+    are resident at a time; where they do not fit together, the other peer is timed alone
+    (``timed_apart``: its ratio is to ours' median over its other rounds, or ours timed alone). Ours'
+    own ``ms`` is its median over all those rounds."""
+    def ours():
+        return _Built("recom_rec", w, kjt, device, optimizer, phases, args)
+
+    anchor = ours() if "recom_rec" in pnames else None
     ours_samples = {p: [] for p in phases}
     for pname in [p for p in pnames if p != "recom_rec"]:
         other = _Built(pname, w, kjt, device, optimizer, phases, args)
+        beside = anchor
+        if other.out_of_memory and anchor is not None:  # the two peers' tables do not fit together
+            kept_rows = anchor.rows
+            anchor.free(device)
+            beside = None
+            other = _Built(pname, w, kjt, device, optimizer, phases, args)
         for phase, step in other.steps.items():
             row = other.rows[phase]
             try:
-                if anchor is not None and phase in anchor.steps:
-                    samples = time_interleaved({"recom_rec": anchor.steps[phase], pname: step}, device,
+                if beside is not None and phase in beside.steps:
+                    samples = time_interleaved({"recom_rec": beside.steps[phase], pname: step}, device,
                                                warmup=args.warmup, min_iters=args.iters)
                     row["ms"] = statistics.median(samples[pname])
                     row["recom_rec_ms"] = statistics.median(samples["recom_rec"])
                     if not ours_samples[phase]:
-                        _record_decisions(anchor.rows[phase], phase, device)
+                        _record_decisions(beside.rows[phase], phase, device)
                     ours_samples[phase] += samples["recom_rec"]
                 else:
                     row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
+                    row["timed_apart"] = anchor is not None
                 if pname.startswith("recom_rec"):
                     _record_decisions(row, phase, device)
                 _finish_row(row, other, w, kjt, phase, args, ceiling, device)
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 row["error"] = str(e)[:200]
         rows = list(other.rows.values())
+        step = None  # (the loop's last step holds its peer)
         other.free(device)
+        if anchor is not None and beside is None:  # ours again, for the next peers and its own rows
+            anchor = ours()
+            if anchor.steps:
+                anchor.rows = kept_rows
         yield from rows
     if anchor is None:
         return
