@@ -370,6 +370,15 @@ MANY_PIECES = [
     pytest.param((8, 32), (20000, 16384, 16385, 33, 1), marks=pytest.mark.skipif(
         DEVICE.type != "cuda", reason="1 float4 a lane: rows of 513+ pieces, ~50k lookups, too slow for the "
         "Triton interpreter; the CUDA backend's block path (RECOM_TEST_DEVICE=cuda)")),
+    # Rows past a block's slice (csrc long_slice_pieces: 4096 pieces at 8 lanes and one float4,
+    # 512 at 16 lanes and four, 128 at 32 lanes and eight) are added by a block a slice: rows of
+    # three slices, of one slice and a piece, and of exactly one slice.
+    pytest.param((8, 32), (300000, 131073, 131072, 1), marks=pytest.mark.skipif(
+        DEVICE.type != "cuda", reason="rows of up to 9,375 pieces, ~560k lookups: the CUDA backend's slices")),
+    pytest.param((100, 256), (40000, 16385, 16384, 33, 1), marks=pytest.mark.skipif(
+        DEVICE.type != "cuda", reason="rows of up to 1,250 pieces, ~73k lookups: the CUDA backend's slices")),
+    pytest.param((12, 516), (9000, 4097, 4096, 33, 1), marks=pytest.mark.skipif(
+        DEVICE.type != "cuda", reason="rows of up to 282 pieces at 8 float4 a lane: the CUDA backend's slices")),
 ]
 
 

@@ -35,7 +35,8 @@ Plan make_plan(int64_t n, int64_t features, int64_t batch, int64_t row_count) {
   CHECK(cudaMalloc(&p.counts, sizeof(int32_t) * 3));
   CHECK(cudaMalloc(&p.pieces, sizeof(int64_t) * n));
   CHECK(cudaMalloc(&p.split_rows, sizeof(int64_t) * (n / (PIECE + 1) + 1)));
-  CHECK(cudaMalloc(&p.long_rows, sizeof(int64_t) * 2 * std::max<int64_t>(1, n / MIN_LONG_ROW_LOOKUPS)));
+  // (room for the most slices any lane shape makes: piece_update sizes it for its own)
+  CHECK(cudaMalloc(&p.long_rows, sizeof(int64_t) * long_row_space(n, 8, 32).words()));
   CHECK(cudaMalloc(&p.bag_scale, sizeof(float) * features * batch));
   p.bits = 1;
   while ((int64_t(1) << p.bits) < row_count) ++p.bits;  // recom_rec's max(1, (rows - 1).bit_length())
@@ -98,16 +99,19 @@ int main(int argc, char** argv) {
   float* partials;
   CHECK(cudaMalloc(&partials, sizeof(float) * 2 * ((n - 1) / PIECE + 1) * block_d));
   const Payload pay = make_payload((int32_t)B, true, total_dim, dmeta, plan.bag_scale, nullptr, nullptr, nullptr);
-  const PieceArgs args{plan.pieces, plan.split_rows, plan.long_rows, plan.counts, n, partials, block_d,
+  const LongRowSpace space = long_row_space(n, 8, 32);  // as make_plan allocated it
+  const PieceArgs args{plan.pieces, plan.split_rows, space.rows(plan.long_rows), plan.counts, n, partials, block_d,
                        opt == 2 ? state : nullptr, nullptr, hyper, nullptr, dmeta, shape.G};
   PieceArgs row_args = args;
   row_args.G = rows_shape.G;
-  const int64_t most_long = n / MIN_LONG_ROW_LOOKUPS;
+  row_args.long_counts = space.counts(plan.long_rows);
+  row_args.slice_rows = space.slices(plan.long_rows);
+  const int64_t most_long = space.most_long, most_slices = long_row_space(n, VR, rows_shape.G).most_slices;
   const void* piece_fn = nullptr;  // the piece kernel launched (its registers and occupancy are printed)
   auto pieces = [&](auto opt_c, auto v_c) {
     constexpr int OPT = decltype(opt_c)::value, VV = decltype(v_c)::value;
     piece_fn = (const void*)piece_kernel<float, int32_t, OPT, VV>;
-    if (most_long > 0) CHECK(cudaMemsetAsync(plan.counts + 2, 0, sizeof(int32_t)));
+    if (most_long > 0) CHECK(cudaMemsetAsync(plan.long_rows, 0, sizeof(int64_t)));
     const size_t ring = piece_ring_bytes(VV, shape.G);  // as piece_update
     if (ring > 48 * 1024)
       CHECK(cudaFuncSetAttribute(piece_kernel<float, int32_t, OPT, VV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -120,7 +124,7 @@ int main(int argc, char** argv) {
     split_row_kernel<float, int32_t, OPT, VV><<<rows_shape.grid(n / (PIECE + 1) + 1), PIECE_THREADS>>>(
         plan.sorted_key, plan.order, pay, row_args, weights);
     if (most_long > 0)
-      long_row_kernel<float, int32_t, OPT, VV><<<rows_shape.long_grid(most_long), PIECE_THREADS>>>(
+      long_row_kernel<float, int32_t, OPT, VV><<<rows_shape.long_grid(most_slices), PIECE_THREADS>>>(
           plan.sorted_key, plan.order, pay, row_args, weights);
   };
   auto by_v = [](int v, auto launch, auto opt_c) {  // V = 2: a variant's (the product has 1, 4, 8)

@@ -32,12 +32,13 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
   const PieceShape shape = piece_shape(max_dim, by_width ? 0 : lanes, sms), rows = piece_shape(max_dim, 0, sms);
   const bool rows_four = rows.V == 4, rows_eight = rows.V == 8;
   TORCH_CHECK(counts.numel() >= 3, "piece_update takes plan_backward's three counts");
-  // The long rows' list and its count, counts[2], emptied here: a plan run through twice must not
-  // append its long rows twice. Fewer lookups than a long row needs: no list, no long-row launch.
-  const int64_t most_long = n / MIN_LONG_ROW_LOOKUPS;
-  auto long_rows = at::empty({2 * std::max<int64_t>(1, most_long)}, pieces.options());
+  // The long rows' list, their slices and the two counts, emptied here: a plan run through twice
+  // must not append its long rows twice. Fewer lookups than a long row needs: no list, no launch.
+  const LongRowSpace space = long_row_space(n, rows.V, rows.G);
+  auto long_space = at::empty({space.words()}, pieces.options());
+  int64_t* long_base = long_space.data_ptr<int64_t>();
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (most_long > 0) C10_CUDA_CHECK(cudaMemsetAsync(counts.data_ptr<int32_t>() + 2, 0, sizeof(int32_t), stream));
+  if (space.most_long > 0) C10_CUDA_CHECK(cudaMemsetAsync(long_base, 0, sizeof(int64_t), stream));
   TORCH_CHECK(packed_batch >= 0 && packed_batch < (int64_t)INT32_MAX, "packed_batch out of range");
   const bool grad_vec = reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0 && grad.size(1) % 4 == 0;
   TORCH_CHECK(!grad_rows.has_value() || (packed_batch > 0 && grad_rows->is_cuda() &&
@@ -47,7 +48,7 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
                                    bag_scale.data_ptr<float>(), src.data_ptr<int64_t>(), scale.data_ptr<float>(),
                                    feature.data_ptr<int32_t>(),
                                    grad_rows.has_value() ? grad_rows->data_ptr<int64_t>() : nullptr);
-  const PieceArgs args{pieces.data_ptr<int64_t>(), split_rows.data_ptr<int64_t>(), long_rows.data_ptr<int64_t>(),
+  const PieceArgs args{pieces.data_ptr<int64_t>(), split_rows.data_ptr<int64_t>(), space.rows(long_base),
                        counts.data_ptr<int32_t>(), n,
                        partials.data_ptr<float>(), partial_stride,
                        state1.scalar_type() == at::kFloat ? state1.data_ptr<float>() : nullptr,
@@ -57,6 +58,8 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
                        meta.data_ptr<int64_t>(), shape.G};
   PieceArgs row_args = args;
   row_args.G = rows.G;
+  row_args.long_counts = space.counts(long_base);
+  row_args.slice_rows = space.slices(long_base);
   dispatch_weight(out.scalar_type(), [&](auto wt) {
     using W = decltype(wt);
     auto launch = [&](auto kt) {
@@ -111,11 +114,11 @@ void piece_update_for(const at::Tensor& row_key, const at::Tensor& order, const 
       sk<<<rows.grid(split_rows.numel()), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, row_args,
                                                                        wptr<W>(out));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (most_long > 0) {
+      if (space.most_long > 0) {
         auto lk = rows_eight ? long_row_kernel<W, K, OPT, 8>
                              : rows_four ? long_row_kernel<W, K, OPT, 4> : long_row_kernel<W, K, OPT, 1>;
-        lk<<<rows.long_grid(most_long), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay, row_args,
-                                                                    wptr<W>(out));
+        lk<<<rows.long_grid(space.most_slices), PIECE_THREADS, 0, stream>>>(keys, order.data_ptr<int32_t>(), pay,
+                                                                            row_args, wptr<W>(out));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     };

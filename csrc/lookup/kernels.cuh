@@ -566,6 +566,19 @@ struct RowLanes {
     }
     return v;
   }
+  // load_rw from L2, past the SM's L1: for sums another block wrote in the same launch (its
+  // address may be in this SM's L1 from an earlier read of what was there before).
+  __device__ __forceinline__ float4 load_l2(const float* src, int k) const {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (rows16) {
+      if (at(k, 0) >= 0) v = __ldcg(reinterpret_cast<const float4*>(src + at(k, 0)));
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (at(k, e) >= 0) comp(v, e) = __ldcg(src + at(k, e));
+    }
+    return v;
+  }
   // Adds chunk k of gradient row g, scaled. In the vec layout the row's address is checked too:
   // features that share a table can sit at output columns of different alignment, and the piece's
   // layout follows its first lookup's feature. ODD false: the caller's vec rows have dims that are
@@ -797,6 +810,10 @@ struct PieceArgs {
   // Where the piece kernel's list starts in `pieces` (on the device: a lane class's list,
   // piece_class_scatter_kernel), or nullptr: at its start.
   const int32_t* begin = nullptr;
+  // The long rows' two counts (rows, slices; zeroed before split_row_kernel appends to them) and
+  // each slice's long row (long_row_space).
+  int32_t* long_counts = nullptr;
+  int64_t* slice_rows = nullptr;
 };
 
 // The fused optimizer's hyper-parameters, and Adam's step in `t` (OPT < 0: none).
@@ -1362,6 +1379,39 @@ __host__ __device__ constexpr int64_t one_group_loads(int64_t pieces) {
 }
 constexpr int64_t MIN_LONG_ROW_LOOKUPS = 16 * PIECE + 1;  // the shortest long row (V = 8)
 
+// A long row of more pieces than a block adds in a short chain is cut into slices, a block each
+// (long_row_kernel): Zipf's hottest row can be read 440k times in a batch (13.8k pieces), and one
+// block adding them all was a chain of ~430 round trips a group, 382 us of a 1.9 ms step, while
+// the other SMs idled (perf-notes v66). A slice holds LONG_SLICE_GROUP_PIECES pieces for each of
+// the block's groups: ~16 round trips a group at its loads in flight (add_partials<V, true>).
+template <int V>
+__host__ __device__ constexpr int64_t long_slice_group_pieces() { return V == 1 ? 128 : V == 8 ? 16 : 32; }
+template <int V>
+__host__ __device__ constexpr int64_t long_slice_pieces(int G) {
+  return long_slice_group_pieces<V>() * (PIECE_THREADS / G);
+}
+inline int64_t long_slice_pieces(int V, int G) {
+  return V == 1 ? long_slice_pieces<1>(G) : V == 8 ? long_slice_pieces<8>(G) : long_slice_pieces<4>(G);
+}
+// The long rows' workspace, in int64 words: their two int32 counts (one word, to be zeroed), then
+// LONG_ROW_WORDS words a long row (start, pieces, first slice, slices done), then a word a slice
+// (its long row). n lookups have at most n / MIN_LONG_ROW_LOOKUPS long rows, whose pieces number
+// at most n / PIECE + one a row.
+constexpr int64_t LONG_ROW_WORDS = 4;
+struct LongRowSpace {
+  int64_t most_long, most_slices;
+  int64_t words() const { return 1 + LONG_ROW_WORDS * most_long + most_slices; }
+  int32_t* counts(int64_t* base) const { return reinterpret_cast<int32_t*>(base); }
+  int64_t* rows(int64_t* base) const { return base + 1; }
+  int64_t* slices(int64_t* base) const { return base + 1 + LONG_ROW_WORDS * most_long; }
+};
+inline LongRowSpace long_row_space(int64_t n, int V, int G) {
+  const int64_t most_long = n / MIN_LONG_ROW_LOOKUPS;
+  // (a row's ceil(lookups / PIECE) pieces, ceil(pieces / slice) slices: a slack word or two each)
+  return LongRowSpace{most_long,
+                      most_long > 0 ? (n / PIECE + 2 * most_long + 1) / long_slice_pieces(V, G) + most_long + 1 : 0};
+}
+
 // piece_update's launch shape (tools/backward_kernel_bench.cu launches the same). Lanes per piece:
 // by default enough for the widest row in one float4 a lane (V = 1, up to 128 columns), four
 // (V = 4, up to 512) or eight (V = 8, up to 1024: MAX_DIM), as many lanes as the widest row needs
@@ -1380,8 +1430,8 @@ struct PieceShape {
     const int64_t groups_per_block = PIECE_THREADS / G;
     return (unsigned)std::max<int64_t>(1, std::min<int64_t>(sms * WAVES, (items + groups_per_block - 1) / groups_per_block));
   }
-  unsigned long_grid(int64_t most_long) const {  // a block a long row
-    return (unsigned)std::min<int64_t>(sms * WAVES, most_long);
+  unsigned long_grid(int64_t most_slices) const {  // a block a long row's slice
+    return (unsigned)std::max<int64_t>(1, std::min<int64_t>(sms * WAVES, most_slices));
   }
 };
 inline PieceShape piece_shape(int64_t max_dim, int64_t lanes, int64_t sms) {
@@ -1409,8 +1459,9 @@ __device__ __forceinline__ SplitRow split_row_of(const Payload& pay, const Piece
 
 // Split rows of short chains (see LONG_ROW_LOADS): one group of G lanes per row adds the row's
 // pieces' partial sums in piece order (deterministic) and finishes the row. Longer rows are
-// appended to the long-row list (start, pieces; counts[2]) for long_row_kernel. The Triton
-// backend's pooled_triton._split_row_kernel adds the same partials in tiles of BLOCK_K.
+// appended to the long-row list, their slices to the slice list (long_row_space), for
+// long_row_kernel. The Triton backend's pooled_triton._split_row_kernel adds the same partials in
+// tiles of BLOCK_K.
 template <typename W, typename K, int OPT, int V>
 __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ row_key,
                                                         const int32_t* __restrict__ order, Payload pay, PieceArgs a,
@@ -1432,11 +1483,24 @@ __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ ro
     }
     const int64_t count = listed ? (lo - start + PIECE - 1) / PIECE : 0;
     const bool active = listed && one_group_loads<V>(count) <= LONG_ROW_LOADS;
-    if (listed && !active && lg.sl == 0) {
-      const int64_t at = atomicAdd(a.counts + 2, 1);  // list order is arbitrary; each row's sum is not
-      a.long_rows[2 * at] = start;
-      a.long_rows[2 * at + 1] = count;
+    const bool long_row = listed && !active;
+    const int64_t per_slice = long_slice_pieces<V>(lg.G);
+    const int64_t slices = long_row ? (count + per_slice - 1) / per_slice : 0;
+    int64_t at = 0, first_slice = 0;
+    if (long_row && lg.sl == 0) {
+      at = atomicAdd(a.long_counts, 1);  // list order is arbitrary; each row's sum is not
+      first_slice = atomicAdd(a.long_counts + 1, (int)slices);
+      int64_t* entry = a.long_rows + LONG_ROW_WORDS * at;
+      entry[0] = start;
+      entry[1] = count;
+      entry[2] = first_slice;
+      entry[3] = 0;  // slices done (long_row_kernel)
     }
+    // the group's lanes list the row's slices (the loop is warp-uniform: every lane shuffles)
+    const int leader = (threadIdx.x & 31) - lg.sl;
+    at = __shfl_sync(0xffffffffu, at, leader);
+    first_slice = __shfl_sync(0xffffffffu, first_slice, leader);
+    for (int64_t k = lg.sl; k < slices; k += lg.G) a.slice_rows[first_slice + k] = at;
     const SplitRow row = split_row_of(pay, a, order, start, key, active, lg.sl, lg.G);
     const float state = row_state<OPT>(a.s1, (int64_t)key, active);
     float4 acc[V], w[V];
@@ -1450,52 +1514,99 @@ __global__ void __launch_bounds__(256) split_row_kernel(const K* __restrict__ ro
   }
 }
 
-// Split rows of long chains (split_row_kernel's long-row list, its length on
-// the device), a block each: group g of the block's blockDim / G groups adds the g-th contiguous
-// range of the row's pieces in piece order, the groups' sums meet in shared memory, and group 0
-// adds them in group order and finishes the row. The ranges depend only on the row's piece count
-// and the group width, so the bits are the same from run to run (not those of one group adding
-// every piece in order: the Triton backend and split_row_kernel group the sums differently).
+// Group 0's lanes (warp 0) add the block's groups' sums `acc` in group order (through `sums`).
+template <int V>
+__device__ __forceinline__ void block_sum(float4 (&acc)[V], float4 (&sums)[V][PIECE_THREADS], int G, int groups,
+                                          int sl) {
+#pragma unroll
+  for (int k = 0; k < V; ++k) sums[k][threadIdx.x] = acc[k];
+  __syncthreads();
+  if (threadIdx.x < G) {
+    for (int g = 1; g < groups; ++g) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float4 v = sums[k][g * G + sl];
+        acc[k].x += v.x; acc[k].y += v.y; acc[k].z += v.z; acc[k].w += v.w;
+      }
+    }
+  }
+}
+
+// Split rows of long chains (split_row_kernel's long-row list and its slices, their counts on the
+// device), a block a slice (long_slice_pieces pieces of the row): group g of the block's
+// blockDim / G groups adds the g-th contiguous range of the slice's pieces in piece order and the
+// groups' sums meet in group order. A row of one slice is finished there. A row of several leaves
+// each slice's sum in the slot of the slice's first piece (which only this block reads, and has
+// read); the block that ends the row's last slice (a count a row) adds the slices' sums in slice
+// order, its groups again contiguous ranges, and finishes the row. Every grouping depends only on
+// the row's piece count and the group width, so the bits are the same from run to run (not those
+// of one group adding every piece in order: the Triton backend and split_row_kernel group the
+// sums differently).
 template <typename W, typename K, int OPT, int V>
 __global__ void __launch_bounds__(256) long_row_kernel(const K* __restrict__ row_key,
                                                        const int32_t* __restrict__ order, Payload pay, PieceArgs a,
                                                        W* __restrict__ out) {
-  __shared__ float4 sums[V][256];  // chunk k of every thread's sum
-  const int64_t num = a.counts[2];
+  __shared__ float4 sums[V][PIECE_THREADS];  // chunk k of every thread's sum
+  __shared__ bool last;
+  const int64_t num = a.long_counts[1];
   const int G = a.G, groups = blockDim.x / G, grp = threadIdx.x / G, sl = threadIdx.x % G;
+  const int64_t per_slice = long_slice_pieces<V>(G);
   float t;
   const Hyper h = read_hyper<OPT>(a, t);
-  for (int64_t r = blockIdx.x; r < num; r += gridDim.x) {  // block-uniform: __syncthreads below
-    const int64_t start = a.long_rows[2 * r], count = a.long_rows[2 * r + 1];
+  for (int64_t s = blockIdx.x; s < num; s += gridDim.x) {  // block-uniform: __syncthreads below
+    int64_t* entry = a.long_rows + LONG_ROW_WORDS * a.slice_rows[s];
+    const int64_t start = entry[0], count = entry[1], slice = s - entry[2];
+    const int64_t slices = (count + per_slice - 1) / per_slice;
     const K key = row_key[start];
     const SplitRow row = split_row_of(pay, a, order, start, key, true, sl, G);
     const bool first = grp == 0;  // the group that finishes the row
-    const float state = row_state<OPT>(a.s1, (int64_t)key, first);
+    const bool whole = slices == 1;
+    float state = row_state<OPT>(a.s1, (int64_t)key, first && whole);
     float4 acc[V], w[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-      w[k] = (OPT >= 0 && first) ? row.L.load_rw(out + row.row_at, k) : acc[k];
+      w[k] = (OPT >= 0 && first && whole) ? row.L.load_rw(out + row.row_at, k) : acc[k];
     }
-    const int64_t per = (count + groups - 1) / groups;
-    const int64_t j0 = min(count, (int64_t)grp * per), j1 = min(count, j0 + per);
+    const int64_t lo = slice * per_slice, hi = min(count, lo + per_slice);
+    const int64_t per = (hi - lo + groups - 1) / groups;
+    const int64_t j0 = min(hi, lo + (int64_t)grp * per), j1 = min(hi, j0 + per);
     add_partials<V, true>(acc, row.L, a, start, j0, j1);
-#pragma unroll
-    for (int k = 0; k < V; ++k) sums[k][threadIdx.x] = acc[k];
-    __syncthreads();
-    if (threadIdx.x < 32) {  // warp 0: finish_row's shuffles want the whole warp
+    block_sum<V>(acc, sums, G, groups, sl);
+    if (!whole) {
+      float* mine = const_cast<float*>(partial_of(a, start, lo));
       if (first) {
-        for (int g = 1; g < groups; ++g) {
 #pragma unroll
-          for (int k = 0; k < V; ++k) {
-            const float4 v = sums[k][g * G + sl];
-            acc[k].x += v.x; acc[k].y += v.y; acc[k].z += v.z; acc[k].w += v.w;
-          }
+        for (int k = 0; k < V; ++k) row.L.store(mine, k, acc[k]);
+        __threadfence();  // the sum is out before the count says so
+      }
+      __syncthreads();  // (also: group 0 has read `sums`)
+      if (threadIdx.x == 0)
+        last = atomicAdd(reinterpret_cast<unsigned long long*>(entry + 3), 1ull) == (unsigned long long)slices - 1;
+      __syncthreads();
+      if (!last) continue;
+      __threadfence();  // every slice's sum is visible to this block (read from L2: load_l2)
+      state = row_state<OPT>(a.s1, (int64_t)key, first);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+        w[k] = (OPT >= 0 && first) ? row.L.load_rw(out + row.row_at, k) : acc[k];
+      }
+      const int64_t per_group = (slices + groups - 1) / groups;
+      const int64_t k0 = min(slices, (int64_t)grp * per_group), k1 = min(slices, k0 + per_group);
+      for (int64_t k = k0; k < k1; ++k) {
+        const float* theirs = partial_of(a, start, k * per_slice);
+#pragma unroll
+        for (int c = 0; c < V; ++c) {
+          const float4 v = row.L.load_l2(theirs, c);
+          acc[c].x += v.x; acc[c].y += v.y; acc[c].z += v.z; acc[c].w += v.w;
         }
       }
-      finish_row<W, OPT, V, false>(acc, w, state, row.L, first, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
+      block_sum<V>(acc, sums, G, groups, sl);
     }
-    __syncthreads();  // the next row's sums overwrite these
+    if (threadIdx.x < 32)  // warp 0: finish_row's shuffles want the whole warp
+      finish_row<W, OPT, V, false>(acc, w, state, row.L, first, out, row.row_at, (int64_t)key, a.s1, a.s2, h, t);
+    __syncthreads();  // the next slice's sums overwrite these
   }
 }
 
