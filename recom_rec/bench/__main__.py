@@ -1,7 +1,8 @@
 """python -m recom_rec.bench: recom_rec against its peers, one process, same inputs.
 
 Prints a table (median ms, our speed-up over each peer, our forward bandwidth as a share of the
-measured device-copy ceiling) and writes JSON and a PNG bar chart."""
+measured device-copy ceiling) and writes JSON and a PNG bar chart. Each peer is timed beside ours
+in alternating rounds, and its ratio is to ours' median of the same rounds (_run_peers)."""
 import argparse
 import gc
 import json

@@ -9,10 +9,10 @@ piece and split-row kernels.
 Both backends cut a row's lookups into the same pieces and sum each piece in input order
 (deterministic). A split row's partial sums are added in piece order here, except a hot row whose
 chain of dependent loads for one group would pass LONG_ROW_LOADS (csrc/lookup/kernels.cuh:
-more than 512 / 32 / 16 pieces at 1 / 4 / 8 float4 a lane): a block adds it, its groups fixed
-ranges of the pieces, then their sums in group order (still the same bits from run to run); the
-Triton kernel adds them in tiles. So the two backends agree on such rows to rounding, not bit for
-bit.
+more than 512 / 32 / 16 pieces at 1 / 4 / 8 float4 a lane): a block adds each slice of it, its
+groups fixed ranges of the slice's pieces, then their sums in group order, and the slices' sums
+in slice order (still the same bits from run to run); the Triton kernel adds them in tiles. So the
+two backends agree on such rows to rounding, not bit for bit.
 
 A group the CUDA kernels do not cover (a dim above ``MAX_DIM``, a weight buffer that is not
 16-byte aligned) runs on the Triton backend instead.
