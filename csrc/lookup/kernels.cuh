@@ -1382,7 +1382,7 @@ constexpr int64_t MIN_LONG_ROW_LOOKUPS = 16 * PIECE + 1;  // the shortest long r
 // A long row of more pieces than a block adds in a short chain is cut into slices, a block each
 // (long_row_kernel): Zipf's hottest row can be read 440k times in a batch (13.8k pieces), and one
 // block adding them all was a chain of ~430 round trips a group, 382 us of a 1.9 ms step, while
-// the other SMs idled (perf-notes v66). A slice holds LONG_SLICE_GROUP_PIECES pieces for each of
+// the other SMs idled (perf-notes v66). A slice holds long_slice_group_pieces pieces for each of
 // the block's groups: ~16 round trips a group at its loads in flight (add_partials<V, true>).
 template <int V>
 __host__ __device__ constexpr int64_t long_slice_group_pieces() { return V == 1 ? 128 : V == 8 ? 16 : 32; }
