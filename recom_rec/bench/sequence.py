@@ -25,7 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from .gradients import upstream_ones
 from .report import format_peers
-from .timing import time_beside_ours, time_ms
+from .timing import time_beside_ours
 
 DIM = 256
 LR = 0.01
@@ -239,22 +239,19 @@ def _int8_rows(w: SequenceWorkload, kjt, weights, device, name: str, iters: int,
         peers["torchrec"] = TorchrecQuantEC(w.tables_as(configs), device=device,
                                             table_name_to_quantized_weights=quantized)
     del quantized
-    rows, reference = [], None
-    for peer_name, module in peers.items():
-        with torch.no_grad():
-            out = _flat(module(kjt))
-            reference = out if reference is None else reference
-            row = {"workload": name, "peer": peer_name, "phase": "int8", "ids": kjt.values().numel(),
-                   "identical": bool(torch.equal(out, reference))}
-            del out
+    serving = {n: _Serving(m) for n, m in peers.items()}
+    return time_beside_ours(list(serving), serving.__getitem__, kjt, "forward", device, warmup, iters,
+                            lambda n, p: _flat, {"workload": name, "phase": "int8", "ids": kjt.values().numel()})
 
-        def step():
-            with torch.no_grad():
-                module(kjt)
-        row["ms"] = time_ms(step, device, warmup=warmup, iters=iters)
-        rows.append(row)
-    return rows
 
+class _Serving:
+    """A quantized module as time_beside_ours's peer: its forward is the module's call."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def forward(self, kjt):
+        return self.module(kjt)
 
 
 def format_sequence(rows: List[Dict]) -> str:
