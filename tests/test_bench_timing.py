@@ -301,3 +301,8 @@ def test_a_peer_that_does_not_fit_beside_ours_is_timed_alone_and_ours_comes_back
     assert by["big"]["timed_apart"] and "recom_rec_ms" not in by["big"] and "error" not in by["big"]
     assert "recom_rec_ms" in by["small"] and "recom_rec_ms" in by["other"] and "timed_apart" not in by["other"]
     assert by["recom_rec"]["ms"] > 0 and all("ms" in r for r in rows)
+    from recom_rec.bench.report import format_table
+
+    meta = {"device": "cpu", "torch": torch.__version__, "copy_gbs": 1.0, "backend": "auto", "small": True}
+    text = format_table(meta, rows, ["recom_rec", "small", "big", "other"])
+    assert "timed alone, not beside ours (the two peers' tables do not fit together): w big" in text

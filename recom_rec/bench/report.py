@@ -78,6 +78,9 @@ def format_table(meta: dict, results: List[dict], peers: List[str]) -> str:
     for peer, workloads in padded.items():
         lines.append(f"{peer}: dims padded up to a multiple of 4 (its kernels need it; its output keeps the padding) "
                      f"in {', '.join(workloads)}")
+    apart = sorted({f"{r['workload']} {r['peer']}" for r in results if r.get("timed_apart")})
+    if apart:
+        lines.append("timed alone, not beside ours (the two peers' tables do not fit together): " + ", ".join(apart))
     errors = [r for r in results if "error" in r]
     for r in errors:
         lines.append(f"error: {r['workload']} {r['phase']} {r['peer']}: {r['error']}")
