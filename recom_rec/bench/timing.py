@@ -102,13 +102,6 @@ def time_interleaved(steps: Dict[str, Callable[[], object]], device: torch.devic
             gc.enable()
 
 
-def medians_interleaved(steps: Dict[str, Callable[[], object]], device: torch.device, warmup: int = 5,
-                        iters: int = 20, min_ms: float = 50.0) -> Dict[str, float]:
-    """Each step's median ms, the steps timed in alternating rounds (``time_interleaved``)."""
-    samples = time_interleaved(steps, device, warmup=warmup, min_iters=iters, min_ms=min_ms)
-    return {name: statistics.median(times) for name, times in samples.items()}
-
-
 def _rounds(steps: Dict[str, Callable[[], object]], device: torch.device, min_iters: int, min_ms: float,
             block: int, max_iters: int) -> Dict[str, List[float]]:
     names = list(steps)
@@ -164,7 +157,7 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 
 def phase_step(peer, kjt, phase: str, comparable: Callable,
-               reference: Optional[torch.Tensor]) -> Tuple[Callable[[], None], bool, torch.Tensor]:
+               reference: Optional[torch.Tensor]) -> Tuple[Callable[[], None], bool, Optional[torch.Tensor]]:
     """A peer's step for ``phase``: ``forward`` (under no_grad) or a training step
     (``peer.train_step``). A forward's output, as ``comparable(output)`` makes it, is compared with
     ``reference`` (the first peer's; this one's where None). Returns the step, whether the output
