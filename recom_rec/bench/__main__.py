@@ -16,7 +16,7 @@ from tqdm import tqdm
 from .peers import GROUP_PARAMETERS, PEERS, PINNED_BACKENDS, fbgemm_available, make_peer
 from .report import format_table, plot_results
 from .batch_sizes import DISTRIBUTIONS
-from .timing import copy_bandwidth_gbs, graph_replay, time_interleaved, time_ms, time_second_half_ms
+from .timing import copy_bandwidth_gbs, graph_replay, time_beside, time_ms, time_second_half_ms
 from .workloads import DEFAULT_WORKLOADS, DRAWN, WORKLOADS, get_workload
 
 # forward: inference under no_grad. backward: forward + backward to dense gradients (fbgemm has
@@ -189,13 +189,10 @@ def _run_peers(pnames, w, kjt, device, optimizer, phases, args, ceiling):
             row = other.rows[phase]
             try:
                 if beside is not None and phase in beside.steps:
-                    samples = time_interleaved({"recom_rec": beside.steps[phase], pname: step}, device,
-                                               warmup=args.warmup, min_iters=args.iters)
-                    row["ms"] = statistics.median(samples[pname])
-                    row["recom_rec_ms"] = statistics.median(samples["recom_rec"])
+                    samples = time_beside(row, beside.steps[phase], step, device, args.warmup, args.iters)
                     if not ours_samples[phase]:
                         _record_decisions(beside.rows[phase], phase, device)
-                    ours_samples[phase] += samples["recom_rec"]
+                    ours_samples[phase] += samples
                 else:
                     row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
                     row["timed_apart"] = anchor is not None

@@ -102,6 +102,17 @@ def time_interleaved(steps: Dict[str, Callable[[], object]], device: torch.devic
             gc.enable()
 
 
+def time_beside(row: Dict[str, object], ours: Callable[[], object], theirs: Callable[[], object],
+                device: torch.device, warmup: int, iters: int) -> List[float]:
+    """A peer's step timed beside ours in alternating rounds (``time_interleaved``): its median in
+    ``row["ms"]``, ours' median of the same rounds in ``row["recom_rec_ms"]`` (its ratio's
+    denominator). Returns ours' samples."""
+    samples = time_interleaved({"recom_rec": ours, "peer": theirs}, device, warmup=warmup, min_iters=iters)
+    row["ms"] = statistics.median(samples["peer"])
+    row["recom_rec_ms"] = statistics.median(samples["recom_rec"])
+    return samples["recom_rec"]
+
+
 def _rounds(steps: Dict[str, Callable[[], object]], device: torch.device, min_iters: int, min_ms: float,
             block: int, max_iters: int) -> Dict[str, List[float]]:
     names = list(steps)
@@ -202,10 +213,7 @@ def time_beside_ours(names: List[str], make: Callable[[str], object], kjt, phase
             peer = make(name)
             step, other_row["identical"], reference = phase_step(peer, kjt, phase, comparable(name, peer), reference)
             if ours_step is not None:
-                samples = time_interleaved({names[0]: ours_step, name: step}, device, warmup=warmup, min_iters=iters)
-                other_row["ms"] = statistics.median(samples[name])
-                other_row["recom_rec_ms"] = statistics.median(samples[names[0]])
-                ours_samples += samples[names[0]]
+                ours_samples += time_beside(other_row, ours_step, step, device, warmup, iters)
             else:
                 other_row["ms"] = time_ms(step, device, warmup=warmup, iters=iters)
             if annotate:
