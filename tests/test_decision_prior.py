@@ -2,12 +2,14 @@
 shapes' vote, the tuner starting from it and measuring it against the runner-up alone, and the
 prior fitted from decision files. On the CPU, with the launch tuner's fake stream."""
 import json
+import math
+import random
 
 import torch
 
 from recom_rec.kernels.decision_cache import VERSION as CACHE_VERSION, shape_class
-from recom_rec.kernels.decision_prior import DecisionPrior, fit, main, shape_fields
-from recom_rec.kernels.launch_tuner import MIN_TRIALS, LaunchOrderTuner
+from recom_rec.kernels.decision_prior import SIZES, DecisionPrior, fit, main, shape_fields
+from recom_rec.kernels.launch_tuner import MIN_TRIALS, ForwardLaunchShape, LaunchOrderTuner
 from recom_rec.kernels.selection import ForwardChoiceShape
 from test_launch_tuner import FakeStream, shape
 
@@ -44,6 +46,51 @@ def test_the_nearest_recorded_shapes_vote_and_other_kinds_do_not():
     assert prior.ranked("forward", shape(lookups=1 << 21))[0] == "c"
     assert prior.ranked("backward_path", shape()) == []  # no decisions of that tuner
     assert prior.ranked("forward", shape()._replace(weight_dtype=torch.float16)) == []  # another dtype
+
+
+def _reference_nearest(points, shape, k=5):
+    """The vote's neighbours as documented, by brute force: the k recorded shapes nearest over the
+    log2 of the sizes, among those whose other fields all match; ties in the points' order."""
+    fields = shape_fields(shape)
+    near = []
+    for index, (recorded, _) in enumerate(points):
+        if set(recorded) != set(fields) or any(recorded[f] != fields[f] for f in fields if f not in SIZES):
+            continue
+        d = math.sqrt(sum((math.log2(1 + float(fields[f])) - math.log2(1 + float(recorded[f]))) ** 2
+                          for f in fields if f in SIZES))
+        near.append((d, index))
+    near.sort(key=lambda pair: pair[0])
+    return near[:k]
+
+
+def _drawn_shape(rng):
+    launch = ForwardLaunchShape(rng.randrange(1 << 40), rng.choice([1, 3, 26, 500]), rng.choice([16, 512, 65536]),
+                                rng.choice([64, 3328, 9000]), rng.choice([16, 128, 1024]),
+                                rng.choice([1 << 10, 1 << 14, 1 << 20]), rng.choice([torch.float32, torch.float16]),
+                                torch.int64, rng.random() < 0.3, rng.choice([1 << 20, 1 << 30]))
+    return ForwardChoiceShape(launch, rng.random() < 0.8) if rng.random() < 0.7 else launch
+
+
+def test_the_vote_is_the_documented_nearest_neighbours_and_each_shape_gets_the_same_answer_again():
+    rng = random.Random(5)
+    points = [(shape_fields(_drawn_shape(rng)), rng.choice(CHOICES)) for _ in range(120)]
+    offered = [rng.choice([None, ["a", "b"], ["a", "b", "c", "d"]]) for _ in points]
+    prior = DecisionPrior({"forward": points}, {"forward": offered})
+    for _ in range(200):
+        s = _drawn_shape(rng) if rng.random() < 0.7 else ForwardChoiceShape(shape(lookups=rng.choice([1 << 10, 1 << 20])), True)
+        near = _reference_nearest(points, s)
+        assert [i for _, i in prior._nearest("forward", s)] == [i for _, i in near]
+        votes = {}
+        for d, i in near:
+            votes[points[i][1]] = votes.get(points[i][1], 0.0) + 1.0 / (1.0 + d)
+        ranked = sorted(votes, key=lambda c: -votes[c])
+        missing = []
+        for _, i in near:
+            if offered[i] is not None:
+                missing += [n for n in CHOICES if n not in offered[i] and n not in missing]
+        for _ in range(2):  # (the second time from what the first found)
+            assert prior.ranked("forward", s) == ranked
+            assert prior.unmeasured("forward", s, list(CHOICES)) == missing
 
 
 def test_a_predicted_shape_starts_on_the_prediction_and_measures_only_it_and_the_runner_up():
