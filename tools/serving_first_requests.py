@@ -1,0 +1,95 @@
+"""Device-side investigation (not a benchmark): where the float serving stream's first requests go.
+
+`--workloads serving` timed ours' first 100 float requests at 0.51-0.77x fbgemm's while its p50 was
+ahead (perf-notes v60, v67). This answers a stream as the benchmark does (bench/serving.py: its
+layout, its draws, a warmed process, ours' choices forgotten before its stream), and splits ours'
+first N requests' summed latency by what the tuners did in each: a shape class's first request, a
+request behind a trial's hold (and the holds' own ms), another request of a shape on trial (untimed:
+its default, or a candidate's first launch), a decided shape's request.
+Then the same first N requests again, from forgotten choices, under cProfile.
+
+    python3 tools/serving_first_requests.py [--distribution log-uniform] [--seed S] [--requests 100]
+"""
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from recom_rec.bench.batch_sizes import DISTRIBUTIONS
+from recom_rec.bench.serving import draw_stream, float_peers, warm_process
+from recom_rec.bench.workloads import serving_layout
+from recom_rec.kernels import selection
+
+
+def answer(forward, requests, device, on_request=None):
+    times = []
+    with torch.no_grad():
+        for i, kjt in enumerate(requests):
+            request = kjt.to(device)
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            forward(request)
+            torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - start) * 1e3)
+            if on_request is not None:
+                on_request(i)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--distribution", default="log-uniform", choices=list(DISTRIBUTIONS))
+    p.add_argument("--seed", type=int, default=4232939074)
+    p.add_argument("--requests", type=int, default=100)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    layout = serving_layout(False)
+    sizes, stream = draw_stream(layout, args.distribution, args.seed, args.requests)
+    warm_process(layout, device, ["recom_rec", "fbgemm"], "auto")
+    peers = float_peers(layout, device, ["recom_rec", "fbgemm"], "auto")
+
+    tuners = selection._tuners()
+    holds = {"ms": 0.0, "count": 0}
+    for t in tuners:  # count the holds ahead of timed trials
+        def hold(dev, ms, _orig=t._hold):
+            holds["ms"] += ms
+            holds["count"] += 1
+            _orig(dev, ms)
+        t._hold = hold
+
+    def state():
+        return (sum(len(set(t._starts) | set(t._decided)) for t in tuners), holds["count"], holds["ms"],
+                sum(t.trial_launches for t in tuners))
+
+    selection.forget_all()
+    log = [state()]
+    ours = answer(peers["recom_rec"], stream, device, lambda i: log.append(state()))
+    theirs = answer(peers["fbgemm"], stream, device)
+    kinds = {"new shape class": 0.0, "behind a hold": 0.0, "on trial, untimed": 0.0, "decided": 0.0}
+    counts = dict.fromkeys(kinds, 0)
+    for i, ms in enumerate(ours):
+        before, after = log[i], log[i + 1]
+        kind = ("new shape class" if after[0] > before[0] else "behind a hold" if after[1] > before[1]
+                else "on trial, untimed" if after[3] > before[3] else "decided")
+        kinds[kind] += ms
+        counts[kind] += 1
+    print(f"{args.distribution}, seed {args.seed}, first {args.requests} requests, batch sizes "
+          f"{min(sizes)}-{max(sizes)}: ours {sum(ours):.1f} ms, fbgemm {sum(theirs):.1f} ms")
+    for kind, ms in kinds.items():
+        print(f"  {kind:20s} {counts[kind]:4d} requests {ms:8.2f} ms")
+    print(f"  holds: {holds['count']} totalling {holds['ms']:.2f} ms; shape classes {log[-1][0]}")
+    print("  request ms (ours / fbgemm, batch):",
+          " ".join(f"{a:.2f}/{b:.2f}({s})" for a, b, s in zip(ours[:40], theirs, sizes)))
+
+    selection.forget_all()
+    prof = cProfile.Profile()
+    prof.enable()
+    answer(peers["recom_rec"], stream, device)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
