@@ -104,6 +104,17 @@ VARIANTS = {
     # lookups (96 KB a block; two lookups ahead in flight, not one), V = 4 four (64 KB a block)
     "ring-v8-3": (_replace("return V == 8 ? 2 :", "return V == 8 ? 3 :"), []),
     "ring-v4-4": (_replace("V == 8 ? 2 : V == 4 ? 3 :", "V == 8 ? 2 : V == 4 ? 4 :"), []),
+    # v67: the rows a launch reads and writes once (the weights; also the split rows' partial sums)
+    # evict-first in L2 (ld.global.cs, st.global.cs), so that the gradient rows, read by every
+    # lookup of their bag, keep their lines. Drawn layouts of tens of millions of lookups (random-0
+    # of seed 999034727: 15M distinct rows of dims up to 772) ran their piece kernels at ~1.5 TB/s
+    # of rows, and asking L2 for the weights early made them 10-19% slower. Such a layout:
+    # --shapes 8,2000000,512,8192,200,0,0 8,2000000,128,16384,50,0,0
+    "streaming-rows": (lambda t: _replace(
+        "float4 load4_rw(const float* p) { return *reinterpret_cast<const float4*>(p); }",
+        "float4 load4_rw(const float* p) { return __ldcs(reinterpret_cast<const float4*>(p)); }")(_replace(
+            "void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }",
+            "void store4(float* p, float4 v) { __stcs(reinterpret_cast<float4*>(p), v); }")(t)), []),
 }
 
 
