@@ -147,6 +147,23 @@ def test_a_first_call_that_compiles_holds_at_most_max_hold_ms():
     assert stream.holds() == [MAX_HOLD_MS, pytest.approx(2 * 0.05 + HOLD_SLACK_MS)]
 
 
+def test_a_new_shape_holds_for_the_hosts_typical_call_not_for_its_first_launches():
+    """A shape's first launches of each candidate may load kernels (or compile): their calls do
+    not size its holds. Once other shapes have made ordinary calls, a new shape's first timed
+    launch is held for twice their typical call; later ones for twice the shape's own last
+    ordinary call. (A serving stream's batch-size classes each began with a hold of up to
+    MAX_HOLD_MS, which a synchronous request waits out.)"""
+    stream = FakeStream({F: 1.2, B: 1.0}, host_ms=0.1)
+    tuner = stream.tuner(min_trials=3)
+    launch(tuner, stream, 12)  # one shape tuned on 0.1 ms calls
+    assert tuner.decisions() == {shape(): "bags"}
+    holds_before = len(stream.holds())
+    stream.host_ms = [5.0, 5.0, 0.3]  # the new shape's two first launches, then its ordinary calls
+    launch(tuner, stream, 4, shape(lookups=1 << 20))
+    assert stream.holds()[holds_before:] == [pytest.approx(2 * 0.1 + HOLD_SLACK_MS),
+                                             pytest.approx(2 * 0.3 + HOLD_SLACK_MS)]
+
+
 @pytest.mark.parametrize("other_host_path, bags_host_ms, faster", [
     (False, 1.5, "bags"),  # one host path: the device's time decides, the host's is not counted
     (True, 1.5, "features"),  # bags' own host path outlasts its kernels: 1.5 ms a launch against 1.0

@@ -46,6 +46,7 @@ decision was measured among). Decisions taken out of another process (``recom_re
 and put into this one (``recom_rec.use_kernel_decisions``, ``recom_rec.load_exported``) are looked
 up ahead of the file, the same way: a shape they know is decided at its first call.
 """
+import collections
 import contextlib
 import math
 import statistics
@@ -82,9 +83,12 @@ DROP_AFTER = 2
 DROP_MARGIN = 0.25
 # The hold ahead of a timed trial: twice the host's last call for the shape plus HOLD_SLACK_MS (its
 # time jitters; a call that outlasts the hold gives one slow sample, which the medians ignore), at
-# most MAX_HOLD_MS (a first call may compile for seconds). Held only while a shape is on trial.
+# most MAX_HOLD_MS (a first call may compile for seconds). Held only while a shape is on trial. A
+# candidate's first launch for a shape does not count as its last call: until the shape has made
+# another, the median of the tuner's last TYPICAL_HOST_CALLS such calls (other shapes') stands in.
 HOLD_SLACK_MS = 0.02
 MAX_HOLD_MS = 2.0
+TYPICAL_HOST_CALLS = 16
 # A shape's timed trials may cost its calls at most TRIAL_BUDGET of their time: a timed launch (its
 # hold, and a slower candidate's extra device time) waits until the shape's calls so far leave room
 # for it, the shape running its default untimed meanwhile. A trial behind a hold of twice the host's
@@ -280,6 +284,11 @@ class _ShapeTrials:
     host: Dict[object, List[float]] = field(default_factory=dict)  # the host's ms in the same trials' calls
     in_flight: List[Tuple[object, object, object, float]] = field(default_factory=list)  # (choice, start, end, host)
     host_ms: float = MAX_HOLD_MS  # the host's time in the shape's last call
+    # ... and in its last call that was not a candidate's first launch for it (None before one):
+    # a first launch's call may load kernels or compile, and a hold twice that long is latency
+    # a synchronous caller (a server's request) waits out
+    regular_host_ms: Optional[float] = None
+    launched: set = field(default_factory=set)  # the choices run for the shape so far
     # The pacing's ledger (TRIAL_BUDGET): the shape's calls' time while on trial as the default takes
     # them (the longer of its host call and its device time), and what the trials cost beyond that:
     # a timed launch's hold, and another candidate's extra device time and extra host time (its
@@ -289,8 +298,13 @@ class _ShapeTrials:
     trials_ms: float = 0.0
     default_host_ms: float = 0.0  # the host's time in the default's last call
 
-    def hold_ms(self) -> float:
-        return min(MAX_HOLD_MS, 2 * self.host_ms + HOLD_SLACK_MS)
+    def hold_ms(self, typical_host_ms: Optional[float] = None) -> float:
+        """The hold ahead of a timed launch: twice the host's call plus the slack. The call is the
+        shape's last one that was not a first launch; before one, the tuner's typical such call
+        (``typical_host_ms``, its other shapes'), else the shape's last call."""
+        host = self.regular_host_ms if self.regular_host_ms is not None else \
+            typical_host_ms if typical_host_ms is not None else self.host_ms
+        return min(MAX_HOLD_MS, 2 * host + HOLD_SLACK_MS)
 
     def device_ms(self, choice) -> float:
         """The choice's median device time so far (0 before its first sample)."""
@@ -304,10 +318,10 @@ class _ShapeTrials:
         return max(0.0, self.device_ms(choice) - self.device_ms(self.default)) + \
             max(0.0, host_ms - self.default_host_ms)
 
-    def trial_cost(self, choice) -> float:
+    def trial_cost(self, choice, typical_host_ms: Optional[float] = None) -> float:
         """A timed launch of ``choice`` now: its hold, and its extra time as measured so far."""
         host = self.host.get(choice)
-        return self.hold_ms() + self._extra_ms(choice, statistics.median(host) if host else 0.0)
+        return self.hold_ms(typical_host_ms) + self._extra_ms(choice, statistics.median(host) if host else 0.0)
 
     def calls_ms(self) -> float:
         """The calls' time: their host time, or their count at the default's device time once
@@ -324,7 +338,7 @@ class _ShapeTrials:
         if not trials_unpaced():
             self.trials_ms += (hold_ms or 0.0) + self._extra_ms(choice, host_ms)
 
-    def affords(self, choice, budget: float) -> bool:
+    def affords(self, choice, budget: float, typical_host_ms: Optional[float] = None) -> bool:
         """Whether a timed launch of ``choice`` now keeps the trials within ``budget`` of the calls.
         The default's first timed launch always may: until it is measured, the calls' time is
         only their host time, which a device-bound shape's calls far exceed (one hold, ~2 calls
@@ -332,7 +346,7 @@ class _ShapeTrials:
         if choice == self.default and not self.samples.get(choice) and \
                 not any(c == choice for c, *_ in self.in_flight):
             return True
-        return self.fits(self.trial_cost(choice), budget)
+        return self.fits(self.trial_cost(choice, typical_host_ms), budget)
 
     def fits(self, cost_ms: float, budget: float) -> bool:
         """Whether a launch costing ``cost_ms`` beyond the default's call keeps the trials within
@@ -420,6 +434,11 @@ class LaunchOrderTuner:
         self.trial_launches = 0
         # The PS tier may run forwards from a background thread: the dicts change under this lock.
         self._lock = threading.Lock()
+        # The host's time in the last calls of undecided shapes that were not first launches: a new
+        # shape's first hold goes by them rather than by its own first launches' calls (_ShapeTrials
+        # .hold_ms). A serving stream's new batch-size classes each began with a hold of up to
+        # MAX_HOLD_MS that way, paid by a request.
+        self._regular_host_ms: "collections.deque[float]" = collections.deque(maxlen=TYPICAL_HOST_CALLS)
         # Under this name the tuner's decisions go to, and come from, the on-disk cache
         # (decision_cache.py, RECOM_REC_CACHE); a shape the cache lacked is looked up once.
         self.cache_name = cache_name
@@ -436,6 +455,10 @@ class LaunchOrderTuner:
         # candidates), worked out on its first undecided call.
         self._prior = prior if prior is not None else _active_prior
         self._starts: Dict[object, Tuple[object, tuple]] = {}
+
+    def _typical_host_ms(self) -> Optional[float]:
+        recent = list(self._regular_host_ms)  # (a copy: other threads append)
+        return statistics.median(recent) if recent else None
 
     def force(self, name: Optional[str]) -> None:
         """Tests and tools: run every shape with the choice called ``name`` (one of ``names``'
@@ -477,7 +500,7 @@ class LaunchOrderTuner:
             return run(order)
         hold_ms = None
         if timed:  # the device busy until the call has queued the trial's kernels
-            hold_ms = trials.hold_ms()
+            hold_ms = trials.hold_ms(self._typical_host_ms())
             self._hold(device, hold_ms)
             start = self._record_event(device)
         began = self._clock()
@@ -485,6 +508,10 @@ class LaunchOrderTuner:
         host_ms = trials.host_ms = (self._clock() - began) * 1e3
         end = self._record_event(device) if timed else None
         with self._lock:
+            if order in trials.launched:  # (not a first launch: a call the holds may go by)
+                trials.regular_host_ms = host_ms
+                self._regular_host_ms.append(host_ms)
+            trials.launched.add(order)
             # else another thread decided meanwhile, or the trials were forgotten and begun anew:
             # this call belongs to none
             if self._trials.get(shape) is trials:
@@ -617,7 +644,7 @@ class LaunchOrderTuner:
         if trials.planned:
             choice, timed = trials.planned[0]
             if self.trial_budget is not None and not trials_unpaced():
-                if timed and not trials.affords(choice, self.trial_budget):
+                if timed and not trials.affords(choice, self.trial_budget, self._typical_host_ms()):
                     return trials.default, False  # paced: the shape's calls have not paid for it yet
                 # (the planned untimed launches are the candidates' first)
                 if not timed and choice != trials.default and \
@@ -636,7 +663,8 @@ class LaunchOrderTuner:
     def forget(self) -> None:
         """Drop every decision and trial. A model built where a freed one's weights were gets the
         freed one's decisions (the weights' address is part of the key): a caller that builds
-        models of one shape with other data (the benchmark's workloads) forgets between them."""
+        models of one shape with other data (the benchmark's workloads) forgets between them.
+        The host's typical call time stays: it is the host's, not a decision."""
         with self._lock:
             self._decided.clear()
             self._decided_on.clear()
