@@ -14,11 +14,14 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(1800)
+# ~3,000 Triton compiles on two cores from a cold cache. On 2026-12-02 a 2-core machine running
+# ~1.7x slower than usual failed this test in a local CI run after about 1,700 s (the old limit);
+# the check then passed alone on the cache that run had left. The limit is not what this tests.
+@pytest.mark.timeout(3600)
 def test_all_kernel_variants_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-m", "recom_rec.kernels.compile_check", "--arch", "90"],
-                            env=env, capture_output=True, text=True, timeout=1700)
+                            env=env, capture_output=True, text=True, timeout=3400)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "compiled" in result.stdout
 
