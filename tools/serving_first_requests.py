@@ -13,29 +13,13 @@ Then the same first N requests again, from forgotten choices, under cProfile.
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
 
 from recom_rec.bench.batch_sizes import DISTRIBUTIONS
-from recom_rec.bench.serving import draw_stream, float_peers, warm_process
+from recom_rec.bench.serving import answer_stream, draw_stream, float_peers, warm_process
 from recom_rec.bench.workloads import serving_layout
 from recom_rec.kernels import selection
-
-
-def answer(forward, requests, device, on_request=None):
-    times = []
-    with torch.no_grad():
-        for i, kjt in enumerate(requests):
-            request = kjt.to(device)
-            torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            forward(request)
-            torch.cuda.synchronize(device)
-            times.append((time.perf_counter() - start) * 1e3)
-            if on_request is not None:
-                on_request(i)
-    return times
 
 
 def main() -> None:
@@ -65,8 +49,8 @@ def main() -> None:
 
     selection.forget_all()
     log = [state()]
-    ours = answer(peers["recom_rec"], stream, device, lambda i: log.append(state()))
-    theirs = answer(peers["fbgemm"], stream, device)
+    ours = answer_stream(peers["recom_rec"], stream, device, lambda i: log.append(state()))
+    theirs = answer_stream(peers["fbgemm"], stream, device)
     kinds = {"new shape class": 0.0, "behind a hold": 0.0, "on trial, untimed": 0.0, "decided": 0.0}
     counts = dict.fromkeys(kinds, 0)
     for i, ms in enumerate(ours):
@@ -86,7 +70,7 @@ def main() -> None:
     selection.forget_all()
     prof = cProfile.Profile()
     prof.enable()
-    answer(peers["recom_rec"], stream, device)
+    answer_stream(peers["recom_rec"], stream, device)
     prof.disable()
     pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 

@@ -95,8 +95,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def answer_stream(forward: Callable, requests: list, device: torch.device) -> List[float]:
-    """Each request's latency (ms): from the call to its result on the host (synchronised)."""
+def answer_stream(forward: Callable, requests: list, device: torch.device,
+                  after_each: Optional[Callable[[int], None]] = None) -> List[float]:
+    """Each request's latency (ms): from the call to its result on the host (synchronised).
+    ``after_each(i)`` runs after request i's latency is taken (a tool's look at the tuners)."""
     times = []
     gc.collect()
     # No collection inside a request: it would land on whichever peer's stream made the garbage.
@@ -110,6 +112,8 @@ def answer_stream(forward: Callable, requests: list, device: torch.device) -> Li
                 forward(request)
                 _sync(device)
                 times.append((time.perf_counter() - start) * 1e3)
+                if after_each is not None:
+                    after_each(len(times) - 1)
     finally:
         gc.enable()
     return times
