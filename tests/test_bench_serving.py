@@ -91,6 +91,26 @@ def test_stream_latencies_are_each_request_s():
     assert len(latencies) == 5 and all(2.0 <= ms < 500 for ms in latencies), latencies
 
 
+def test_peers_take_turns_a_block_of_the_same_requests_at_a_time():
+    layout = serving_layout(small=True)
+    _, stream = serving.draw_stream(layout, "long-tail", seed=1, requests=5)
+    calls = []
+
+    def peer(name):
+        def forward(kjt):
+            calls.append((name, next(i for i, r in enumerate(stream) if r is kjt or r.values().equal(kjt.values()))))
+            return kjt.values()
+        return forward
+
+    latencies = serving.answer_streams({"a": peer("a"), "b": peer("b"), "c": peer("c")}, stream,
+                                       torch.device("cpu"), block=2)
+    # each peer answers every request once, in the stream's order; the peers' order flips each round
+    assert calls == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 0), ("c", 1),
+                     ("c", 2), ("c", 3), ("b", 2), ("b", 3), ("a", 2), ("a", 3),
+                     ("a", 4), ("b", 4), ("c", 4)]
+    assert {name: len(ms) for name, ms in latencies.items()} == {"a": 5, "b": 5, "c": 5}
+
+
 def test_output_check_fails_loudly_on_a_differing_peer():
     ours = [torch.rand(3, 8), torch.rand(1, 8)]
     close = [t + 1e-7 for t in ours]

@@ -15,18 +15,20 @@ EmbeddingBagCollection. INT8 rows (the same rows, built by inference.build_peers
 directly; its request includes casting the ids to int32 on a GPU, as torchrec's module does),
 torchrec's quantized EmbeddingBagCollection.
 
-Timing: every peer of a distribution and precision is built fresh, then answers the whole stream
-alone, one request after another: the request is copied to the device (untimed), then timed on the
-host's clock from the call to the end of ``torch.cuda.synchronize()`` (a server returns each
-answer). Ours' measured choices are forgotten before its stream, so it tunes as a new model does;
-before the first stream every peer answers a few requests untimed, so that no peer pays the
-process's first CUDA calls and compilations for the others (a fresh process's first calls:
-``--phases cold``). Per peer: the summed latency of its first 100 requests (cold start), then,
+Timing: every peer of a distribution and precision is built fresh, then the peers answer the stream
+one request after another, taking turns a block of STREAM_BLOCK requests at a time (``answer_streams``:
+a drift of the machine's speed falls on all of them alike): the request is copied to the device
+(untimed), then timed on the host's clock from the call to the end of ``torch.cuda.synchronize()``
+(a server returns each answer). Ours' measured choices are forgotten before the stream, so it tunes
+as a new model does; before the first stream every peer answers a few requests untimed, so that no
+peer pays the process's first CUDA calls and compilations for the others (a fresh process's first
+calls: ``--phases cold``). Per peer: the summed latency of its first 100 requests (cold start), then,
 excluding a warm-up of min(200, a quarter of the stream), the latency's p50 / p99 / p999 and the
-throughput over the steady state's summed latencies (requests/s, samples/s). After its stream, each
+throughput over the steady state's summed latencies (requests/s, samples/s). After the stream, each
 peer answers a sample of the requests again (the largest among them) and its outputs are checked
 against ours (float: allclose at 1e-5; INT8: at 1e-4, the soak's tolerance); a mismatch stops the run.
 """
+import contextlib
 import gc
 import sys
 import time
@@ -44,6 +46,7 @@ SERVING_PEERS = ("recom_rec", "fbgemm", "torchrec")
 PRECISIONS = ("float", "int8")
 WARMUP_REQUESTS = 200  # the most requests left out of the steady state (and at most a quarter of them)
 COLD_REQUESTS = 100  # issue 51's first calls
+STREAM_BLOCK = COLD_REQUESTS  # the requests a peer answers before the next peer's turn (answer_streams)
 CHECKED_REQUESTS = 8  # requests whose outputs are compared between peers, the largest among them
 PROCESS_WARMUP_BATCHES = (1, 3, 64, 1024)  # the untimed first requests of every peer, once a process
 TOLERANCE = {"float": 1e-5, "int8": 1e-4}  # rtol and atol against ours (tools/soak.py's)
@@ -95,27 +98,56 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _answer(forward: Callable, requests: list, device: torch.device, times: List[float],
+            after_each: Optional[Callable[[int], None]] = None) -> None:
+    with torch.no_grad():
+        for kjt in requests:
+            request = kjt.to(device)
+            _sync(device)
+            start = time.perf_counter()
+            forward(request)
+            _sync(device)
+            times.append((time.perf_counter() - start) * 1e3)
+            if after_each is not None:
+                after_each(len(times) - 1)
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """No garbage collection inside a request: it would land on whichever peer's request made the
+    garbage. Collected once ahead instead."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def answer_stream(forward: Callable, requests: list, device: torch.device,
                   after_each: Optional[Callable[[int], None]] = None) -> List[float]:
     """Each request's latency (ms): from the call to its result on the host (synchronised).
     ``after_each(i)`` runs after request i's latency is taken (a tool's look at the tuners)."""
-    times = []
-    gc.collect()
-    # No collection inside a request: it would land on whichever peer's stream made the garbage.
-    gc.disable()
-    try:
-        with torch.no_grad():
-            for kjt in requests:
-                request = kjt.to(device)
-                _sync(device)
-                start = time.perf_counter()
-                forward(request)
-                _sync(device)
-                times.append((time.perf_counter() - start) * 1e3)
-                if after_each is not None:
-                    after_each(len(times) - 1)
-    finally:
-        gc.enable()
+    times: List[float] = []
+    with _no_collection():
+        _answer(forward, requests, device, times, after_each)
+    return times
+
+
+def answer_streams(forwards: Dict[str, Callable], requests: list, device: torch.device,
+                   block: int = STREAM_BLOCK) -> Dict[str, List[float]]:
+    """Every peer's latencies (``answer_stream``) on the same requests, the peers taking turns
+    ``block`` requests at a time, their order reversed every round (A B C, C B A, A B C, ...): a
+    drift of the host's or the device's speed over the seconds a stream takes then falls on every
+    peer alike, not on whichever peer's stream ran through it (v68: three runs on one machine put
+    ours' float p50 at 0.19-0.41 ms and fbgemm's at 0.21-0.55 ms, their ratio at 0.60-1.57x, each
+    peer having answered its whole stream alone)."""
+    names = list(forwards)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    with _no_collection():
+        for k, first in enumerate(range(0, len(requests), block)):
+            for name in names if k % 2 == 0 else names[::-1]:
+                _answer(forwards[name], requests[first:first + block], device, times[name])
     return times
 
 
@@ -230,17 +262,17 @@ def run_serving(device: torch.device, small: bool, seed: int, requests: int,
             forwards = BUILDERS[precision](layout, device, wanted, backend)
             outputs: Dict[str, List[torch.Tensor]] = {}
             found = []
+            _forget_choices(device)  # ours tunes as a new model does
+            trials = _trial_launches(device)
+            latencies = answer_streams(forwards, stream, device)
             for peer, forward in forwards.items():
-                if peer == "recom_rec":
-                    _forget_choices(device)
-                trials = _trial_launches(device)
-                latencies = answer_stream(forward, stream, device)
                 row = {"workload": f"serving {name}", "distribution": name, "phase": precision, "peer": peer,
                        "seed": seed, "requests": requests, "samples": int(sum(sizes)),
-                       **summarize(latencies, sizes, warmup)}
+                       **summarize(latencies[peer], sizes, warmup)}
                 row["ms"] = row["p50_ms"]
                 if device.type == "cuda" and peer == "recom_rec":
                     # launches of undecided shapes over the stream: the tuners' trials, paid by requests
+                    # (only ours' modules launch through the tuners)
                     row["trial_launches"] = _trial_launches(device) - trials
                 with torch.no_grad():
                     outputs[peer] = [forward(stream[i].to(device)).float().cpu() for i in checked]
