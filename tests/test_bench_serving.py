@@ -1,6 +1,7 @@
 """``--workloads serving``: the batch-size distributions, the latency summary's arithmetic, the
 output check between peers, and the command line end to end on the CPU (small layout)."""
 import json
+import pathlib
 import subprocess
 import sys
 import time
@@ -148,3 +149,17 @@ def test_serving_cli_writes_latency_percentiles_for_every_peer(tmp_path):
             assert r["max_diff"] <= serving.TOLERANCE[precision], r
     # every peer answered the same stream
     assert len({(r["distribution"], r["samples"]) for r in data["results"]}) == 2
+
+
+def test_the_first_requests_tool_marks_the_requests_that_open_a_shape_class(monkeypatch):
+    # tools/serving_first_requests.py splits a stream by the requests that open a class (the first
+    # of their batch and lookup buckets, as the tuners round them) on any machine
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+    import serving_first_requests as tool
+
+    layout = serving_layout(small=True)
+    sizes, stream = serving.draw_stream(layout, "log-uniform", seed=4232939074, requests=100)
+    assert sizes[:10] == [386, 3, 54, 4, 2, 933, 33, 1, 2, 331]
+    # 33 shares 54's bucket (64), the second 2 the first's, 331 386's (512); 3 and 4 share 4
+    # by batch but not by lookups (fixed-length bags: 3 x and 4 x the sample's ids)
+    assert tool.opens_a_class(stream)[:10] == [True, True, True, True, True, True, False, True, False, False]

@@ -6,9 +6,15 @@ layout, its draws, a warmed process, ours' choices forgotten before its stream),
 first N requests' summed latency by what the tuners did in each: a shape class's first request, a
 request behind a trial's hold (and the holds' own ms), another request of a shape on trial (untimed:
 its default, or a candidate's first launch), a decided shape's request.
+Then both peers' requests split by the stream alone: those that open a shape class (the first of
+their batch bucket and lookup bucket, as the tuners round them) and the rest, within the first
+EARLY requests and after, so that a class's opening cost is told from the stream's start's (both
+peers' first requests are slower). ``--force CHOICE`` runs ours' forward on one choice, unmeasured
+(no prior, no trials): what opening a class costs without the tuners.
 Then the same first N requests again, from forgotten choices, under cProfile.
 
     python3 tools/serving_first_requests.py [--distribution log-uniform] [--seed S] [--requests 100]
+        [--force cuda:features]
 """
 import argparse
 import cProfile
@@ -27,12 +33,15 @@ def main() -> None:
     p.add_argument("--distribution", default="log-uniform", choices=list(DISTRIBUTIONS))
     p.add_argument("--seed", type=int, default=4232939074)
     p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--force", choices=list(selection.CHOICES), help="ours' forward on this choice alone")
     args = p.parse_args()
     device = torch.device("cuda")
     layout = serving_layout(False)
     sizes, stream = draw_stream(layout, args.distribution, args.seed, args.requests)
     warm_process(layout, device, ["recom_rec", "fbgemm"], "auto")
     peers = float_peers(layout, device, ["recom_rec", "fbgemm"], "auto")
+    if args.force:
+        selection.force_forward(args.force)
 
     tuners = selection._tuners()
     holds = {"ms": 0.0, "count": 0}
@@ -66,6 +75,7 @@ def main() -> None:
     print(f"  holds: {holds['count']} totalling {holds['ms']:.2f} ms; shape classes {log[-1][0]}")
     print("  request ms (ours / fbgemm, batch):",
           " ".join(f"{a:.2f}/{b:.2f}({s})" for a, b, s in zip(ours[:40], theirs, sizes)))
+    split_by_class_opening(stream, ours, theirs)
 
     selection.forget_all()
     prof = cProfile.Profile()
@@ -73,6 +83,37 @@ def main() -> None:
     answer_stream(peers["recom_rec"], stream, device)
     prof.disable()
     pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+
+
+EARLY = 10  # the stream's first requests, slower for every peer
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()  # as launch_tuner.ForwardLaunchShape rounds batch and lookups
+
+
+def opens_a_class(stream) -> list:
+    """Per request, whether it is the first of its shape class (batch and lookup buckets)."""
+    seen, opens = set(), []
+    for kjt in stream:
+        key = (_bucket(kjt.stride()), _bucket(kjt.values().numel()))
+        opens.append(key not in seen)
+        seen.add(key)
+    return opens
+
+
+def split_by_class_opening(stream, ours, theirs) -> None:
+    opens = opens_a_class(stream)
+    print(f"  by the stream alone (ms summed / requests / mean), first {EARLY} requests and after:")
+    for early in (True, False):
+        for opening in (True, False):
+            picked = [i for i in range(len(ours)) if (i < EARLY) == early and opens[i] == opening]
+            if not picked:
+                continue
+            a, b = sum(ours[i] for i in picked), sum(theirs[i] for i in picked)
+            print(f"    {'first' if early else 'after'} {EARLY:3d}, {'opening a class' if opening else 'the rest':15s} "
+                  f"{len(picked):4d} requests: ours {a:7.2f} ms ({a / len(picked):.3f}), "
+                  f"fbgemm {b:7.2f} ms ({b / len(picked):.3f})")
 
 
 if __name__ == "__main__":
