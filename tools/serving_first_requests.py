@@ -26,6 +26,7 @@ from recom_rec.bench.batch_sizes import DISTRIBUTIONS
 from recom_rec.bench.serving import answer_stream, draw_stream, float_peers, warm_process
 from recom_rec.bench.workloads import serving_layout
 from recom_rec.kernels import selection
+from recom_rec.kernels.launch_tuner import _power_of_two_at_least
 
 
 def main() -> None:
@@ -88,15 +89,12 @@ def main() -> None:
 EARLY = 10  # the stream's first requests, slower for every peer
 
 
-def _bucket(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()  # as launch_tuner.ForwardLaunchShape rounds batch and lookups
-
-
 def opens_a_class(stream) -> list:
-    """Per request, whether it is the first of its shape class (batch and lookup buckets)."""
+    """Per request, whether it is the first of its shape class (batch and lookup buckets, rounded
+    as the tuners' ForwardLaunchShape rounds them)."""
     seen, opens = set(), []
     for kjt in stream:
-        key = (_bucket(kjt.stride()), _bucket(kjt.values().numel()))
+        key = (_power_of_two_at_least(kjt.stride()), _power_of_two_at_least(kjt.values().numel()))
         opens.append(key not in seen)
         seen.add(key)
     return opens
