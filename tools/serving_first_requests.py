@@ -11,7 +11,8 @@ their batch bucket and lookup bucket, as the tuners round them) and the rest, wi
 EARLY requests and after, so that a class's opening cost is told from the stream's start's (both
 peers' first requests are slower). ``--force CHOICE`` runs ours' forward on one choice, unmeasured
 (no prior, no trials): what opening a class costs without the tuners.
-Then the same first N requests again, from forgotten choices, under cProfile.
+Then ours' slowest requests with the tuners' launches in them (the choice, whether timed, whether
+its first launch for the shape). Then the same first N requests again, from forgotten choices, under cProfile.
 
     python3 tools/serving_first_requests.py [--distribution log-uniform] [--seed S] [--requests 100]
         [--force cuda:features]
@@ -53,13 +54,29 @@ def main() -> None:
             _orig(dev, ms)
         t._hold = hold
 
+    launches = []  # the tuners' launches in the current request: (choice, timed, a first launch for its shape)
+    for t in tuners:
+        def next_launch(shape, candidates, default, _orig=t._next_launch, _t=t):
+            trials = _t._trials.get(shape)
+            choice, timed = _orig(shape, candidates, default)
+            first = trials is None or choice not in trials.launched
+            launches.append((_t.names[choice], timed, first))
+            return choice, timed
+        t._next_launch = next_launch
+    request_launches = []
+
+    def after_request(i):
+        log.append(state())
+        request_launches.append(list(launches))
+        launches.clear()
+
     def state():
         return (sum(len(set(t._starts) | set(t._decided)) for t in tuners), holds["count"], holds["ms"],
                 sum(t.trial_launches for t in tuners))
 
     selection.forget_all()
     log = [state()]
-    ours = answer_stream(peers["recom_rec"], stream, device, lambda i: log.append(state()))
+    ours = answer_stream(peers["recom_rec"], stream, device, after_request)
     theirs = answer_stream(peers["fbgemm"], stream, device)
     kinds = {"new shape class": 0.0, "behind a hold": 0.0, "on trial, untimed": 0.0, "decided": 0.0}
     counts = dict.fromkeys(kinds, 0)
@@ -77,6 +94,10 @@ def main() -> None:
     print("  request ms (ours / fbgemm, batch):",
           " ".join(f"{a:.2f}/{b:.2f}({s})" for a, b, s in zip(ours[:40], theirs, sizes)))
     split_by_class_opening(stream, ours, theirs)
+    slow = sorted(range(len(ours)), key=lambda i: -ours[i])[:SLOWEST]
+    print(f"  ours' {SLOWEST} slowest requests and the tuners' launches in them (choice, timed, first launch):")
+    for i in slow:
+        print(f"    #{i} batch {sizes[i]}: {ours[i]:.2f} ms (fbgemm {theirs[i]:.2f})", request_launches[i])
 
     selection.forget_all()
     prof = cProfile.Profile()
@@ -86,6 +107,7 @@ def main() -> None:
     pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
+SLOWEST = 12
 EARLY = 10  # the stream's first requests, slower for every peer
 
 
