@@ -64,54 +64,6 @@ def _prefetch_next_piece(text):
     return _replace(tail, tail[:-4] + "    next_key = row_key[next >> 2];\n    next_o = order[next >> 2];\n  }\n")(text)
 
 
-_STREAMING_HELPERS = """
-__device__ __forceinline__ float4 load4_streaming(const float* p) { return __ldcs(reinterpret_cast<const float4*>(p)); }
-template <typename T>
-__device__ __forceinline__ float4 load4_streaming(const T* p) { return load4_rw(p); }
-__device__ __forceinline__ void store4_streaming(float* p, float4 v) { __stcs(reinterpret_cast<float4*>(p), v); }
-template <typename T>
-__device__ __forceinline__ void store4_streaming(T* p, float4 v) { store4(p, v); }
-"""
-
-
-def _streaming_rows_but_singletons(text):
-    """v69's streaming-rows (the backward's row loads and stores evict-first in L2) everywhere but
-    the singleton kernel, where the hint made the SGD V=1 instantiation spill 176 bytes
-    (tests/test_kernels_compile.py): RowLanes' store and load_rw stream unless asked PLAIN, and
-    the singleton kernel asks."""
-    after_store4 = "  *reinterpret_cast<uint2*>(p) = u;\n}\n"
-    if after_store4 not in text:
-        raise SystemExit("variant: store4's template is not in the source")
-    text = text.replace(after_store4, after_store4 + _STREAMING_HELPERS, 1)
-    for change in (
-        _replace("""  template <typename T>
-  __device__ __forceinline__ void store(T* dst, int k, float4 v) const {
-    if (rows16) {
-      if (at(k, 0) >= 0) store4(dst + at(k, 0), v);""", """  template <bool PLAIN = false, typename T>
-  __device__ __forceinline__ void store(T* dst, int k, float4 v) const {
-    if (rows16) {
-      if (at(k, 0) >= 0) { if (PLAIN) store4(dst + at(k, 0), v); else store4_streaming(dst + at(k, 0), v); }"""),
-        _replace("""  template <typename T>
-  __device__ __forceinline__ float4 load_rw(const T* src, int k) const {
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (rows16) {
-      if (at(k, 0) >= 0) v = load4_rw(src + at(k, 0));""", """  template <bool PLAIN = false, typename T>
-  __device__ __forceinline__ float4 load_rw(const T* src, int k) const {
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (rows16) {
-      if (at(k, 0) >= 0) v = PLAIN ? load4_rw(src + at(k, 0)) : load4_streaming(src + at(k, 0));"""),
-        _replace("template <typename W, int OPT, int V, bool ODD = true>\n__device__ __forceinline__ void finish_row(",
-                 "template <typename W, int OPT, int V, bool ODD = true, bool PLAIN = false>\n"
-                 "__device__ __forceinline__ void finish_row("),
-        _replace("for (int k = 0; k < V; ++k) L.store(row, k, acc[k]);", "for (int k = 0; k < V; ++k) L.store<PLAIN>(row, k, acc[k]);"),
-        _replace("    L.store(row, k, nw);", "    L.store<PLAIN>(row, k, nw);"),
-        _replace("finish_row<W, OPT, V, ODD>(acc, w[u]", "finish_row<W, OPT, V, ODD, true>(acc, w[u]"),
-        _replace("L.load_rw(out + base + (key[u] - row_base) * dim, k)", "L.load_rw<true>(out + base + (key[u] - row_base) * dim, k)"),
-    ):
-        text = change(text)
-    return text
-
-
 # name: (source change, nvcc defines of the bench), as tools/forward_kernel_variants.py
 SAME = lambda t: t  # noqa: E731
 VARIANTS = {
@@ -158,13 +110,13 @@ VARIANTS = {
     # of seed 999034727: 15M distinct rows of dims up to 772) ran their piece kernels at ~1.5 TB/s
     # of rows, and asking L2 for the weights early made them 10-19% slower. Such a layout:
     # --shapes 8,2000000,512,8192,200,0,0 8,2000000,128,16384,50,0,0
+    # v70 made the product stream RowLanes' row loads and stores everywhere but the singleton kernel
+    # (where the hint spilled); this variant streams the singleton kernel's rows too (v69's form)
     "streaming-rows": (lambda t: _replace(
         "float4 load4_rw(const float* p) { return *reinterpret_cast<const float4*>(p); }",
         "float4 load4_rw(const float* p) { return __ldcs(reinterpret_cast<const float4*>(p)); }")(_replace(
             "void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }",
             "void store4(float* p, float4 v) { __stcs(reinterpret_cast<float4*>(p), v); }")(t)), []),
-    # v69: streaming-rows spilled in the SGD singleton kernel at V=1; the same hint but there
-    "streaming-rows-but-singletons": (_streaming_rows_but_singletons, []),
 }
 
 

@@ -69,6 +69,16 @@ __device__ __forceinline__ void store4(T* p, float4 v) {
   h[0] = from_f<T>(v.x); h[1] = from_f<T>(v.y); h[2] = from_f<T>(v.z); h[3] = from_f<T>(v.w);
   *reinterpret_cast<uint2*>(p) = u;
 }
+// The backward's row loads and stores, evict-first in L2 (float rows: ld/st.global.cs): a launch
+// reads and writes each weight row about once, while the gradient rows are read by every lookup
+// of their bag; hinting the rows out first keeps the gradients' lines (v70: 2-4% of the update at
+// rows of 256-512 columns, level at 64-128). Two-byte rows load and store as before.
+__device__ __forceinline__ float4 load4_streaming(const float* p) { return __ldcs(reinterpret_cast<const float4*>(p)); }
+template <typename T>
+__device__ __forceinline__ float4 load4_streaming(const T* p) { return load4_rw(p); }
+__device__ __forceinline__ void store4_streaming(float* p, float4 v) { __stcs(reinterpret_cast<float4*>(p), v); }
+template <typename T>
+__device__ __forceinline__ void store4_streaming(T* p, float4 v) { store4(p, v); }
 // Component e of v (e known at compile time once unrolled: no local memory).
 __device__ __forceinline__ float& comp(float4& v, int e) {
   return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
@@ -544,21 +554,26 @@ struct RowLanes {
     }
     return v;
   }
-  template <typename T>
+  // store and load_rw stream (load4_streaming) unless PLAIN: the singleton kernel asks PLAIN, where
+  // the hint made its SGD instantiation at V = 1 spill 176 bytes (v69).
+  template <bool PLAIN = false, typename T>
   __device__ __forceinline__ void store(T* dst, int k, float4 v) const {
     if (rows16) {
-      if (at(k, 0) >= 0) store4(dst + at(k, 0), v);
+      if (at(k, 0) >= 0) {
+        if (PLAIN) store4(dst + at(k, 0), v);
+        else store4_streaming(dst + at(k, 0), v);
+      }
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         if (at(k, e) >= 0) dst[at(k, e)] = from_f<T>(comp(v, e));
     }
   }
-  template <typename T>
+  template <bool PLAIN = false, typename T>
   __device__ __forceinline__ float4 load_rw(const T* src, int k) const {
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     if (rows16) {
-      if (at(k, 0) >= 0) v = load4_rw(src + at(k, 0));
+      if (at(k, 0) >= 0) v = PLAIN ? load4_rw(src + at(k, 0)) : load4_streaming(src + at(k, 0));
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
@@ -691,7 +706,7 @@ __device__ __forceinline__ float row_state(const float* s1, int64_t key, bool fi
 // accumulator `state` (both read by the caller, early: row_state): the optimizer (OPT >= 0) or the
 // gradient written as the row (OPT < 0). Every lane of the warp calls it (row-wise Adagrad's
 // shuffles); `finish` says whether this group's row is done here.
-template <typename W, int OPT, int V, bool ODD = true>
+template <typename W, int OPT, int V, bool ODD = true, bool PLAIN = false>
 __device__ __forceinline__ void finish_row(float4 (&acc)[V], float4 (&w)[V], float state, const RowLanes& L,
                                            bool finish, W* out, int64_t row_at, int64_t key, float* s1, float* s2,
                                            const Hyper& h, float t) {
@@ -703,7 +718,7 @@ __device__ __forceinline__ void finish_row(float4 (&acc)[V], float4 (&w)[V], flo
   if (OPT < 0) {
     if (finish) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) L.store(row, k, acc[k]);
+      for (int k = 0; k < V; ++k) L.store<PLAIN>(row, k, acc[k]);
     }
     return;
   }
@@ -728,7 +743,7 @@ __device__ __forceinline__ void finish_row(float4 (&acc)[V], float4 (&w)[V], flo
       const int c = L.at(k, e);  // (vec: an odd dim's last chunk has columns past the row's end)
       comp(nw, e) = c >= 0 ? apply1<OPT>(comp(w[k], e), comp(acc[k], e), s1, s2, row_at + c, row_step, h, t) : 0.f;
     }
-    L.store(row, k, nw);
+    L.store<PLAIN>(row, k, nw);
   }
 }
 
@@ -1287,8 +1302,8 @@ __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton
         for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
           for (int k = 0; k < V; ++k)
-            w[u][k] = (OPT >= 0 && (fin >> u & 1)) ? L.load_rw(out + base + (key[u] - row_base) * dim, k)
-                                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+            w[u][k] = (OPT >= 0 && (fin >> u & 1)) ? L.load_rw<true>(out + base + (key[u] - row_base) * dim, k)
+                                                         : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
           const bool f = fin >> u & 1;
@@ -1296,8 +1311,8 @@ __global__ void __launch_bounds__(256, singleton_min_blocks<OPT, V>()) singleton
 #pragma unroll
           for (int k = 0; k < V; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
           if (f) L.add_row<V, false>(acc, g, s[u]);
-          finish_row<W, OPT, V, ODD>(acc, w[u], state[u], L, f, out, base + (key[u] - row_base) * dim, key[u], a.s1,
-                                a.s2, h, t);
+          finish_row<W, OPT, V, ODD, true>(acc, w[u], state[u], L, f, out, base + (key[u] - row_base) * dim, key[u],
+                                           a.s1, a.s2, h, t);
         }
       }
     }
