@@ -359,10 +359,14 @@ class FusedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, torch.T
                              "kernel (dense optimizers would not see their gradients); use the fused kernel "
                              "or one shard per rank")
         first, last = located[0][1], located[-1][1]
-        return TableBatchedEmbeddingSlice(
+        weight = TableBatchedEmbeddingSlice(
             data=module._flat(located[0][0]), start_offset=first.elem_base, end_offset=last.elem_base + last.numel,
             num_embeddings=-1, embedding_dim=first.embedding_dim,
         )
+        # fused shards (dense ones were refused above): kept out of dense optimizers, as torchrec
+        # marks its slices (in_backward_optimizer_filter); unmarked, a user's dense optimizer took it
+        weight._in_backward_optimizers = [EmptyFusedOptimizer()]
+        return weight
 
     def _offsets(self, i: int) -> Tuple[int, int]:
         """(first row, first column) of local shard ``i`` in its table."""

@@ -121,6 +121,16 @@ def loss_of(kts) -> torch.Tensor:
     return total
 
 
+def table_column_wise(ranks: List[int]):
+    """torchrec has no plan helper for table-column-wise: column-wise shards typed as such (the
+    planner proposes TWCW as column shards on the ranks of one host)."""
+    def generate(param, local_size, world_size, device_type, sharder):
+        sharding = column_wise(ranks=ranks, compute_kernel="fused")(param, local_size, world_size, device_type, sharder)
+        sharding.sharding_type = ShardingType.TABLE_COLUMN_WISE.value
+        return sharding
+    return generate
+
+
 # Ranks are taken modulo the world size: on one GPU every shard lands on rank 0.
 PLANS = {
     "table_wise": lambda w: {"t0": table_wise(rank=0, compute_kernel="fused"),
@@ -143,6 +153,8 @@ PLANS = {
                         "t2": data_parallel()},
     "row_wise": lambda w: {"t0": row_wise(compute_kernel="fused"), "t1": row_wise(compute_kernel="fused"),
                            "t2": row_wise(compute_kernel="fused")},
+    "table_column_wise": lambda w: {"t0": table_column_wise([0, 1 % w]), "t1": table_column_wise([1 % w, 0]),
+                                    "t2": table_column_wise([w - 1, 0, 1 % w])},
     "table_row_wise": lambda w: {"t0": table_row_wise(host_index=0), "t1": table_row_wise(host_index=0),
                                  "t2": table_row_wise(host_index=0)},
 }

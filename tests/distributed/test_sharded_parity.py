@@ -15,6 +15,7 @@ EVERY_SHARDING_TYPE = [
     ("data_parallel", "fused_params"),
     ("row_wise", "fused_params"),
     ("table_row_wise", "apply_optimizer_in_backward"),
+    ("table_column_wise", "fused_params"),
     ("planner", "fused_params"),
     ("default_dmp", "apply_optimizer_in_backward"),
     ("column_wise", "fused_params:adam"),

@@ -16,6 +16,7 @@ EVERY_SHARDING_TYPE = [
     ("data_parallel", "sgd"),
     ("row_wise", "sgd"),
     ("table_row_wise", "sgd"),
+    ("table_column_wise", "sgd"),
     ("mixed", "sgd"),
     ("two_kernels", "sgd"),
     ("row_wise", "rowwise_adagrad"),
@@ -23,6 +24,7 @@ EVERY_SHARDING_TYPE = [
     ("row_wise", "adagrad"),
     ("row_wise", "adam"),
     ("column_wise", "adam"),
+    ("column_wise_multi", "adam"),
     ("weighted_table_wise", "sgd"),
     ("weighted_row_wise", "sgd"),
 ]
