@@ -380,8 +380,39 @@ def test_missing_keys_and_lengths_that_do_not_add_up():
     with pytest.raises(ValueError, match="missing feature.*'b' \\(table 't0'\\)"):
         module(kjt.to(DEVICE))
     short = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1]))
-    with pytest.raises(ValueError, match="lengths add up to 2 but there are 3 values"):
+    with pytest.raises(ValueError, match="lengths add up to 2 but there are 3 values: feature 'b' \\(table 't0'\\)"):
         module(short.to(DEVICE))
+    past = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 3, 0, 1]))
+    with pytest.raises(ValueError, match="lengths add up to 5 but there are 3 values: feature 'a' \\(table 't0'\\)"):
+        module(past.to(DEVICE))
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_batches_the_host_can_tell_are_bad(backend):
+    """A lengths count that is not the keys' bags (torchrec's own per-key sum fails on it with a
+    shape error) and float ids: refused before any kernel, on every backend."""
+    tables = [EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["a"]),
+              EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=5, feature_names=["b"])]
+    module = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, backend=backend)
+    odd = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 2]))
+    with pytest.raises(ValueError, match="3 lengths for 2 keys of 2 bags"):
+        module(odd.to(DEVICE))
+    floats = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1.0, 2.0]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="integer ids, got torch.float32"):
+        module(floats.to(DEVICE))
+    good = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]))
+    assert module(good.to(DEVICE))["b"].values().shape == (1, 4)
+
+
+def test_a_negative_length_names_its_feature_on_the_torch_backend():
+    """Lengths adding up with a negative one among them: the output's lengths would be the KJT's
+    (wrong); the torch backend refuses them. (The kernel backends do not check lengths: README.)"""
+    tables = [EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["a"]),
+              EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=5, feature_names=["b"])]
+    module = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, backend="torch")
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 3, -1]))
+    with pytest.raises(ValueError, match="feature 'b' \\(table 't1'\\): negative length at batch index 1"):
+        module(kjt.to(DEVICE))
 
 
 def test_construction_errors_as_torchrec():

@@ -209,6 +209,25 @@ def test_bad_id_names_feature_table_and_batch_index(backend):
     ours.check_inputs()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batches_the_host_can_tell_are_bad(backend):
+    """Lengths that do not add up (named by feature and table), a lengths count that is not the
+    keys' bags, float ids: refused before any kernel."""
+    _, ours = _pair(torch.float32, backend=backend)
+    keys = ["f0", "f1", "f2", "f3", "f4", "f5"]
+    bad = {
+        "lengths add up to 3 but there are 2 values: feature 'f2' \\(table 't2'\\)":
+            KeyedJaggedTensor(keys=keys, values=torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 0, 0, 2] + [0] * 7)),
+        "11 lengths for 6 keys of 6 bags": KeyedJaggedTensor(keys=keys, values=torch.tensor([1]),
+                                                             lengths=torch.tensor([1] + [0] * 10)),
+        "integer ids": KeyedJaggedTensor(keys=keys, values=torch.tensor([1.0]), lengths=torch.tensor([1] + [0] * 11)),
+    }
+    for message, kjt in bad.items():
+        with pytest.raises(ValueError, match=message):
+            ours(kjt.to(DEVICE))
+    ours(_kjt())
+
+
 def test_construction_errors_as_torchrec():
     with pytest.raises(ValueError, match="same embedding dimension"):
         QuantEC([EmbeddingConfig(name="a", embedding_dim=8, num_embeddings=4, feature_names=["x"]),

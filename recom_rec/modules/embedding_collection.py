@@ -21,8 +21,8 @@ from ..ops.backends import check_backend
 from ..ops.input_check import new_report_id
 from ..ops.layout import FeatureSlot, POOLING_SUM, feature_meta_tensor, pack_tables
 from ..ops.plan import FusedStep, UnpooledGroupPlan, UnpooledPlan
-from ..ops.unpooled_embedding import (UnpooledBatch, check_lengths_add_up, load_kernels, segments_for, tables_on_host,
-                                      unpooled_lookup)
+from ..ops.unpooled_embedding import (UnpooledBatch, check_batch_shape, check_lengths_add_up, load_kernels,
+                                      segments_for, tables_on_host, unpooled_lookup)
 from ..ops.validation import encode_names
 from ..optim.spec import FusedOptimizerSpec
 from .embedding_modules import _table_dtype, maybe_td_to_kjt
@@ -233,10 +233,13 @@ def _group_rows(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights:
     its outputs one after another; and the KJT key each output reads."""
     keys: List[str] = features.keys()
     values = features.values()
-    length_per_key: List[int] = features.length_per_key()
     stride_per_key: List[int] = features.stride_per_key()
     if plan.validate:
-        check_lengths_add_up(length_per_key, values.numel())
+        check_batch_shape(len(keys), values, features.lengths().numel(), stride_per_key)
+    length_per_key: List[int] = features.length_per_key()
+    if plan.validate:
+        check_lengths_add_up(length_per_key, values.numel(), keys, [g.features for g in plan.groups],
+                             [g.tables for g in plan.groups])
     offset_per_key: List[int] = features.offset_per_key()
     offsets = features.offsets()
     rows: List[List[torch.Tensor]] = []

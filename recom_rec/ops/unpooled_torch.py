@@ -35,7 +35,9 @@ def row_keys(values: torch.Tensor, segments: torch.Tensor, feature_meta: torch.T
 
 def validate_ids(values: torch.Tensor, offsets: torch.Tensor, segments: torch.Tensor, feature_meta: torch.Tensor,
                  num_outputs: int, names: str) -> None:
-    """Raises a ValueError naming the feature, table and batch index of the first id outside its table."""
+    """Raises a ValueError naming the feature, table and batch index of the first negative length
+    among the features' bags, or else of the first id outside its table."""
+    _check_lengths_not_negative(offsets, segments, feature_meta.shape[0], names)
     feature, position, ids = lookups(values, segments, feature_meta, num_outputs)
     limit = feature_meta[feature, META_NUM_EMBEDDINGS]
     bad = (ids < 0) | (ids >= limit)
@@ -51,6 +53,22 @@ def validate_ids(values: torch.Tensor, offsets: torch.Tensor, segments: torch.Te
     what = "negative" if bad_id < 0 else f"out of range for {n} rows"
     raise ValueError(f"feature {name!r} (table {table!r}): id {bad_id} at batch index {batch_index} is {what}; "
                      f"ids must lie in [0, {n})")
+
+
+def _check_lengths_not_negative(offsets: torch.Tensor, segments: torch.Tensor, num_features: int, names: str) -> None:
+    """A negative length leaves a key's lengths adding up (its values are still gathered in order)
+    while its JaggedTensor's lengths would be wrong: refused, naming the first feature reading it."""
+    lengths = offsets[1:] - offsets[:-1]
+    if not bool((lengths < 0).any()):
+        return
+    bad = torch.nonzero(lengths < 0).flatten().tolist()
+    first_bag, bags = segments[SEG_BAG, :num_features].tolist(), segments[SEG_STRIDE, :num_features].tolist()
+    pairs = decode_names(names)[1]
+    for b in bad:
+        for f in range(num_features):
+            if first_bag[f] <= b < first_bag[f] + bags[f]:
+                name, table = pairs[f]
+                raise ValueError(f"feature {name!r} (table {table!r}): negative length at batch index {b - first_bag[f]}")
 
 
 def forward(flat: torch.Tensor, values: torch.Tensor, segments: torch.Tensor, feature_meta: torch.Tensor,

@@ -28,7 +28,7 @@ from ..ops.input_check import keep_reports
 from ..ops.layout import META_NUM_EMBEDDINGS, META_ROW_BASE, META_WIDTH, POOLING_SUM
 from ..ops.quantized_rows import rows_by_key
 from ..ops.tracing import fx_tracing
-from ..ops.unpooled_embedding import check_lengths_add_up, row_keys, segments_for
+from ..ops.unpooled_embedding import check_batch_shape, check_lengths_add_up, row_keys, segments_for
 from ..ops.validation import encode_names
 from .from_float import quantized_module_args
 from .layout import (
@@ -206,11 +206,15 @@ def _quantized_collection_lookup(features: KeyedJaggedTensor, flat: Tensor, firs
     """Every data type's lookup, split into the module's JaggedTensors (a free, fx-wrapped function;
     TorchScript runs the registered ops)."""
     keys: List[str] = features.keys()
-    values, offsets = features.values(), features.offsets()
-    length_per_key: List[int] = features.length_per_key()
+    values = features.values()
     stride_per_key: List[int] = features.stride_per_key()
     if validate:
-        check_lengths_add_up(length_per_key, values.numel())
+        check_batch_shape(len(keys), values, features.lengths().numel(), stride_per_key)
+    offsets = features.offsets()
+    length_per_key: List[int] = features.length_per_key()
+    if validate:
+        check_lengths_add_up(length_per_key, values.numel(), keys, [g.features for g in groups],
+                             [g.tables for g in groups])
     offset_per_key: List[int] = features.offset_per_key()
     lengths = features.lengths().split(stride_per_key)
     indices: List[Tensor] = values.split(length_per_key) if need_indices else []
