@@ -262,7 +262,7 @@ def test_eviction_policies_and_errors():
     with pytest.raises(RuntimeError, match="cache_rows=4"):
         m(kjt)
     bad = KeyedJaggedTensor(keys=["f_big", "f_small"], values=torch.tensor([-1]), lengths=torch.tensor([1, 0]))
-    with pytest.raises(ValueError, match="ids >= 0"):
+    with pytest.raises(ValueError, match="feature 'f_big' \\(table 'big'\\): id -1 is negative; .*ids >= 0"):
         m(bad)
     # ids beyond int32 and beyond num_embeddings are fine for a PS table
     huge = KeyedJaggedTensor(keys=["f_big", "f_small"], values=torch.tensor([2**40, 7]), lengths=torch.tensor([1, 1]))
