@@ -404,15 +404,26 @@ def test_batches_the_host_can_tell_are_bad(backend):
     assert module(good.to(DEVICE))["b"].values().shape == (1, 4)
 
 
-def test_a_negative_length_names_its_feature_on_the_torch_backend():
-    """Lengths adding up with a negative one among them: the output's lengths would be the KJT's
-    (wrong); the torch backend refuses them. (The kernel backends do not check lengths: README.)"""
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_a_negative_length_names_its_feature(backend):
+    """Lengths adding up with a negative one among them: a key's ids are found from its summed
+    lengths, so only a check of the bags sees it (the output's lengths would be the KJT's). The
+    torch backend raises at the call, the kernels by check_inputs(); nothing left over after."""
     tables = [EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["a"]),
               EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=5, feature_names=["b"])]
-    module = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, backend="torch")
-    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 3, -1]))
-    with pytest.raises(ValueError, match="feature 'b' \\(table 't1'\\): negative length at batch index 1"):
-        module(kjt.to(DEVICE))
+    module = recom_rec.EmbeddingCollection(tables=_copy(tables), device=DEVICE, backend=backend)
+    module.enable_fused_optimizer(torch.optim.SGD, lr=0.1)
+    for lengths in ([1, 1, 3, -1], [3, -1, 1, 1]):  # (the bad bag in the last key, then the first)
+        kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor(lengths))
+        feature, table = ("b", "t1") if lengths[-1] < 0 else ("a", "t0")
+        with pytest.raises(ValueError, match=f"feature '{feature}' \\(table '{table}'\\): negative length.* batch "
+                                             "index 1"):
+            module(kjt.to(DEVICE))
+            module.check_inputs()
+    good = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 2, 0]))
+    out = module(good.to(DEVICE))
+    module.check_inputs()
+    assert out["b"].lengths().tolist() == [2, 0]
 
 
 def test_construction_errors_as_torchrec():

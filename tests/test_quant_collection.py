@@ -228,6 +228,18 @@ def test_batches_the_host_can_tell_are_bad(backend):
     ours(_kjt())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_negative_length_names_its_feature(backend):
+    _, ours = _pair(torch.float32, backend=backend)
+    keys = ["f0", "f1", "f2", "f3", "f4", "f5"]
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 0, 0, 0, 3, -1] + [0] * 6))
+    with pytest.raises(ValueError, match="feature 'f2' \\(table 't2'\\): negative length.* batch index 1"):
+        ours(kjt.to(DEVICE))
+        ours.check_inputs()
+    ours(_kjt())
+    ours.check_inputs()
+
+
 def test_construction_errors_as_torchrec():
     with pytest.raises(ValueError, match="same embedding dimension"):
         QuantEC([EmbeddingConfig(name="a", embedding_dim=8, num_embeddings=4, feature_names=["x"]),

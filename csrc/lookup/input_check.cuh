@@ -13,7 +13,10 @@ namespace {  // internal linkage, as kernels.cuh's kernels
 // call. A batch without bad input pays a compare a lookup, and at rows wider than one 16-byte
 // chunk a lane a second read of its ids: 0-4% of the forward kernel (perf-notes v24).
 // REPORT_INVERSE: an output row of a variable batch sent to a bag its feature lacks (expand.cu).
-enum : int64_t { REPORT_NONE = 0, REPORT_ID = 1, REPORT_BAG = 2, REPORT_TOTAL = 3, REPORT_INVERSE = 4 };
+// REPORT_LENGTH: a bag of negative length in an unpooled lookup's batch (unpooled.cu), whose ids are
+// found from the keys' summed lengths, so that such a batch is read all the same.
+enum : int64_t { REPORT_NONE = 0, REPORT_ID = 1, REPORT_BAG = 2, REPORT_TOTAL = 3, REPORT_INVERSE = 4,
+                 REPORT_LENGTH = 5 };
 struct InputCheck {
   int64_t num_values;   // the KJT's values
   int64_t last_offset;  // index of the KJT's last offset (keys x batch size)

@@ -86,6 +86,29 @@ __device__ void report_bad_id(const InputCheck& chk, const int64_t* segments, in
   report_bad(chk, REPORT_ID, l.feature, lo - first_bag, l.id, l.rows);
 }
 
+// The check of the bags' lengths: a row's ids are found from its key's summed lengths, so a negative
+// length among lengths that add up would pass into the output's JaggedTensors unseen. The grid's
+// threads read the KJT's offsets, a stride of the grid apart, and report a negative length with the
+// first feature reading its key (a bag of a key no feature reads is not this module's).
+__device__ void check_lengths(const InputCheck& chk, const int64_t* segments, int64_t seg_stride,
+                              int64_t num_features, const void* offsets, bool offsets64) {
+  auto offset = [&](int64_t i) {
+    return offsets64 ? static_cast<const int64_t*>(offsets)[i] : (int64_t) static_cast<const int32_t*>(offsets)[i];
+  };
+  const int64_t step = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < chk.last_offset; b += step) {
+    const int64_t length = offset(b + 1) - offset(b);
+    if (length >= 0) continue;
+    for (int64_t f = 0; f < num_features; ++f) {
+      const int64_t first_bag = segments[2 * seg_stride + f];
+      if (first_bag <= b && b < first_bag + segments[3 * seg_stride + f]) {
+        report_bad(chk, REPORT_LENGTH, f, b - first_bag, length, 0);
+        return;
+      }
+    }
+  }
+}
+
 template <typename T, int VEC>
 struct Chunk;  // VEC elements of a row, read at once and widened to fp32
 template <>
@@ -117,6 +140,7 @@ __global__ void __launch_bounds__(UNPOOLED_THREADS) unpooled_forward_kernel(
   const int lanes = 1 << lanes_log2;
   const int64_t r = ((int64_t)blockIdx.x * UNPOOLED_THREADS + threadIdx.x) >> lanes_log2;
   const int lane = threadIdx.x & (lanes - 1);
+  if (chk.claim != nullptr) check_lengths(chk, segments, seg_stride, num_features, offsets, offsets64);
   if (r >= num_outputs) return;
   const RowLookup l = row_lookup(values, segments, seg_stride, meta, num_features, r);
   if (l.bad && lane == 0 && chk.claim != nullptr) report_bad_id(chk, segments, seg_stride, offsets, offsets64, l);
@@ -145,6 +169,7 @@ __global__ void __launch_bounds__(UNPOOLED_THREADS) unpooled_row_keys_kernel(
   const int64_t* grad_table;
   stage_tables(host, tables, staged, segments, grad_table);
   const int64_t r = (int64_t)blockIdx.x * UNPOOLED_THREADS + threadIdx.x;
+  if (chk.claim != nullptr) check_lengths(chk, segments, seg_stride, num_features, offsets, offsets64);
   if (r >= num_outputs) return;
   const RowLookup l = row_lookup(values, segments, seg_stride, meta, num_features, r);
   if (l.bad && chk.claim != nullptr) report_bad_id(chk, segments, seg_stride, offsets, offsets64, l);

@@ -74,7 +74,7 @@ def _unpooled_variants(ptr):
             "flat_ptr": ptr[wdtype], "values_ptr": ptr[idx], "seg_ptr": "*i64", "meta_ptr": "*i64",
             "offsets_ptr": ptr[idx], "out_ptr": "*fp32", "claim_ptr": "*i32" if report else "*fp32",
             "report_ptr": "*i64" if report else "*fp32", "num_outputs": "i32", "num_features": "i32",
-            "seg_stride": "i32", "dim": "i32", "num_values": "i32",
+            "seg_stride": "i32", "dim": "i32", "num_values": "i32", "num_bags": "i32",
         }, {"META_W": 8, "BLOCK_R": block_r, "BLOCK_D": block_d, "SEARCH_STEPS": 3, "REPORT": report}, \
             {"num_warps": num_warps}
     # (the backward's gradient rows come without a report)
@@ -83,7 +83,7 @@ def _unpooled_variants(ptr):
             "values_ptr": ptr[idx], "seg_ptr": "*i64", "meta_ptr": "*i64", "offsets_ptr": ptr[idx],
             "row_key_ptr": "*i64", "claim_ptr": "*i32" if report else "*i64", "report_ptr": "*i64",
             "grad_table_ptr": "*i64", "grad_row_ptr": "*i64",
-            "num_outputs": "i32", "num_features": "i32", "seg_stride": "i32", "num_values": "i32",
+            "num_outputs": "i32", "num_features": "i32", "seg_stride": "i32", "num_values": "i32", "num_bags": "i32",
         }, {"META_W": 8, "BLOCK_R": 1024, "SEARCH_STEPS": 5, "REPORT": report, "GRAD_ROWS": grad_rows}, \
             {"num_warps": 4}
     for dtype, check in itertools.product(("fp32", "fp16", "bf16"), (False, True)):

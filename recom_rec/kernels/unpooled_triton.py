@@ -73,10 +73,37 @@ def _report_bad_id(claim_ptr, report_ptr, seg_ptr, offsets_ptr, bad, f, pos, idx
             tl.sum(tl.where(pick, idx, 0), axis=0), tl.sum(tl.where(pick, rows, 0), axis=0), num_values)
 
 
+@triton.jit
+def _report_negative_length(claim_ptr, report_ptr, seg_ptr, offsets_ptr, num_bags, num_features, seg_stride,
+                            num_values, BLOCK_R: tl.constexpr):
+    """Reports a bag of negative length with the first feature reading its key (csrc/lookup/unpooled.cu:
+    check_lengths): a row's ids are found from its key's summed lengths, so such a bag among lengths
+    that add up would pass into the output unseen. The programs read the offsets BLOCK_R bags at a
+    time, a grid apart."""
+    b0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+    while b0 < num_bags:
+        b = b0 + tl.arange(0, BLOCK_R)
+        live = b < num_bags
+        length = (tl.load(offsets_ptr + b + 1, mask=live, other=0).to(tl.int64)
+                  - tl.load(offsets_ptr + b, mask=live, other=0).to(tl.int64))
+        negative = live & (length < 0)
+        if tl.max(negative.to(tl.int32), axis=0) > 0:
+            first = tl.min(tl.where(negative, b, num_bags), axis=0)
+            first_length = tl.sum(tl.where(b == first, length, 0), axis=0)
+            f = 0
+            while f < num_features:  # (the claim keeps the first report: one feature's)
+                bag0 = tl.load(seg_ptr + 2 * seg_stride + f)
+                if (bag0 <= first) & (first < bag0 + tl.load(seg_ptr + 3 * seg_stride + f)):
+                    _report(claim_ptr, report_ptr, tl.full([], 5, tl.int64), f, first - bag0, first_length, 0,
+                            num_values)
+                f += 1
+        b0 += tl.num_programs(0) * BLOCK_R
+
+
 @triton.jit(do_not_specialize=["num_outputs", "num_values"])
 def _unpooled_forward_kernel(
     flat_ptr, values_ptr, seg_ptr, meta_ptr, offsets_ptr, out_ptr, claim_ptr, report_ptr,
-    num_outputs, num_features, seg_stride, dim, num_values,
+    num_outputs, num_features, seg_stride, dim, num_values, num_bags,
     META_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     REPORT: tl.constexpr,
 ):
@@ -90,6 +117,8 @@ def _unpooled_forward_kernel(
     tl.store(out_ptr + r[:, None] * dim + d[None, :], row.to(tl.float32), mask=mask)
     if REPORT:
         if tl.program_id(1) == 0:
+            _report_negative_length(claim_ptr, report_ptr, seg_ptr, offsets_ptr, num_bags, num_features, seg_stride,
+                                    num_values, BLOCK_R)
             if tl.max(bad.to(tl.int32), axis=0) > 0:
                 _report_bad_id(claim_ptr, report_ptr, seg_ptr, offsets_ptr, bad, f, pos, idx, rows, seg_stride,
                                num_values, BLOCK_R)
@@ -98,7 +127,7 @@ def _unpooled_forward_kernel(
 @triton.jit(do_not_specialize=["num_outputs", "num_values"])
 def _row_key_kernel(
     values_ptr, seg_ptr, meta_ptr, offsets_ptr, row_key_ptr, claim_ptr, report_ptr, grad_table_ptr, grad_row_ptr,
-    num_outputs, num_features, seg_stride, num_values,
+    num_outputs, num_features, seg_stride, num_values, num_bags,
     META_W: tl.constexpr, BLOCK_R: tl.constexpr, SEARCH_STEPS: tl.constexpr, REPORT: tl.constexpr,
     GRAD_ROWS: tl.constexpr,
 ):
@@ -116,6 +145,8 @@ def _row_key_kernel(
         stride = tl.load(grad_table_ptr + num_features + f, mask=live, other=0)
         tl.store(grad_row_ptr + r, start + r * stride, mask=live)
     if REPORT:
+        _report_negative_length(claim_ptr, report_ptr, seg_ptr, offsets_ptr, num_bags, num_features, seg_stride,
+                                num_values, BLOCK_R)
         if tl.max(bad.to(tl.int32), axis=0) > 0:
             _report_bad_id(claim_ptr, report_ptr, seg_ptr, offsets_ptr, bad, f, pos, idx, rows, seg_stride,
                            num_values, BLOCK_R)
@@ -144,7 +175,7 @@ def forward(flat, values, segments, feature_meta, offsets, num_outputs, dim, che
     _unpooled_forward_kernel[(cdiv(num_outputs, block_r), cdiv(dim, block_d))](
         flat, values, segments, feature_meta, offsets, out,
         check.claim if report else out, check.words if report else out,
-        num_outputs, num_features, segments.shape[1], dim, values.numel(),
+        num_outputs, num_features, segments.shape[1], dim, values.numel(), offsets.numel() - 1,
         META_W=META_WIDTH, BLOCK_R=block_r, BLOCK_D=block_d, SEARCH_STEPS=_search_steps(num_features),
         REPORT=report, num_warps=num_warps,
     )
@@ -164,7 +195,7 @@ def _launch_row_keys(values, segments, feature_meta, num_outputs, offsets, check
             check.claim if report else keys, check.words if report else keys,
             keys if grad_table is None else grad_table, keys if grad_rows is None else grad_rows,
             num_outputs, feature_meta.shape[0], segments.shape[1], values.numel(),
-            META_W=META_WIDTH, BLOCK_R=block_r, SEARCH_STEPS=_search_steps(feature_meta.shape[0]), REPORT=report,
+            offsets.numel() - 1 if report else 0, META_W=META_WIDTH, BLOCK_R=block_r, SEARCH_STEPS=_search_steps(feature_meta.shape[0]), REPORT=report,
             GRAD_ROWS=grad_table is not None, num_warps=4)
     return keys, grad_rows
 

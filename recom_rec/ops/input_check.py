@@ -39,7 +39,7 @@ import torch
 from .validation import decode_names
 
 REPORT_WORDS = 6  # kind, feature, batch index, a, b, the KJT's values (csrc/lookup/kernels.cuh: report_bad)
-REPORT_ID, REPORT_BAG, REPORT_TOTAL, REPORT_INVERSE = 1, 2, 3, 4
+REPORT_ID, REPORT_BAG, REPORT_TOTAL, REPORT_INVERSE, REPORT_LENGTH = 1, 2, 3, 4, 5
 
 
 class KernelReport:
@@ -275,6 +275,10 @@ def _error(report: Tuple[int, ...], names: str) -> ValueError:
             f"KeyedJaggedTensor inverse_indices of feature {name!r} send output row {bag} to bag {a}, but the "
             f"feature has {b} bags in this batch: each must lie in [0, {b}) (the feature of table {table!r}; "
             "reported by the GPU kernels for a batch already run: there, such a row read an empty bag or bag 0)")
+    if kind == REPORT_LENGTH:  # (the unpooled lookup's kernels: csrc/lookup/unpooled.cu, kernels/unpooled_triton.py)
+        return ValueError(f"feature {name!r} (table {table!r}): negative length ({a}) at batch index {bag}; the "
+                          "lengths must not be negative (reported by the GPU kernels for a batch already run: its "
+                          "ids were read all the same)")
     if kind == REPORT_BAG:
         return ValueError(
             f"KeyedJaggedTensor lengths add up past its {num_values} values: feature {name!r} (table {table!r}) "
