@@ -133,6 +133,34 @@ def test_variable_batch_without_inverse_indices_is_refused():
         _pair(tables, "torch")[0](bare)
 
 
+@pytest.mark.parametrize("lengths", [[1, 1, 1, 1], [1, 1]])
+@pytest.mark.parametrize("module", ["float", "quantized", "sequence"])
+def test_a_lengths_count_other_than_the_bags_is_refused(module, lengths):
+    """Keys of 1 and 2 bags (3 in all) with 4 or 2 lengths: a ValueError saying so at the call,
+    where the padding to a uniform batch failed with a bare shape error (or, with more lengths,
+    blamed the values)."""
+    bag_tables = [EmbeddingBagConfig(name="t0", num_embeddings=10, embedding_dim=4, feature_names=["f0"]),
+                  EmbeddingBagConfig(name="t1", num_embeddings=5, embedding_dim=4, feature_names=["f1"])]
+    if module == "sequence":
+        from torchrec import EmbeddingConfig
+
+        ours = recom_rec.EmbeddingCollection(
+            tables=[EmbeddingConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=4,
+                                    feature_names=list(t.feature_names)) for t in bag_tables], device=DEVICE)
+    else:
+        ours = recom_rec.EmbeddingBagCollection(bag_tables, device=DEVICE)
+    if module == "quantized":
+        ours.qconfig = torch.quantization.QConfig(
+            activation=torch.quantization.PlaceholderObserver.with_args(dtype=torch.float),
+            weight=torch.quantization.PlaceholderObserver.with_args(dtype=torch.qint8))
+        ours = recom_rec.quant.EmbeddingBagCollection.from_float(ours)
+    kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.arange(len(lengths)) % 5, lengths=torch.tensor(lengths),
+                            stride_per_key_per_rank=[[1], [2]],
+                            inverse_indices=(["f0", "f1"], torch.tensor([[0, 0], [0, 1]]))).to(DEVICE)
+    with pytest.raises(ValueError, match=f"{len(lengths)} lengths for 2 keys of 3 bags"):
+        ours(kjt)
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_compiled_forward_and_backward_match_eager(backend):
     torch._dynamo.reset()

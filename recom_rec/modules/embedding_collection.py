@@ -21,9 +21,9 @@ from ..ops.backends import check_backend
 from ..ops.input_check import new_report_id
 from ..ops.layout import FeatureSlot, POOLING_SUM, feature_meta_tensor, pack_tables
 from ..ops.plan import FusedStep, UnpooledGroupPlan, UnpooledPlan
-from ..ops.unpooled_embedding import (UnpooledBatch, check_batch_shape, check_lengths_add_up, load_kernels,
-                                      segments_for, tables_on_host, unpooled_lookup)
-from ..ops.validation import encode_names
+from ..ops.unpooled_embedding import (UnpooledBatch, check_lengths_add_up, load_kernels, segments_for, tables_on_host,
+                                      unpooled_lookup)
+from ..ops.validation import check_batch_shape, encode_names, lengths_count
 from ..optim.spec import FusedOptimizerSpec
 from .embedding_modules import _table_dtype, maybe_td_to_kjt
 from .flat_tables import FlatTables, TableGroup
@@ -235,7 +235,8 @@ def _group_rows(features: KeyedJaggedTensor, flats: List[torch.Tensor], weights:
     values = features.values()
     stride_per_key: List[int] = features.stride_per_key()
     if plan.validate:
-        check_batch_shape(len(keys), values, features.lengths().numel(), stride_per_key)
+        check_batch_shape(len(keys), values,
+                          lengths_count(features.lengths_or_none(), features.offsets_or_none()), stride_per_key)
     length_per_key: List[int] = features.length_per_key()
     if plan.validate:
         check_lengths_add_up(length_per_key, values.numel(), keys, [g.features for g in plan.groups],

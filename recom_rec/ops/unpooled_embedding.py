@@ -93,31 +93,6 @@ def _check_in_graph(total: int, num_values: int) -> None:
     torch._check(total == num_values, lambda: "KeyedJaggedTensor lengths do not add up to its values")
 
 
-@torch.jit.unused
-def _check_bags_in_graph(num_lengths: int, bags: int) -> None:
-    torch._check(num_lengths == bags, lambda: "KeyedJaggedTensor has a lengths count other than its keys' bags")
-
-
-def check_batch_shape(num_keys: int, values: Tensor, num_lengths: int, stride_per_key: List[int]) -> None:
-    """What the host knows of a KJT without reading it: integer ids, and as many lengths as its
-    keys have bags. (Called before the KJT's per-key lengths are summed: torchrec's sum fails on a
-    lengths count that is not a multiple of the keys with a shape error that names nothing.)"""
-    bags = 0
-    for s in stride_per_key:
-        bags += s
-    if torch.jit.is_scripting():
-        if num_lengths != bags:
-            raise ValueError("KeyedJaggedTensor has " + str(num_lengths) + " lengths for " + str(num_keys)
-                             + " keys of " + str(bags) + " bags in all")
-    elif torch.compiler.is_compiling():
-        _check_bags_in_graph(num_lengths, bags)
-    elif num_lengths != bags:
-        raise ValueError(f"KeyedJaggedTensor has {num_lengths} lengths for {num_keys} keys of {bags} bags in all "
-                         f"(its batch size per key: {stride_per_key})")
-    if values.numel() > 0 and (values.is_floating_point() or values.dtype == torch.bool):
-        raise ValueError("KeyedJaggedTensor values must be integer ids, got " + str(values.dtype))
-
-
 def _where_lengths_disagree(length_per_key: List[int], num_values: int, keys: List[str],
                             features: List[List[str]], tables: List[List[str]]) -> str:
     """The first key whose bags run past the values, or the last key when they fall short, with the

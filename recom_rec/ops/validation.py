@@ -78,6 +78,40 @@ def check_shapes(values: torch.Tensor, offsets: torch.Tensor, per_sample_weights
         raise ValueError(f"KeyedJaggedTensor values must be integer ids, got {values.dtype}")
 
 
+@torch.jit.unused
+def _check_bags_in_graph(num_lengths: int, bags: int) -> None:
+    torch._check(num_lengths == bags, lambda: "KeyedJaggedTensor has a lengths count other than its keys' bags")
+
+
+def lengths_count(lengths: Optional[torch.Tensor], offsets: Optional[torch.Tensor]) -> int:
+    """How many bags a KJT's lengths (or, where it holds only those, offsets) describe: no device op."""
+    if lengths is not None:
+        return lengths.numel()
+    if offsets is not None:
+        return offsets.numel() - 1
+    return 0
+
+
+def check_batch_shape(num_keys: int, values: torch.Tensor, num_lengths: int, stride_per_key: List[int]) -> None:
+    """What the host knows of a KJT without reading it: integer ids, and as many lengths as its
+    keys have bags. (Called before the KJT's per-key lengths are summed: torchrec's sum fails on a
+    lengths count that is not a multiple of the keys with a shape error that names nothing.)"""
+    bags = 0
+    for s in stride_per_key:
+        bags += s
+    if torch.jit.is_scripting():
+        if num_lengths != bags:
+            raise ValueError("KeyedJaggedTensor has " + str(num_lengths) + " lengths for " + str(num_keys)
+                             + " keys of " + str(bags) + " bags in all")
+    elif torch.compiler.is_compiling():
+        _check_bags_in_graph(num_lengths, bags)
+    elif num_lengths != bags:
+        raise ValueError(f"KeyedJaggedTensor has {num_lengths} lengths for {num_keys} keys of {bags} bags in all "
+                         f"(its batch size per key: {stride_per_key})")
+    if values.numel() > 0 and (values.is_floating_point() or values.dtype == torch.bool):
+        raise ValueError("KeyedJaggedTensor values must be integer ids, got " + str(values.dtype))
+
+
 def validate_inputs(
     values: torch.Tensor,
     offsets: torch.Tensor,

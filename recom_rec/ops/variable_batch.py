@@ -22,6 +22,7 @@ from ..kernels import cuda_ext
 from .expand_bags import Expansion, eager_expand_bags  # (and registers recom_rec::expand_bags)
 from .input_check import kernel_report
 from .pooled_embedding import _cuda_builds, _eager_ok
+from .validation import check_batch_shape, lengths_count
 
 
 def uniform_batch(features: KeyedJaggedTensor, output_features: List[str],
@@ -31,6 +32,12 @@ def uniform_batch(features: KeyedJaggedTensor, output_features: List[str],
     carrying inverse indices is pooled as it is and, with ``expand_uniform`` (torchrec's float
     module; its quantized module ignores them), expanded by them."""
     rows: Optional[torch.Tensor] = None
+    if features.variable_stride_per_key():
+        # (what the host knows, before the padding: a lengths count other than the keys' bags failed
+        # there with a bare shape error)
+        check_batch_shape(len(features.keys()), features.values(),
+                          lengths_count(features.lengths_or_none(), features.offsets_or_none()),
+                          features.stride_per_key())
     if features.variable_stride_per_key() or (expand_uniform and features.inverse_indices_or_none() is not None):
         rows = output_rows(features, output_features)
         if features.variable_stride_per_key():

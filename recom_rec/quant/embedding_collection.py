@@ -28,8 +28,8 @@ from ..ops.input_check import keep_reports
 from ..ops.layout import META_NUM_EMBEDDINGS, META_ROW_BASE, META_WIDTH, POOLING_SUM
 from ..ops.quantized_rows import rows_by_key
 from ..ops.tracing import fx_tracing
-from ..ops.unpooled_embedding import check_batch_shape, check_lengths_add_up, row_keys, segments_for
-from ..ops.validation import encode_names
+from ..ops.unpooled_embedding import check_lengths_add_up, row_keys, segments_for
+from ..ops.validation import check_batch_shape, encode_names, lengths_count
 from .from_float import quantized_module_args
 from .layout import (
     QMETA_DIM,
@@ -209,7 +209,8 @@ def _quantized_collection_lookup(features: KeyedJaggedTensor, flat: Tensor, firs
     values = features.values()
     stride_per_key: List[int] = features.stride_per_key()
     if validate:
-        check_batch_shape(len(keys), values, features.lengths().numel(), stride_per_key)
+        check_batch_shape(len(keys), values,
+                          lengths_count(features.lengths_or_none(), features.offsets_or_none()), stride_per_key)
     offsets = features.offsets()
     length_per_key: List[int] = features.length_per_key()
     if validate:
