@@ -101,6 +101,19 @@ def test_build_plan_follows_constraints_and_prints(capsys):
     assert "column_wise" in printed and "row_wise" in printed and "ebc" in printed
 
 
+def test_build_plan_shards_table_column_wise_with_our_estimates():
+    """torchrec's planner, with our sharder's estimates, places table-column-wise shards where it is
+    asked to (test_sharded_parity.py trains such a plan): a wide table split over both ranks."""
+    constraints = {"a": ParameterConstraints(sharding_types=["table_column_wise"], min_partition=8),
+                   "b": ParameterConstraints(sharding_types=["table_column_wise"])}
+    plan = build_plan(Model(), [EmbeddingBagCollectionSharder(), TorchrecSharder()], world_size=WORLD,
+                      batch_size=BATCH, constraints=constraints, print_plan=False)
+    a, b = plan.plan["ebc"]["a"], plan.plan["ebc"]["b"]
+    assert a.sharding_type == b.sharding_type == "table_column_wise"
+    assert sorted(a.ranks) == [0, 1] and [s.shard_sizes for s in a.sharding_spec.shards] == [[1000, 8], [1000, 8]]
+    assert [s.shard_sizes for s in b.sharding_spec.shards] == [[300, 8]]
+
+
 def _plan_two_hosts(tables, batch_size):
     from torchrec.distributed.types import ShardingType
 
