@@ -195,7 +195,8 @@ def _launch_row_keys(values, segments, feature_meta, num_outputs, offsets, check
             check.claim if report else keys, check.words if report else keys,
             keys if grad_table is None else grad_table, keys if grad_rows is None else grad_rows,
             num_outputs, feature_meta.shape[0], segments.shape[1], values.numel(),
-            offsets.numel() - 1 if report else 0, META_W=META_WIDTH, BLOCK_R=block_r, SEARCH_STEPS=_search_steps(feature_meta.shape[0]), REPORT=report,
+            offsets.numel() - 1 if report else 0, META_W=META_WIDTH, BLOCK_R=block_r,
+            SEARCH_STEPS=_search_steps(feature_meta.shape[0]), REPORT=report,
             GRAD_ROWS=grad_table is not None, num_warps=4)
     return keys, grad_rows
 

@@ -68,7 +68,8 @@ def _check_lengths_not_negative(offsets: torch.Tensor, segments: torch.Tensor, n
         for f in range(num_features):
             if first_bag[f] <= b < first_bag[f] + bags[f]:
                 name, table = pairs[f]
-                raise ValueError(f"feature {name!r} (table {table!r}): negative length at batch index {b - first_bag[f]}")
+                raise ValueError(f"feature {name!r} (table {table!r}): negative length at batch index "
+                                 f"{b - first_bag[f]}")
 
 
 def forward(flat: torch.Tensor, values: torch.Tensor, segments: torch.Tensor, feature_meta: torch.Tensor,

@@ -508,7 +508,8 @@ class PSTier:
         if status == host_lib.STAGE_NEGATIVE_ID:
             names = list(t.config.feature_names)
             which = ("feature " if len(names) == 1 else "features ") + ", ".join(repr(f) for f in names)
-            return ValueError(f"{which} (table {name!r}): id {job.error_at} is negative; PS-backed tables take ids >= 0")
+            return ValueError(f"{which} (table {name!r}): id {job.error_at} is negative; PS-backed tables take "
+                              "ids >= 0")
         if status == host_lib.STAGE_FULL:
             distinct, m, available = tj.counts[0], tj.counts[1], tj.counts[2]
             if distinct > rows:
