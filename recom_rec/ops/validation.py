@@ -60,6 +60,12 @@ def check_device(tables: torch.Tensor, values: torch.Tensor, offsets: torch.Tens
             )
 
 
+def check_integer_ids(values: torch.Tensor) -> None:
+    """Ids of a float or bool dtype are refused (TorchScript compiles it: the scripted modules call it)."""
+    if values.numel() > 0 and (values.is_floating_point() or values.dtype == torch.bool):
+        raise ValueError("KeyedJaggedTensor values must be integer ids, got " + str(values.dtype))
+
+
 def check_shapes(values: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor],
                  num_keys: int, batch_size: int) -> None:
     """What the host knows of a batch without reading it: shapes and dtypes."""
@@ -74,8 +80,7 @@ def check_shapes(values: torch.Tensor, offsets: torch.Tensor, per_sample_weights
         raise ValueError(
             f"KeyedJaggedTensor has {per_sample_weights.numel()} weights for {values.numel()} values"
         )
-    if values.numel() and (values.is_floating_point() or values.dtype == torch.bool):
-        raise ValueError(f"KeyedJaggedTensor values must be integer ids, got {values.dtype}")
+    check_integer_ids(values)
 
 
 @torch.jit.unused
@@ -108,8 +113,7 @@ def check_batch_shape(num_keys: int, values: torch.Tensor, num_lengths: int, str
     elif num_lengths != bags:
         raise ValueError(f"KeyedJaggedTensor has {num_lengths} lengths for {num_keys} keys of {bags} bags in all "
                          f"(its batch size per key: {stride_per_key})")
-    if values.numel() > 0 and (values.is_floating_point() or values.dtype == torch.bool):
-        raise ValueError("KeyedJaggedTensor values must be integer ids, got " + str(values.dtype))
+    check_integer_ids(values)
 
 
 def validate_inputs(

@@ -32,15 +32,16 @@ def uniform_batch(features: KeyedJaggedTensor, output_features: List[str],
     carrying inverse indices is pooled as it is and, with ``expand_uniform`` (torchrec's float
     module; its quantized module ignores them), expanded by them."""
     rows: Optional[torch.Tensor] = None
-    if features.variable_stride_per_key():
+    variable = features.variable_stride_per_key()
+    if variable:
         # (what the host knows, before the padding: a lengths count other than the keys' bags failed
         # there with a bare shape error)
         check_batch_shape(len(features.keys()), features.values(),
                           lengths_count(features.lengths_or_none(), features.offsets_or_none()),
                           features.stride_per_key())
-    if features.variable_stride_per_key() or (expand_uniform and features.inverse_indices_or_none() is not None):
+    if variable or (expand_uniform and features.inverse_indices_or_none() is not None):
         rows = output_rows(features, output_features)
-        if features.variable_stride_per_key():
+        if variable:
             if rows is None:
                 raise ValueError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) "
                                  "needs its inverse_indices: they say which bag each output row takes")
