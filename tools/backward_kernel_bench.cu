@@ -77,8 +77,14 @@ int main(int argc, char** argv) {
   const int iters = argc > 8 ? atoi(argv[8]) : 20;
   if (opt != 0 && opt != 2) { std::fprintf(stderr, "OPT: 0 (SGD) or 2 (row-wise Adagrad)\n"); return 2; }
   const SyntheticLayout lay = synthetic_layout(T, rows, D, B, ids, zipf, META_W);
-  const int64_t n = lay.lookups(), total_dim = lay.total_dim(), row_count = T * rows;
-  int64_t *dv = to_device(lay.values), *doff = to_device(lay.offsets), *dmeta = to_device(lay.meta),
+  // The gradient's features at multiples of 4 columns, as the product pads them where a dim is off
+  // a multiple of 4 (ops/gradient_layout.py): its rows read 16 bytes at a time, the weights' rows
+  // (D a row) at any alignment.
+  const int64_t grad_dim = (D + 3) / 4 * 4;
+  std::vector<int64_t> meta = lay.meta;
+  for (int64_t t = 0; t < T; ++t) meta[t * META_W + 2] = t * grad_dim;
+  const int64_t n = lay.lookups(), total_dim = T * grad_dim, row_count = T * rows;
+  int64_t *dv = to_device(lay.values), *doff = to_device(lay.offsets), *dmeta = to_device(meta),
           *dkey = to_device(lay.key_index);
   float* grad = to_device(std::vector<float>(B * total_dim, 1.f));
   float *weights, *state;

@@ -64,8 +64,87 @@ def _prefetch_next_piece(text):
     return _replace(tail, tail[:-4] + "    next_key = row_key[next >> 2];\n    next_o = order[next >> 2];\n  }\n")(text)
 
 
-# name: (source change, nvcc defines of the bench), as tools/forward_kernel_variants.py
 SAME = lambda t: t  # noqa: E731
+
+
+def _unaligned_row_chunks(loads: str, stores: str, streaming: bool):
+    """RowLanes' whole 4-wide chunks of rows that are not 16-byte aligned (a dim or table base off a
+    multiple of 4, the gradient padded to 16-byte rows) in wider accesses than four of 4 bytes, each
+    of which touches every line of the warp's span: `loads` "pieces" (one of 16 bytes where the
+    chunk is aligned, two of 8 where it is 8-byte aligned, else 4 + 8 + 4), "realigned" (the two
+    aligned 16-byte chunks that hold it, realigned in registers as the forward's pool_realigned
+    does) or "columns" (as the product); `stores` "pieces" (as the loads), "pairs" (two of 8 bytes
+    where the chunk is 8-byte aligned, else columns) or "columns"; `streaming`: evict-first, as the
+    product's aligned rows. v71 ran pieces/pieces/streaming: 1.29-1.43x slower than the product
+    on drawn layouts of dims 543 and 960 (partial sectors evicted before their other half lands?)."""
+    def ld(ptr: str, width: str) -> str:
+        typed = f"reinterpret_cast<const {width}*>({ptr})" if width != "float" else ptr
+        return f"__ldcs({typed})" if streaming else f"*({typed})"
+
+    def st(ptr: str, width: str, value: str) -> str:
+        typed = f"reinterpret_cast<{width}*>({ptr})" if width != "float" else ptr
+        return f"__stcs({typed}, {value});" if streaming else f"*({typed}) = {value};"
+
+    aligned_load = "load4_streaming" if streaming else "load4_rw"
+    aligned_store = "store4_streaming" if streaming else "store4"
+    if loads == "pieces":
+        load_body = f"""  const int s = (int)((reinterpret_cast<uintptr_t>(p) >> 2) & 3);
+  if (s == 0) return {aligned_load}(p);
+  if (s == 2) {{
+    const float2 a = {ld("p", "float2")}, b = {ld("p + 2", "float2")};
+    return make_float4(a.x, a.y, b.x, b.y);
+  }}
+  const float2 b = {ld("p + 1", "float2")};
+  return make_float4({ld("p", "float")}, b.x, b.y, {ld("p + 3", "float")});
+"""
+    else:
+        load_body = f"""  const int s = (int)((reinterpret_cast<uintptr_t>(p) >> 2) & 3);
+  const float4 lo = {aligned_load}(p - s);
+  if (s == 0) return lo;
+  return realign(lo, {aligned_load}(p - s + 4), s);  // (p + 3 is in the second chunk)
+"""
+    odd = (f"""{st("p", "float", "v.x")}
+    {st("p + 1", "float2", "make_float2(v.y, v.z)")}
+    {st("p + 3", "float", "v.w")}""" if stores == "pieces" else f"""{st("p", "float", "v.x")}
+    {st("p + 1", "float", "v.y")}
+    {st("p + 2", "float", "v.z")}
+    {st("p + 3", "float", "v.w")}""")
+    helpers = f"""__device__ __forceinline__ float4 load4_any(const float* p) {{
+{load_body}}}
+__device__ __forceinline__ void store4_any(float* p, float4 v) {{
+  const int s = (int)((reinterpret_cast<uintptr_t>(p) >> 2) & 3);
+  if (s == 0) {{
+    {aligned_store}(p, v);
+  }} else if (s == 2) {{
+    {st("p", "float2", "make_float2(v.x, v.y)")}
+    {st("p + 2", "float2", "make_float2(v.z, v.w)")}
+  }} else {{
+    {odd}
+  }}
+}}
+
+"""
+    change = _replace("// Which columns of a row one lane of a group of G covers.",
+                      helpers + "// Which columns of a row one lane of a group of G covers.")
+    whole = "std::is_same<T, float>::value && vec && at(k, 3) >= 0"
+    load = _replace("""      if (at(k, 0) >= 0) v = PLAIN ? load4_rw(src + at(k, 0)) : load4_streaming(src + at(k, 0));
+    } else {""", f"""      if (at(k, 0) >= 0) v = PLAIN ? load4_rw(src + at(k, 0)) : load4_streaming(src + at(k, 0));
+    }} else if ({whole}) {{
+      v = load4_any(reinterpret_cast<const float*>(src) + at(k, 0));
+    }} else {{""") if loads != "columns" else SAME
+    store = _replace("""    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (at(k, e) >= 0) dst[at(k, e)] = from_f<T>(comp(v, e));""", f"""    }} else if ({whole}) {{
+      store4_any(reinterpret_cast<float*>(dst) + at(k, 0), v);
+    }} else {{
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (at(k, e) >= 0) dst[at(k, e)] = from_f<T>(comp(v, e));""") if stores != "columns" else SAME
+    return lambda text: store(load(change(text)))
+
+
+# name: (source change, nvcc defines of the bench), as tools/forward_kernel_variants.py
 VARIANTS = {
     "product": (SAME, []),
     "old": None,  # --old-source, or the source at --old-revision (default: the last commit's)
@@ -117,6 +196,15 @@ VARIANTS = {
         "float4 load4_rw(const float* p) { return __ldcs(reinterpret_cast<const float4*>(p)); }")(_replace(
             "void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }",
             "void store4(float* p, float4 v) { __stcs(reinterpret_cast<float4*>(p), v); }")(t)), []),
+    # v71: rows off 16-byte alignment (odd dims, shifted tables) in wider accesses; such layouts:
+    # --shapes 1,6834553,543,2048,207,0,0 8,1000000,130,8192,50,0,0 16,100000,257,4096,50,0,0
+    #          16,100000,255,4096,10,0,2 16,100000,33,4096,50,0,0 16,100000,256,4096,50,0,0
+    "odd-rows-pieces-streaming": (_unaligned_row_chunks("pieces", "pieces", True), []),  # v71's measured change
+    "odd-rows-pieces": (_unaligned_row_chunks("pieces", "pieces", False), []),
+    "odd-rows-pieces-loads": (_unaligned_row_chunks("pieces", "columns", False), []),
+    "odd-rows-realigned": (_unaligned_row_chunks("realigned", "pieces", False), []),
+    "odd-rows-realigned-pairs": (_unaligned_row_chunks("realigned", "pairs", False), []),
+    "odd-rows-realigned-loads": (_unaligned_row_chunks("realigned", "columns", False), []),
 }
 
 
