@@ -8,6 +8,8 @@
 # Likewise SAVE_TRITON_CACHE=1 returns Triton's kernel cache as $OUT/triton_cache.tar.xz: carried
 # in .triton_cache_xz/ (git-ignored), it spares the next machine the suite's first compiles.
 #   STAGES="tests asan soak nccl dlrm bench sequence random serving cold prior sweep ps quant psprof bwdvar profile" SWEEP_RUNS=2 BENCH_ARGS="..." PROFILE_ARGS="..." bash tools/gpu_session.sh
+#   (random and cold draw a fresh seed; SEED=N draws that one again: a change measured at the layouts
+#   an earlier run found)
 #   (the tests stage runs the whole suite, tests/, with CUDA tensors in one process; TESTS="files or
 #   node ids" and TEST_K="a pytest -k expression" narrow it, TEST_TIMEOUT (default 540 s) bounds it;
 #   TEST_DETACH=1 lets it run past the call, and the next call's STAGES=tests-wait awaits it;
@@ -170,7 +172,7 @@ fi
 if [[ " $STAGES " == *" random "* ]]; then
   # layouts drawn from one fresh seed (pooled, sequence, VBE), in two processes one after the
   # other: steady-state ratios against fbgemm and how far a second process moves them (issue 51)
-  seed=$(( RANDOM * 32768 + RANDOM ))
+  seed=${SEED:-$(( RANDOM * 32768 + RANDOM ))}
   for run in 1 2; do
     stage "random $run (seed $seed)"
     timeout ${RANDOM_TIMEOUT:-240} python3 -m recom_rec.bench --workloads random --random-count ${RANDOM_LAYOUTS:-8} \
@@ -187,7 +189,7 @@ fi
 if [[ " $STAGES " == *" cold "* ]]; then
   stage cold  # each peer's first calls in a fresh process (issue 51); twice with RECOM_REC_CACHE: measure, then reuse
   export RECOM_REC_CACHE=/tmp/recom-cache
-  seed=$(( RANDOM * 32768 + RANDOM ))  # one fresh draw for both runs: the second reuses the first's decisions
+  seed=${SEED:-$(( RANDOM * 32768 + RANDOM ))}  # one fresh draw for both runs: the second reuses the first's decisions
   for run in 1 2; do
     # (the bench's own default, every training workload with 1000 calls a process, takes far longer
     # than a call: v49's two runs printed nothing in 150 s each; v53's 14 processes, ~12 s each,
