@@ -3,9 +3,10 @@ others of its GPU architecture (issue 51: the first calls run the likely winner,
 
 The tuners (launch_tuner.py) measure each new shape's candidates on its first calls. With a prior
 for the GPU's architecture (``priors/sm_<major><minor>.json``, shipped with the package), an unseen
-shape instead starts on the choice its nearest recorded shapes chose, and only that choice and
-the runner-up are measured (two candidates, not up to seven): the first calls cost about what
-the predicted choice alone costs, and a wrong prediction is still corrected by measurement.
+shape instead starts on the choice its nearest recorded shapes chose, and that choice and the
+runner-up are measured first (two candidates, not up to seven), the others against the winner
+afterwards, paced: the first calls cost about what the predicted choice alone costs, a wrong
+prediction is still corrected by measurement, and so is a candidate the vote never ranks.
 Without a prior for the architecture nothing changes (every candidate measured, from the
 tuner's default). A candidate the voting shapes were never measured against (one a tuner offers
 since the prior was fitted: decision files keep what each decision was measured among) is

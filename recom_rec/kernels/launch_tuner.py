@@ -39,10 +39,13 @@ default at once. Timed trials, and another candidate's first launch (a Triton co
 so that they cost a shape's calls at most TRIAL_BUDGET of their time (``unpaced_trials`` lifts that
 for tuning ahead of time). Where the package ships a prior for
 the GPU's architecture (decision_prior.py: decisions recorded on other machines), a shape it
-predicts for starts on the predicted choice, which is then the default, and only it and the
-runner-up are measured, with any candidate the recorded shapes behind the prediction were not
+predicts for starts on the predicted choice, which is then the default, and it and the runner-up
+are measured first, with any candidate the recorded shapes behind the prediction were not
 measured against (one offered since the prior was fitted: the decision file keeps what each
-decision was measured among). Decisions taken out of another process (``recom_rec.kernel_decisions``)
+decision was measured among); once they are decided, the candidates the prior did not predict
+are measured against the winner, each one's first launch paced as if it took twice the
+winner's time, so that a prior whose nearest shapes are far from this one costs no steady-state
+speed (v71). Decisions taken out of another process (``recom_rec.kernel_decisions``)
 and put into this one (``recom_rec.use_kernel_decisions``, ``recom_rec.load_exported``) are looked
 up ahead of the file, the same way: a shape they know is decided at its first call.
 """
@@ -316,6 +319,11 @@ class _ShapeTrials:
     calls_host_ms: float = 0.0
     trials_ms: float = 0.0
     default_host_ms: float = 0.0  # the host's time in the default's last call
+    # Candidates the prior did not predict, measured once these are decided (a second phase against
+    # the winner), and the candidates whose first launch is paced at the default's device time
+    # (what an unpredicted candidate might cost extra: nothing is known of it)
+    later: tuple = ()
+    unpredicted: frozenset = frozenset()
 
     def hold_ms(self, typical_host_ms: Optional[float] = None) -> float:
         """The hold ahead of a timed launch: twice the host's call plus the slack. The call is the
@@ -371,6 +379,18 @@ class _ShapeTrials:
         """Whether a launch costing ``cost_ms`` beyond the default's call keeps the trials within
         ``budget`` of the calls."""
         return self.trials_ms + cost_ms <= budget * self.calls_ms()
+
+    def then_the_rest(self, winner) -> "_ShapeTrials":
+        """The next phase: ``later`` measured against ``winner``, which runs untimed meanwhile;
+        the winner's samples and the pacing's ledger carried over."""
+        rest = _ShapeTrials((winner,) + self.later, winner, [(c, False) for c in self.later],
+                            unpredicted=frozenset(self.later))
+        rest.samples[winner], rest.host[winner] = list(self.samples.get(winner, ())), list(self.host.get(winner, ()))
+        rest.in_flight = [f for f in self.in_flight if f[0] == winner]
+        rest.host_ms, rest.regular_host_ms, rest.launched = self.host_ms, self.regular_host_ms, set(self.launched)
+        rest.calls, rest.calls_host_ms, rest.trials_ms = self.calls, self.calls_host_ms, self.trials_ms
+        rest.default_host_ms = self.default_host_ms
+        return rest
 
     def plan_rounds(self, n: int) -> None:
         for k in range(self.rounds, self.rounds + n):
@@ -470,10 +490,11 @@ class LaunchOrderTuner:
             _NAMED_TUNERS.add(self)
         # ``prior(device)``: the decision_prior.DecisionPrior of the device's architecture, or None
         # (default: decision_prior.active_prior, the one shipped with the package). A shape it predicts for starts on the
-        # predicted choice and measures it against the runner-up alone; per shape, (default, trial
-        # candidates), worked out on its first undecided call.
+        # predicted choice and measures it against the runner-up first, the rest later; per shape,
+        # (default, the candidates measured first, those measured after), worked out on its first
+        # undecided call.
         self._prior = prior if prior is not None else _active_prior
-        self._starts: Dict[object, Tuple[object, tuple]] = {}
+        self._starts: Dict[object, Tuple[object, tuple, tuple]] = {}
 
     def _typical_host_ms(self) -> Optional[float]:
         recent = list(self._regular_host_ms)  # (a copy: other threads append)
@@ -504,18 +525,18 @@ class LaunchOrderTuner:
             cached = self._from_cache(shape, candidates, device)
             if cached is not None:
                 return run(cached)
-        default, trial_candidates = self._start(shape, candidates, device)
+        default, trial_candidates, later = self._start(shape, candidates, device)
         if self._capturing(device):
             trials = self._trials.get(shape)
             return run(trials.default if trials is not None else default)
         with self._lock:
             self.trial_launches += 1
-            order, timed = self._next_launch(shape, trial_candidates, default)
+            order, timed = self._next_launch(shape, trial_candidates, default, later)
             trials = self._trials.get(shape)
         if trials is None:  # decided by this call
             with self._lock:
                 self._decided_on[shape] = device
-            self._to_cache(shape, order, trial_candidates, device)
+            self._to_cache(shape, order, trial_candidates + later, device)
             return run(order)
         hold_ms = None
         if timed:  # the device busy until the call has queued the trial's kernels
@@ -605,22 +626,27 @@ class LaunchOrderTuner:
         if cache is not None:  # (with what it was measured against: a prior fitted from the file needs it)
             cache.record(self.cache_name, device, shape, self.names[choice], [self.names[c] for c in candidates])
 
-    def _start(self, shape, candidates: tuple, device: torch.device) -> Tuple[object, tuple]:
-        """(default, the candidates to measure) of an undecided shape: the tuner's default and every
-        candidate; or, where the prior predicts, the predicted choice and its runner-up (the next
-        in the prior's ranking, else the tuner's default, else the first other candidate), and any
-        candidate the recorded shapes behind the prediction were decided without."""
+    def _start(self, shape, candidates: tuple, device: torch.device) -> Tuple[object, tuple, tuple]:
+        """(default, the candidates to measure first, those measured after) of an undecided shape:
+        the tuner's default and every candidate, none after; or, where the prior predicts, the
+        predicted choice and its runner-up (the next in the prior's ranking, else the tuner's
+        default, else the first other candidate) and any candidate the recorded shapes behind the
+        prediction were decided without, then the rest against the winner. The prior's nearest
+        shapes can be far from this one, and a candidate none of them chose is not ranked: v71's
+        drawn 6.8M x 543 table ran its forward bag-major at 578 us where four rounds, never
+        measured, took 479."""
         start = self._starts.get(shape)
         if start is not None:
             return start
         default = self.default if self.default in candidates else candidates[0]
-        start = (default, candidates)
+        start = (default, candidates, ())
         ranked, unmeasured = self._predicted(shape, candidates, device)
         if ranked:
             first = ranked[0]
             others = list(ranked[1:]) + [default] + list(candidates)
             runner_up = next(c for c in others if c != first)
-            start = (first, (first, runner_up) + tuple(c for c in unmeasured if c not in (first, runner_up)))
+            measured = (first, runner_up) + tuple(c for c in unmeasured if c not in (first, runner_up))
+            start = (first, measured, tuple(c for c in candidates if c not in measured))
         with self._lock:
             self._starts[shape] = start
         return start
@@ -642,12 +668,21 @@ class LaunchOrderTuner:
         seen = self._first_launch_seen.get(choice)
         return seen if seen is not None else self._first_launch_ms(choice)
 
-    def _next_launch(self, shape, candidates: tuple, default) -> Tuple[object, bool]:
+    def _first_launch_cost(self, trials: "_ShapeTrials", choice) -> float:
+        """What ``choice``'s untimed first launch for the shape is expected to cost beyond the
+        default's call: first_launch_estimate, and for a candidate the prior did not predict at
+        least the default's device time (it might take twice as long: nothing says otherwise)."""
+        estimate = self.first_launch_estimate(choice)
+        return max(estimate, trials.device_ms(trials.default)) if choice in trials.unpredicted else estimate
+
+    def _next_launch(self, shape, candidates: tuple, default, later: tuple = ()) -> Tuple[object, bool]:
         """(choice, whether to time it) for an undecided shape; decides it once its samples are
-        in and the verdict is clear (or MAX_TRIALS samples did not make it clear)."""
+        in and the verdict is clear (or MAX_TRIALS samples did not make it clear), then measures
+        ``later`` against that choice the same way."""
         trials = self._trials.get(shape)
         if trials is None:
-            trials = self._trials[shape] = _ShapeTrials(candidates, default, [(c, False) for c in candidates])
+            trials = self._trials[shape] = _ShapeTrials(candidates, default, [(c, False) for c in candidates],
+                                                        later=tuple(c for c in later if c not in candidates))
             trials.plan_rounds(self.min_trials)
         trials.collect_finished()
         self._promote_clear_winner(trials)
@@ -656,6 +691,10 @@ class LaunchOrderTuner:
             choice, clear = decide(trials.candidates, trials.samples, trials.default, self.margin, self.z,
                                    trials.host, self.host_path)
             if clear or trials.rounds >= self.max_trials:
+                if trials.later:  # the candidates the prior did not predict, against the winner
+                    trials = self._trials[shape] = trials.then_the_rest(choice)
+                    trials.plan_rounds(self.min_trials)
+                    return self._next_launch(shape, trials.candidates, choice)
                 self._decided[shape] = choice
                 del self._trials[shape]
                 return choice, False
@@ -667,7 +706,7 @@ class LaunchOrderTuner:
                     return trials.default, False  # paced: the shape's calls have not paid for it yet
                 # (the planned untimed launches are the candidates' first)
                 if not timed and choice != trials.default and \
-                        not trials.fits(self.first_launch_estimate(choice), self.trial_budget):
+                        not trials.fits(self._first_launch_cost(trials, choice), self.trial_budget):
                     # paced: its first launch (a compile) waits likewise; the default's first timed
                     # launch goes ahead of it (the budget is a share of the calls' device time too)
                     first_timed = (trials.default, True)
