@@ -205,6 +205,14 @@ VARIANTS = {
     "odd-rows-realigned": (_unaligned_row_chunks("realigned", "pieces", False), []),
     "odd-rows-realigned-pairs": (_unaligned_row_chunks("realigned", "pairs", False), []),
     "odd-rows-realigned-loads": (_unaligned_row_chunks("realigned", "columns", False), []),
+    # v72: both were slower (realigned-pairs 1.08-1.15x the product's update at dims 33-257; random-6's
+    # step 1.17x), while the same layout at an aligned 544 columns updated in 0.77 ms against 543's
+    # 1.11. Rows off 16-byte alignment in the lane-per-column layout instead (the gradient too, as
+    # before v58): each warp access 32 neighbouring columns, one or two lines, where the 4-wide
+    # layout's column accesses touch four.
+    "odd-rows-columns": (_replace(
+        "return RowLanes{grad_vec, grad_vec && dim % 4 == 0 && base % 4 == 0, sl, G, dim};",
+        "const bool aligned = grad_vec && dim % 4 == 0 && base % 4 == 0;\n  return RowLanes{aligned, aligned, sl, G, dim};"), []),
 }
 
 
