@@ -9,7 +9,9 @@
 #     COMMIT's recom_rec/, csrc/, tools/ and setup.py (default HEAD) into .ab_base/ (git-ignored,
 #     ~3 MB), beside BUILD_XZ (default .cuda_ext_xz/_lookup_cuda.so.xz: the CUDA build of COMMIT's
 #     sources, as tools/gpu_session.sh returns it).
-# On the GPU machine (device tool, carry [".gpu", ".ab_base"]):
+# On the GPU machine (device tool, carry [".gpu", ".ab_base"]; where that passes the 64 MiB the tool
+# carries, leave out .gpu/redis, which no ab run needs: [".gpu/setup.sh", ".gpu/whl",
+# ".gpu/fbgemm-sm90.tar.xz", ".ab_base"]):
 #   ROUNDS=2 AB_TIMEOUT=120 bash tools/ab_builds.sh run python3 tools/gather_ceiling.py --dims 16 --ids 50
 #     builds the working tree in place (tools/gpu_session.sh, ~3 min), then runs the command from
 #     each tree in turn, base first, ROUNDS times: $OUT/ab-base-N.log and $OUT/ab-new-N.log.
