@@ -229,6 +229,8 @@ def main():
                                               "'fewest lanes' paths; default: each variant's own)")
     p.add_argument("--shapes", nargs="*", help="layouts to run (T,ROWS,DIM,BATCH,IDS,ZIPF,OPT each; default: all of "
                                                  "SHAPES)")
+    p.add_argument("--ncu", action="store_true", help="Nsight Compute's counters of one piece kernel launch a variant "
+                                                      "and shape instead of the timed runs (kernel_variants.NCU_METRICS)")
     args = p.parse_args()
     text = SOURCE.read_text()
 
@@ -252,7 +254,7 @@ def main():
         chosen = {name: (src, [d for d in defines if not d.startswith("-DPIECE_LANES")] + [lanes])
                   for name, (src, defines) in chosen.items()}
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
-    compare(chosen, BENCH, args.out, "piece_kernel", shapes, args.iters)
+    compare(chosen, BENCH, args.out, "piece_kernel", shapes, args.iters, args.ncu)
 
 
 if __name__ == "__main__":

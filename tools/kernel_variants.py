@@ -5,6 +5,7 @@ in A B B A order, so a drift of the machine shows instead of passing for a diffe
 import concurrent.futures
 import pathlib
 import re
+import shutil
 import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -46,15 +47,43 @@ def build(name, text, defines, bench, out, kernel_pattern):
     return name, exe, kernels
 
 
-def compare(variants, bench, out, kernel_pattern, shapes, iters):
+# Nsight Compute's counters for where a kernel's time goes: instructions and how often a warp
+# issues, occupancy, L1's wavefronts and its global requests and sectors (a 4-byte access of a warp
+# whose lanes sit 16 bytes apart touches four lines, as one 16-byte access does), L2's sectors and
+# DRAM's bytes each way.
+NCU_METRICS = [
+    "gpu__time_duration.sum", "smsp__inst_executed.sum", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "l1tex__data_pipe_lsu_wavefronts.sum", "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum",
+    "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum", "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum",
+    "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum",
+    "lts__t_sectors_op_read.sum", "lts__t_sectors_op_write.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
+]
+
+
+def compare(variants, bench, out, kernel_pattern, shapes, iters, ncu=False):
     """Builds every variant (name: (source text, nvcc defines)) in parallel, prints their kernels'
-    registers, then runs each shape on every variant, A B B A."""
+    registers, then runs each shape on every variant, A B B A; with `ncu`, one launch of each
+    variant's kernel a shape under Nsight Compute instead (NCU_METRICS), after two unprofiled."""
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         built = list(pool.map(lambda item: build(item[0], *item[1], bench, out, kernel_pattern), variants.items()))
     for name, _, kernels in built:
         print(f"{name}: (kernel, registers, spill stores) {kernels}", flush=True)
+    if ncu:
+        if shutil.which("ncu") is None:
+            raise SystemExit("--ncu: no ncu (Nsight Compute) on PATH")
+        for shape in shapes:
+            for name, exe, _ in built:
+                r = subprocess.run(["ncu", "--kernel-name", f"regex:{kernel_pattern}", "--launch-skip", "2",
+                                    "--launch-count", "1", "--csv", "--metrics", ",".join(NCU_METRICS),
+                                    str(exe), *map(str, shape), "3"], capture_output=True, text=True)
+                values = [line.split('","') for line in r.stdout.splitlines() if line.startswith('"')]
+                got = {v[-3]: v[-1].rstrip('"') for v in values[1:] if len(v) > 3}  # metric -> value
+                print(f"{name:18s} {shape}: " + (", ".join(f"{m} {got[m]}" for m in NCU_METRICS if m in got)
+                                                 or (r.stderr or r.stdout).strip()[-600:]), flush=True)
+        return
     for shape in shapes:
         for name, exe, _ in built + built[::-1]:
             r = subprocess.run([str(exe), *map(str, shape), str(iters)], capture_output=True, text=True)
