@@ -56,7 +56,7 @@ import statistics
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, TypeVar
 
 import torch
@@ -383,14 +383,12 @@ class _ShapeTrials:
     def then_the_rest(self, winner) -> "_ShapeTrials":
         """The next phase: ``later`` measured against ``winner``, which runs untimed meanwhile;
         the winner's samples and the pacing's ledger carried over."""
-        rest = _ShapeTrials((winner,) + self.later, winner, [(c, False) for c in self.later],
-                            unpredicted=frozenset(self.later))
-        rest.samples[winner], rest.host[winner] = list(self.samples.get(winner, ())), list(self.host.get(winner, ()))
-        rest.in_flight = [f for f in self.in_flight if f[0] == winner]
-        rest.host_ms, rest.regular_host_ms, rest.launched = self.host_ms, self.regular_host_ms, set(self.launched)
-        rest.calls, rest.calls_host_ms, rest.trials_ms = self.calls, self.calls_host_ms, self.trials_ms
-        rest.default_host_ms = self.default_host_ms
-        return rest
+        return replace(self, candidates=(winner,) + self.later, default=winner,
+                       planned=[(c, False) for c in self.later], rounds=0,
+                       samples={winner: list(self.samples.get(winner, ()))},
+                       host={winner: list(self.host.get(winner, ()))},
+                       in_flight=[f for f in self.in_flight if f[0] == winner], launched=set(self.launched),
+                       later=(), unpredicted=frozenset(self.later))
 
     def plan_rounds(self, n: int) -> None:
         for k in range(self.rounds, self.rounds + n):
@@ -682,7 +680,7 @@ class LaunchOrderTuner:
         trials = self._trials.get(shape)
         if trials is None:
             trials = self._trials[shape] = _ShapeTrials(candidates, default, [(c, False) for c in candidates],
-                                                        later=tuple(c for c in later if c not in candidates))
+                                                        later=later)
             trials.plan_rounds(self.min_trials)
         trials.collect_finished()
         self._promote_clear_winner(trials)
